@@ -1,0 +1,378 @@
+"""``ljperf benchmark``: train a catalog model on synthetic tokens and measure it.
+
+Run: ``ljperf benchmark --model torch/llama-tiny --steps 10 --output result.json``
+(``--nproc-per-node 2`` starts torchrun; under a user's own torchrun each process is one rank).
+Flow: CLI flags → ``BenchmarkConfig`` → engine build → timed loop → result record (docs/results.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ljperf import config as cfgmod
+from ljperf import hardware, memory, models
+from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
+from ljperf.data import SyntheticTokens
+from ljperf.engines import make_engine
+from ljperf.errors import EXIT_ERROR, EXIT_OK, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, UsageError
+from ljperf.metrics import throughput
+from ljperf.models import ModelSpec
+from ljperf.report import ProgressReporter, print_result_table
+from ljperf.result import SCHEMA_VERSION, check_writable, environment, now_iso, write_json
+from ljperf.runtime import (
+    RunContext,
+    check_process_count,
+    init_process,
+    resolve_device_type,
+    resolve_train,
+    shutdown_process,
+    under_torchrun,
+)
+
+
+@dataclass(kw_only=True)
+class BenchmarkConfig:
+    """A whole benchmark run, resolved from the command line."""
+
+    engine: str
+    """torch, fsdp or deepspeed."""
+    model: ModelSpec
+    """The model to train."""
+    train: TrainConfig
+    """Batch, sequence, precision and steps."""
+    launch: LaunchConfig
+    """Processes, nodes and timeouts."""
+    engine_opts: EngineConfig = field(default_factory=EngineConfig)
+    """FSDP2 / DeepSpeed options."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizations (activation checkpoint, compile)."""
+    output: str | None = None
+    """Where the JSON record goes (atomically), or None."""
+    argv: list[str] = field(default_factory=list)
+    """The command line, recorded in ``args``."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``ljperf benchmark``."""
+    add_model_arguments(parser)
+    parser.add_argument("--output", metavar="FILE", help="write the JSON result record here (atomically)")
+    cfgmod.add_arguments(parser, TrainConfig)
+    cfgmod.add_arguments(parser, EngineConfig)
+    cfgmod.add_arguments(parser, OptimConfig)
+    cfgmod.add_arguments(parser, LaunchConfig)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model ENGINE/NAME`` or ``--model-config PATH`` with ``--engine``: shared by benchmark and plan."""
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model", metavar="ENGINE/NAME", help="engine and catalog model, e.g. torch/llama-tiny"
+    )
+    group.add_argument(
+        "--model-config", metavar="PATH", help="a local HF config.json (instead of a catalog name)"
+    )
+    group.add_argument(
+        "--engine",
+        choices=models.ENGINES,
+        help="engine for --model-config (default: torch); --model names it",
+    )
+
+
+def model_from_args(args: argparse.Namespace) -> tuple[str, ModelSpec]:
+    """(engine, model) from ``--model`` or ``--model-config``/``--engine``."""
+    if bool(args.model) == bool(args.model_config):
+        raise UsageError("give exactly one of --model ENGINE/NAME or --model-config PATH")
+    if args.model:
+        engine, name = models.split_model_arg(args.model)
+        if args.engine and args.engine != engine:
+            raise UsageError(f"--engine {args.engine} contradicts --model {args.model}; drop one")
+        return engine, models.resolve(name=name)
+    return args.engine or "torch", models.resolve(path=args.model_config)
+
+
+def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConfig:
+    engine, spec = model_from_args(args)
+    cfg = BenchmarkConfig(
+        engine=engine,
+        model=spec,
+        train=cfgmod.from_args(TrainConfig, args),
+        launch=cfgmod.from_args(LaunchConfig, args),
+        engine_opts=cfgmod.from_args(EngineConfig, args),
+        optim=cfgmod.from_args(OptimConfig, args),
+        output=args.output,
+        argv=argv,
+    )
+    device_type = resolve_device_type(cfg.train.device)
+    cfg.train = resolve_train(cfg.train, model=spec, device_type=device_type)
+    check_process_count(cfg.launch, device_type)
+    if cfg.output and not under_torchrun():
+        check_writable(cfg.output)
+    return cfg
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Entry point of ``ljperf benchmark``."""
+    cfg = config_from_args(args, argv)
+    if cfg.launch.distributed and not under_torchrun():
+        from ljperf.launch import launch
+
+        return launch(cfg)
+    return run_worker(cfg)
+
+
+class Interrupted(Exception):
+    """SIGTERM or SIGINT arrived; the loop unwinds so the partial result is kept."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.exit_code = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
+
+
+def _raise_interrupted(signum: int, _frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+@dataclass
+class LoopState:
+    """What the loop has measured so far; kept when a run fails half-way."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    memory_method: str | None = None
+
+
+def run_worker(cfg: BenchmarkConfig) -> int:
+    """One rank of a run: build, train, measure, and (on rank 0) print and write the record."""
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    signal.signal(signal.SIGINT, _raise_interrupted)
+    run = init_process(run_context(cfg), need_group=cfg.engine != "torch")
+    record = new_record(cfg, run)
+    state = LoopState()
+    reporter = ProgressReporter(run)
+    status, reason, exit_code = "ok", None, EXIT_OK
+    try:
+        engine = make_engine(run)
+        engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
+        record["config"]["engine"] = engine.describe()
+        train_loop(run, engine, state, reporter)
+    except torch.OutOfMemoryError:
+        status, reason, exit_code = "oom", "out of device memory (torch.OutOfMemoryError)", EXIT_OOM
+    except Interrupted as exc:
+        status, reason, exit_code = "error", str(exc), exc.exit_code
+    except KeyboardInterrupt:
+        status, reason, exit_code = "error", "interrupted by SIGINT", EXIT_SIGINT
+    except UsageError:
+        raise
+    except Exception as exc:  # the record must be written whatever failed
+        status, reason, exit_code = "error", f"{type(exc).__name__}: {first_line(exc)}", EXIT_ERROR
+    finally:
+        reporter.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    record["results"] = results_section(cfg, run, state, status=status, reason=reason)
+    if run.is_main:
+        if cfg.output:
+            write_json(cfg.output, record)
+        reporter.finished(record)
+        print_result_table(record)
+    if status == "ok":
+        shutdown_process()
+    return exit_code
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def run_context(cfg: BenchmarkConfig, **known: Any) -> RunContext:
+    """The run context of ``cfg`` before the process group is joined (``known`` fills rank/world/device)."""
+    device = hardware.DeviceInfo(type=resolve_device_type(cfg.train.device), index=None, name="unknown")
+    return RunContext(
+        engine=cfg.engine,
+        model=cfg.model,
+        train=cfg.train,
+        launch=cfg.launch,
+        engine_opts=cfg.engine_opts,
+        optim=cfg.optim,
+        **{"device": device, **known},
+    )
+
+
+def new_record(cfg: BenchmarkConfig, run: RunContext) -> dict[str, Any]:
+    spec = cfg.model
+    train = cfg.train
+    tokens_per_step = train.micro_batch * train.seq_len * train.grad_accum * run.world
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "benchmark",
+        "start_time": now_iso(),
+        "args": cfg.argv,
+        "env": environment(devices=[run.device.name], world_size=run.world),
+        "config": {
+            "model": {
+                "name": spec.name,
+                "architecture": spec.architecture,
+                "params": spec.params.total,
+                "params_embedding": spec.params.embedding,
+                "layers": spec.layers,
+                "hidden": spec.hidden,
+                "heads": spec.heads,
+                "kv_heads": spec.kv_heads,
+                "vocab": spec.vocab,
+                "flops_per_token": spec.flops_per_token(train.seq_len),
+            },
+            "engine": {"name": cfg.engine},
+            "train": asdict(train),
+            "optimizations": asdict(cfg.optim),
+            "launch": {**asdict(cfg.launch), "world_size": run.world},
+            "tokens_per_step": tokens_per_step,
+        },
+    }
+
+
+def train_loop(run: RunContext, engine: Any, state: LoopState, reporter: ProgressReporter) -> None:
+    """Warm-up steps, then timed steps between device synchronisations; memory on an untimed step."""
+    train = run.train
+    device = run.device.torch_device
+    data = SyntheticTokens(
+        vocab=run.model.vocab,
+        seq_len=train.seq_len,
+        micro_batch=train.micro_batch,
+        grad_accum=train.grad_accum,
+        world=run.world,
+        seed=train.seed,
+    )
+    # Step 1 creates the optimizer states, so memory is measured from step 2 on (the steady state).
+    track_step = 1 if train.warmup >= 2 else train.warmup + train.steps
+    total = train.warmup + train.steps + (1 if track_step >= train.warmup + train.steps else 0)
+    for step in range(total):
+        batches = data.micro_batches(step, run.rank, device)
+        elapsed = None
+        if step == track_step:
+            loss = measured_memory_step(run, engine, batches, state)
+        else:
+            hardware.synchronize(device)
+            start = time.perf_counter()
+            loss = engine.train_step(batches)
+            hardware.synchronize(device)
+            elapsed = time.perf_counter() - start
+            if train.warmup <= step < train.warmup + train.steps:
+                state.step_times.append(elapsed)
+                state.losses.append(loss)
+        reporter.step(step, total, loss, elapsed)
+    if device.type == "cuda":
+        state.peak_allocated, state.peak_reserved = memory.cuda_peaks(device)
+
+
+def measured_memory_step(run: RunContext, engine: Any, batches: list[torch.Tensor], state: LoopState):
+    """An untimed step whose peak memory is the run's figure (CPU: live tensors; CUDA: allocator)."""
+    device = run.device.torch_device
+    if device.type == "cuda":
+        memory.reset_cuda_peak(device)
+        state.memory_method = memory.CUDA_METHOD
+        return engine.train_step(batches)
+    alive = memory.training_state_tensors(engine.model, engine.optimizer) + batches
+    with memory.LiveTensorBytes(alive) as tracker:
+        loss = engine.train_step(batches)
+    state.peak_allocated = tracker.peak
+    state.memory_method = memory.CPU_METHOD
+    return loss
+
+
+def results_section(
+    cfg: BenchmarkConfig, run: RunContext, state: LoopState, *, status: str, reason: str | None
+) -> dict[str, Any]:
+    """The ``results`` of the record; all ranks call it (it gathers when the run is healthy)."""
+    healthy = status == "ok" and dist.is_initialized()
+    losses = [float(x) for x in _mean_over_ranks(state.losses, healthy)]
+    per_rank_alloc, per_rank_reserved = _per_rank_memory(state, healthy)
+    out: dict[str, Any] = {
+        "status": status,
+        "reason": reason,
+        "steps_completed": len(state.step_times),
+        "losses": losses,
+        "step_times_s": state.step_times,
+        "peak_allocated_bytes": max((x for x in per_rank_alloc if x is not None), default=None),
+        "peak_reserved_bytes": max((x for x in per_rank_reserved if x is not None), default=None),
+        "peak_allocated_bytes_per_rank": per_rank_alloc,
+        "peak_reserved_bytes_per_rank": per_rank_reserved,
+        "memory_method": state.memory_method,
+    }
+    figures = dict.fromkeys(
+        (
+            "tokens_per_s",
+            "tokens_per_s_per_device",
+            "step_time_s_p50",
+            "step_time_s_p90",
+            "tflops_per_device",
+            "mfu",
+        )
+    )
+    if state.step_times:
+        train = cfg.train
+        # The peak table holds dense bf16 figures: no MFU for fp32 or CPU unless --peak-tflops says.
+        known = hardware.peak_tflops(run.device.name) if run.device.type == "cuda" and run.bf16 else None
+        peak = train.peak_tflops or known
+        figures = asdict(
+            throughput(
+                state.step_times,
+                tokens_per_step=train.micro_batch * train.seq_len * train.grad_accum * run.world,
+                world=run.world,
+                flops_per_token=cfg.model.flops_per_token(train.seq_len),
+                peak_tflops=peak,
+            )
+        )
+        out["peak_tflops_per_device"] = peak
+    return {**figures, **out}
+
+
+def _mean_over_ranks(losses: list[torch.Tensor], healthy: bool) -> list[float]:
+    if not losses:
+        return []
+    stacked = torch.stack(losses).float()
+    if healthy and dist.get_world_size() > 1:
+        dist.all_reduce(stacked)
+        stacked /= dist.get_world_size()
+    return stacked.tolist()
+
+
+def _per_rank_memory(state: LoopState, healthy: bool) -> tuple[list[int | None], list[int | None]]:
+    mine = (state.peak_allocated, state.peak_reserved)
+    if healthy and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+    else:
+        gathered = [mine]
+    return [g[0] for g in gathered], [g[1] for g in gathered]
+
+
+def results_from_progress(cfg: BenchmarkConfig, progress: Path) -> dict[str, Any]:
+    """The record of a run whose rank 0 died before writing one: the steps its progress lines show."""
+    run = run_context(cfg, world=cfg.launch.nproc_per_node * cfg.launch.nnodes)
+    record = new_record(cfg, run)
+    state = LoopState()
+    lines = progress.read_text().splitlines() if progress.exists() else []
+    for line in lines:
+        entry = json.loads(line)
+        step, seconds = entry.get("step"), entry.get("time_s")
+        if (
+            step is not None
+            and seconds is not None
+            and cfg.train.warmup <= step < cfg.train.warmup + cfg.train.steps
+        ):
+            state.step_times.append(seconds)
+            state.losses.append(torch.tensor(entry["loss"]))
+    record["results"] = results_section(cfg, run, state, status="error", reason=None)
+    return record

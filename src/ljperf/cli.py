@@ -1,0 +1,73 @@
+"""The ``ljperf`` command: one dispatch table of typed subcommands.
+
+Run ``ljperf --help``; each subcommand module has ``add_arguments(parser)`` and ``run(args, argv) -> int``.
+Bad input exits 2 with one line on stderr; a failed run exits non-zero with one line (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+from ljperf import __version__
+from ljperf.errors import EXIT_SIGINT, EXIT_USAGE, RunFailed, UsageError
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its one-line help and the module that implements it."""
+
+    help: str
+    module: str
+
+
+COMMANDS: dict[str, Command] = {
+    "benchmark": Command(
+        "train a model on synthetic tokens and measure throughput, MFU and memory", "ljperf.benchmark"
+    ),
+    "models": Command("list the model catalog with parameter counts", "ljperf.list_models"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit 2) instead of the usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (torch loads only when a command needs it)."""
+    parser = _Parser(prog="ljperf", description="Measure, fit and speed up LLM training on PyTorch.")
+    parser.add_argument("--version", action="version", version=f"ljperf {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, cmd in COMMANDS.items():
+        child = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        if name == command:
+            importlib.import_module(cmd.module).add_arguments(child)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if a in COMMANDS), None)
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    module = importlib.import_module(COMMANDS[args.command].module)
+    prog = f"ljperf {args.command}"
+    try:
+        return module.run(args, argv)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except RunFailed as exc:
+        print(f"{prog}: failed: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_SIGINT

@@ -1,0 +1,141 @@
+"""Option groups as keyword-only dataclasses; the CLI flags are generated from them.
+
+Every field carries its ``--help`` text in ``metadata["help"]``; validation lives in ``__post_init__``
+and raises ``UsageError`` (exit 2, one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ljperf.errors import UsageError
+
+PRECISIONS = ("fp32", "bf16-mixed")
+
+
+def opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    """A dataclass field that is also a CLI flag (``--field-name``)."""
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and value <= 0:
+        raise UsageError(f"--{name.replace('_', '-')} must be larger than zero (got {value})")
+
+
+def _not_negative(name: str, value: int) -> None:
+    if value < 0:
+        raise UsageError(f"--{name.replace('_', '-')} must be zero or more (got {value})")
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """How many processes to start and where (passed through to torchrun)."""
+
+    nproc_per_node: int = opt(1, "processes on this node; >1 starts torchrun (DDP/FSDP/ZeRO)")
+    nnodes: int = opt(1, "number of nodes (multi-node: run the same command on every node)")
+    node_rank: int = opt(0, "rank of this node, 0..nnodes-1")
+    rdzv_endpoint: str | None = opt(None, "HOST:PORT of the c10d rendezvous for multi-node runs")
+    timeout: float = opt(600.0, "seconds a collective may wait before the run is failed (hung rank)")
+
+    def __post_init__(self) -> None:
+        _positive("nproc_per_node", self.nproc_per_node)
+        _positive("nnodes", self.nnodes)
+        _positive("timeout", self.timeout)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(
+                f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})"
+            )
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+
+    @property
+    def distributed(self) -> bool:
+        return self.nproc_per_node * self.nnodes > 1
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """What one benchmark run trains: batch, sequence, precision, steps."""
+
+    micro_batch: int = opt(1, "sequences per device per micro-step")
+    seq_len: int | None = opt(None, "tokens per sequence (default: min(4096, the model's max positions))")
+    grad_accum: int = opt(1, "micro-steps per optimizer step (gradient accumulation)")
+    steps: int = opt(20, "measured optimizer steps")
+    warmup: int = opt(3, "unmeasured steps before timing (compile, allocator, optimizer-state creation)")
+    precision: str | None = opt(None, "fp32 or bf16-mixed (default: bf16-mixed on GPU, fp32 on CPU)")
+    device: str = opt("auto", "cpu, cuda or auto (cuda when available)")
+    lr: float = opt(3e-4, "AdamW learning rate")
+    seed: int = opt(0, "seed of the weights and of the synthetic token stream")
+    attn_implementation: str = opt("sdpa", "transformers attention: sdpa, eager or flash_attention_2")
+    peak_tflops: float | None = opt(None, "peak TFLOPS per device for MFU (default: the known-device table)")
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_len", "grad_accum", "steps", "lr", "peak_tflops"):
+            _positive(name, getattr(self, name))
+        _not_negative("warmup", self.warmup)
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"--device {self.device!r}: choose cpu, cuda or auto")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Engine options (FSDP2 and DeepSpeed ZeRO); the torch engine ignores them."""
+
+    zero_stage: int = opt(3, "DeepSpeed ZeRO stage: 1, 2 or 3")
+    deepspeed_config: str | None = opt(
+        None, "a DeepSpeed JSON config to validate and merge with ljperf's options"
+    )
+    reshard_after_forward: bool = opt(
+        True, "FSDP2: free gathered parameters after forward (re-gather in backward)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (1, 2, 3):
+            raise UsageError(f"--zero-stage {self.zero_stage}: choose 1, 2 or 3")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Optimizations, applied in a fixed order before the engine shards: checkpoint → compile."""
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls``, typed from its annotation."""
+    group = parser.add_argument_group(title or cls.__doc__.splitlines()[0].rstrip("."))
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata:
+            continue
+        kind = hints[f.name]
+        extra = {k: v for k, v in f.metadata.items() if k != "help"}
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        shown = "" if default in (None, False) else f" (default: {default})"
+        if kind is bool:
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"]
+            )
+            continue
+        group.add_argument(
+            flag, type=_base_type(kind), default=default, help=f.metadata["help"] + shown, **extra
+        )
+
+
+def _base_type(kind: Any) -> type:
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    return kind
+
+
+def from_args(cls: type, args: argparse.Namespace) -> Any:
+    """Build the dataclass ``cls`` from the parsed flags (validation runs in ``__post_init__``)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})

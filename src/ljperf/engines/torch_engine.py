@@ -1,0 +1,47 @@
+"""Engine ``torch``: plain PyTorch on one device, DistributedDataParallel across processes.
+
+Run: ``ljperf benchmark --model torch/llama-tiny [--nproc-per-node 2]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ljperf.engines.common import accumulate, adamw
+from ljperf.models import materialize
+from ljperf.optimize import apply_optimizations
+from ljperf.runtime import RunContext
+
+
+class TorchEngine:
+    """One device, or DDP when the run has more than one process."""
+
+    def __init__(self, run: RunContext):
+        self.run = run
+        self.model: torch.nn.Module
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def setup(self, model: torch.nn.Module) -> None:
+        device = self.run.device.torch_device
+        model = materialize(model, device=device, seed=self.run.train.seed)
+        model = apply_optimizations(model, self.run)
+        if self.run.world > 1:
+            ids = [device.index] if device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=ids)
+        self.model = model
+        self.optimizer = adamw(model.parameters(), run=self.run)
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) else None
+        loss = accumulate(self.model, micro_batches, run=self.run, no_sync=no_sync)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def describe(self) -> dict:
+        return {"name": "torch", "wrapper": "ddp" if self.run.world > 1 else "none", "optimizer": "AdamW"}
+
+
+def create(run: RunContext) -> TorchEngine:
+    return TorchEngine(run)

@@ -1,0 +1,100 @@
+"""Devices: which one a run uses, its name, memory, and its peak dense bf16 TFLOPS for MFU.
+
+Peak figures are the vendors' dense (no sparsity) BF16 tensor-core numbers from their datasheets
+(see docs/metrics.md). An unknown device gets no MFU rather than a guessed one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+# Ordered: the first pattern that matches the device name wins, so narrower names come first.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    (r"H100.*PCIe", 756.0),
+    (r"H100.*NVL", 835.0),
+    (r"GH200", 989.4),
+    (r"H100|H800", 989.4),
+    (r"H200", 989.4),
+    (r"\bH20\b", 148.0),
+    (r"A100|A800", 312.0),
+    (r"\bL40S\b", 362.0),
+    (r"\bL20\b", 119.5),
+    (r"\bL4\b", 121.0),
+    (r"B200", 2250.0),
+    (r"B100", 1750.0),
+    (r"MI300X", 1307.4),
+)
+
+# Known accelerators by memory, for ``--gpu NAME`` in ``ljperf plan`` (bytes as the driver reports them).
+GPU_MEMORY_BYTES: dict[str, int] = {
+    "A100-40GB": 40 * 1024**3,
+    "A100-80GB": 80 * 1024**3,
+    "H100-80GB": 80 * 1024**3,
+    "H800-80GB": 80 * 1024**3,
+    "H20-96GB": 96 * 1024**3,
+    "H200-141GB": 141 * 1024**3,
+    "L20-48GB": 48 * 1024**3,
+    "L40S-48GB": 48 * 1024**3,
+    "B200-180GB": 180 * 1024**3,
+}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """Peak dense BF16 TFLOPS of a device by name, or None when unknown."""
+    for pattern, tflops in PEAK_BF16_TFLOPS:
+        if re.search(pattern, device_name):
+            return tflops
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceInfo:
+    """The device a rank runs on."""
+
+    type: str
+    """``cpu`` or ``cuda``."""
+    index: int | None
+    """The CUDA device index, None on CPU."""
+    name: str
+    """Human name, e.g. ``NVIDIA H200`` or the CPU model."""
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.type, self.index) if self.index is not None else torch.device(self.type)
+
+
+def default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_count(device_type: str) -> int:
+    """How many devices of this type a node has (CPU: one per process, any count allowed)."""
+    return torch.cuda.device_count() if device_type == "cuda" else 0
+
+
+def local_device(device_type: str, local_rank: int) -> DeviceInfo:
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return DeviceInfo(type="cuda", index=local_rank, name=torch.cuda.get_device_name(local_rank))
+    return DeviceInfo(type="cpu", index=None, name=cpu_name())
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,108 @@
+"""Start a multi-process run through torchrun's launcher, and keep its record when a rank fails.
+
+``ljperf benchmark --nproc-per-node N`` calls ``launch``: it runs ``python -m ljperf <same args>`` under
+torch's elastic launcher (what ``torchrun`` uses), rendezvous on localhost or ``--rdzv-endpoint``.
+When a rank dies, the launcher names it, ends the others, and writes the result record with
+``status: "error"`` and the steps rank 0 completed (from the run folder's ``progress.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ljperf.errors import EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, RunFailed
+from ljperf.report import PROGRESS_FILE_ENV
+from ljperf.result import read_json, write_json
+
+
+def _failure_reason(exc: Exception) -> tuple[str, int]:
+    """One line naming the rank that failed first, and the exit code ljperf should return."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if not isinstance(exc, ChildFailedError):
+        return f"launcher failed: {type(exc).__name__}: {exc}", EXIT_ERROR
+    rank, failure = min(exc.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    if failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    code = EXIT_OOM if failure.exitcode == EXIT_OOM else EXIT_ERROR
+    return f"rank {rank} {how}", code
+
+
+def launch(cfg: Any) -> int:
+    """Run ``cfg`` on ``nproc_per_node`` processes of this node (one node of ``nnodes``)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = cfg.launch
+    if cfg.train.device != "cuda":
+        # gloo on CPU: split the cores between the ranks instead of oversubscribing them.
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // lc.nproc_per_node)))
+    run_dir = Path(tempfile.mkdtemp(prefix="ljperf-run-"))
+    os.environ[PROGRESS_FILE_ENV] = str(run_dir)
+    record_path = Path(cfg.output) if cfg.output else run_dir / "result.json"
+    argv = [a for a in cfg.argv]
+    if not cfg.output:
+        argv += ["--output", str(record_path)]
+    config = LaunchConfig(
+        min_nodes=lc.nnodes,
+        max_nodes=lc.nnodes,
+        nproc_per_node=lc.nproc_per_node,
+        run_id=os.environ.get("LJPERF_RDZV_ID", "ljperf" if lc.nnodes > 1 else uuid.uuid4().hex[:8]),
+        rdzv_endpoint=lc.rdzv_endpoint or "localhost:0",
+        rdzv_backend="c10d",
+        rdzv_configs={"rank": lc.node_rank, "timeout": int(lc.timeout)} if lc.nnodes > 1 else {"rank": 0},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "ljperf", *argv)
+    except SignalException as exc:
+        code = EXIT_SIGINT if exc.sigval == signal.SIGINT else EXIT_SIGTERM
+        _keep_failed_record(cfg, record_path, run_dir, f"interrupted by {exc.sigval.name}")
+        print(f"ljperf benchmark: interrupted by {exc.sigval.name}; partial result kept", file=sys.stderr)
+        return code
+    except Exception as exc:
+        reason, code = _failure_reason(exc)
+        status = _keep_failed_record(cfg, record_path, run_dir, reason)
+        if status == "oom":
+            code = EXIT_OOM
+        raise RunFailed(
+            reason + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code
+        ) from None
+    return 0
+
+
+def _keep_failed_record(cfg: Any, record_path: Path, run_dir: Path, reason: str) -> str:
+    """Make sure a record with a failed status exists; returns that status."""
+    record = None
+    if record_path.exists() and _finished(run_dir):
+        record = read_json(record_path)
+    if record is None:
+        from ljperf.benchmark import results_from_progress
+
+        record = results_from_progress(cfg, run_dir / "progress.jsonl")
+    results = record["results"]
+    if results["status"] == "ok":
+        results["status"] = "error"
+    results["reason"] = reason if results["status"] != "oom" else results["reason"]
+    if cfg.output:
+        write_json(record_path, record)
+    return results["status"]
+
+
+def _finished(run_dir: Path) -> bool:
+    progress = run_dir / "progress.jsonl"
+    if not progress.exists():
+        return False
+    lines = progress.read_text().splitlines()
+    return bool(lines) and "finished" in json.loads(lines[-1])

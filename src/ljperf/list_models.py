@@ -1,0 +1,69 @@
+"""``ljperf models``: the model catalog with exact parameter counts (built on the meta device).
+
+Run: ``ljperf models`` or ``ljperf models --json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.table import Table
+
+from ljperf import models
+from ljperf.report import console
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+
+
+def catalog_rows() -> list[dict]:
+    rows = []
+    for name in models.catalog_names():
+        spec = models.resolve(name=name)
+        rows.append(
+            {
+                "name": name,
+                "architecture": spec.architecture,
+                "params": spec.params.total,
+                "layers": spec.layers,
+                "hidden": spec.hidden,
+                "heads": spec.heads,
+                "kv_heads": spec.kv_heads,
+                "vocab": spec.vocab,
+                "max_positions": spec.max_positions,
+            }
+        )
+    return rows
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    rows = catalog_rows()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title="ljperf model catalog (use as --model ENGINE/NAME)")
+    for col, justify in (
+        ("name", "left"),
+        ("architecture", "left"),
+        ("params", "right"),
+        ("layers", "right"),
+    ):
+        table.add_column(col, justify=justify)
+    for col in ("parameters", "hidden", "heads/kv", "vocab", "max positions"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            r["name"],
+            r["architecture"],
+            models.format_params(r["params"]),
+            str(r["layers"]),
+            f"{r['params']:,}",
+            str(r["hidden"]),
+            f"{r['heads']}/{r['kv_heads']}",
+            f"{r['vocab']:,}",
+            f"{r['max_positions']:,}",
+        )
+    console.print(table)
+    return 0

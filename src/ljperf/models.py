@@ -1,0 +1,241 @@
+"""Model catalog, construction from config with random weights, and model arithmetic.
+
+``ljperf models`` lists the catalog. Models are HF causal-LM configs shipped in ``ljperf/catalog``;
+``--model-config PATH`` takes any local HF ``config.json`` (never with remote code).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import zlib
+from dataclasses import dataclass
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ljperf.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+ENGINES = ("torch", "fsdp", "deepspeed")
+
+
+def catalog_names() -> list[str]:
+    """Names of the shipped model configs, sorted."""
+    files = resources.files("ljperf").joinpath("catalog").iterdir()
+    return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
+
+
+def split_model_arg(text: str) -> tuple[str, str]:
+    """``ENGINE/NAME`` → (engine, name), with exit-2 errors that name the closest valid choice."""
+    engine, sep, name = text.partition("/")
+    if not sep or not name:
+        raise UsageError(
+            f"--model {text!r} must be ENGINE/NAME, e.g. torch/llama-tiny or deepspeed/llama3-8b"
+        )
+    if engine not in ENGINES:
+        raise UsageError(f"unknown engine {engine!r} in --model {text!r}; choose one of {', '.join(ENGINES)}")
+    if name not in catalog_names():
+        raise UsageError(f"unknown model {name!r}{_did_you_mean(name)}; `ljperf models` lists the catalog")
+    return engine, name
+
+
+def _did_you_mean(name: str) -> str:
+    close = difflib.get_close_matches(name, catalog_names(), n=3, cutoff=0.4)
+    return f" (closest: {', '.join(close)})" if close else ""
+
+
+def read_config_dict(*, name: str | None = None, path: str | Path | None = None) -> dict:
+    """The raw config dict of a catalog model or of a local ``config.json`` (file or its folder)."""
+    if name is not None:
+        text = resources.files("ljperf").joinpath("catalog", f"{name}.json").read_text()
+        return json.loads(text)
+    assert path is not None
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--model-config {str(path)!r}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--model-config {str(path)!r}: cannot read it ({exc.__class__.__name__})") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"--model-config {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})"
+        ) from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--model-config {str(path)!r} must hold a JSON object, like an HF config.json")
+    return data
+
+
+_REQUIRED = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def hf_config(data: dict, *, source: str) -> PretrainedConfig:
+    """Build a transformers config from a dict; unknown or incomplete configs are usage errors."""
+    from transformers import AutoConfig
+
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise UsageError(
+            f"{source}: config is missing {', '.join(missing)} (an HF causal-LM config.json has them)"
+        )
+    fields = {k: v for k, v in data.items() if k not in ("model_type", "auto_map", "architectures")}
+    try:
+        config = AutoConfig.for_model(data["model_type"], **fields)
+    except (ValueError, KeyError) as exc:
+        raise UsageError(
+            f"{source}: transformers cannot build model_type {data['model_type']!r} ({exc})"
+        ) from None
+    from transformers import AutoModelForCausalLM
+
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise UsageError(
+            f"{source}: model_type {data['model_type']!r} has no causal-LM class in transformers"
+        )
+    return config
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A resolved model: its name, HF config and the arithmetic the metrics need."""
+
+    name: str
+    """Catalog name, or the config path for ``--model-config``."""
+    config: PretrainedConfig
+    """The transformers config the model is built from."""
+
+    @property
+    def architecture(self) -> str:
+        return type(self.config).__name__.removesuffix("Config")
+
+    @property
+    def layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def heads(self) -> int:
+        return self.config.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return getattr(self.config, "num_key_value_heads", None) or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.config, "head_dim", None) or self.hidden // self.heads
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    @property
+    def tied(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    @cached_property
+    def params(self) -> ParamCounts:
+        """Exact parameter counts, from a meta-device build (nothing allocated)."""
+        model = build_meta(self)
+        total = sum(p.numel() for p in model.parameters())
+        embedding = model.get_input_embeddings().weight.numel()
+        head = model.get_output_embeddings()
+        tied_head = head is not None and head.weight is model.get_input_embeddings().weight
+        matmul = total - embedding + (head.weight.numel() if tied_head else 0)
+        return ParamCounts(total=total, embedding=embedding, matmul=matmul)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, PaLM/torchtitan definition (see docs/metrics.md)."""
+        counts = self.params
+        return 6 * counts.matmul + 12 * self.layers * self.heads * self.head_dim * seq_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamCounts:
+    """Parameter counts of a model."""
+
+    total: int
+    """Unique parameters (a tied embedding counted once)."""
+    embedding: int
+    """Parameters of the input token embedding table."""
+    matmul: int
+    """Parameters that take part in a matmul per token: total - embedding, plus the LM head when tied."""
+
+
+def resolve(*, name: str | None = None, path: str | Path | None = None) -> ModelSpec:
+    """A ``ModelSpec`` from a catalog name or a local config path."""
+    data = read_config_dict(name=name, path=path)
+    source = f"model {name!r}" if name else f"--model-config {str(path)!r}"
+    return ModelSpec(name=name or str(path), config=hf_config(data, source=source))
+
+
+def build_meta(spec: ModelSpec, *, attn_implementation: str | None = None) -> torch.nn.Module:
+    """The model with parameters on the meta device and real (CPU) buffers such as RoPE frequencies."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = spec.config
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    config.use_cache = False
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    model.tie_weights()  # transformers 5 ties only in from_pretrained
+    return model
+
+
+def init_seed(seed: int, name: str) -> int:
+    """The RNG seed of one parameter: fixed by the run's seed and the parameter's name."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def init_value(name: str, shape: torch.Size, *, std: float, seed: int, device: torch.device) -> torch.Tensor:
+    """The initial value of a parameter, the same on every engine, rank and wrapper.
+
+    Matrices are N(0, std) from a generator seeded by (seed, name); 1-D weights (norms) are ones; biases zeros.
+    """
+    import torch
+
+    if name.endswith("bias"):
+        return torch.zeros(shape, device=device)
+    if len(shape) == 1:
+        return torch.ones(shape, device=device)
+    gen = torch.Generator(device=device).manual_seed(init_seed(seed, name))
+    return torch.randn(shape, generator=gen, device=device) * std
+
+
+def materialize(model: torch.nn.Module, *, device: torch.device, seed: int) -> torch.nn.Module:
+    """Replace meta parameters with seeded random values on ``device``; keeps tied weights tied."""
+    import torch
+
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    done: dict[int, torch.nn.Parameter] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in done:
+                with torch.no_grad():
+                    value = init_value(names[id(param)], param.shape, std=std, seed=seed, device=device)
+                done[id(param)] = torch.nn.Parameter(value, requires_grad=param.requires_grad)
+            module._parameters[key] = done[id(param)]
+    return model.to(device)
+
+
+def format_params(n: int) -> str:
+    """Parameters in billions with two decimals, e.g. ``8.03B``."""
+    return f"{n / 1e9:.2f}B"

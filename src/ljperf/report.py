@@ -1,0 +1,102 @@
+"""What a run shows people: a live progress bar (rank 0 only) and a final table with units."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ljperf.units import format_bytes
+
+PROGRESS_FILE_ENV = "LJPERF_RUN_DIR"
+# Wide enough for the tables when output goes to a file or CI log (rich assumes 80 columns there).
+console = Console() if sys.stdout.isatty() else Console(width=140)
+
+
+class ProgressReporter:
+    """Progress bar on rank 0; when a launcher watches the run, one JSON line per step in its run folder."""
+
+    def __init__(self, run: Any):
+        self.enabled = run.is_main
+        self._bar: Progress | None = None
+        self._task = None
+        self._log = None
+        run_dir = os.environ.get(PROGRESS_FILE_ENV)
+        if self.enabled and run_dir:
+            self._log = open(os.path.join(run_dir, "progress.jsonl"), "a", buffering=1)  # noqa: SIM115
+
+    def step(self, step: int, total: int, loss: Any, seconds: float | None) -> None:
+        if not self.enabled:
+            return
+        value = float(loss)
+        if self._bar is None:
+            self._bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}  step {task.fields[ms]}"),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
+            self._task = self._bar.add_task("train", total=total, loss=value, ms="-")
+            self._bar.start()
+        ms = f"{seconds * 1e3:.1f} ms" if seconds is not None else "(memory)"
+        self._bar.update(self._task, completed=step + 1, loss=value, ms=ms)
+        if self._log is not None:
+            self._log.write(json.dumps({"step": step, "loss": value, "time_s": seconds}) + "\n")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def finished(self, record: dict) -> None:
+        if self._log is not None:
+            self._log.write(json.dumps({"finished": record["results"]["status"]}) + "\n")
+            self._log.close()
+            self._log = None
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_result_table(record: dict) -> None:
+    """The result of a benchmark run as a table: metric, value, unit."""
+    res = record["results"]
+    cfg = record["config"]
+    title = (
+        f"{cfg['engine']['name']}/{cfg['model']['name']} · {cfg['launch']['world_size']} process(es) · "
+        f"mb {cfg['train']['micro_batch']} × seq {cfg['train']['seq_len']} × accum {cfg['train']['grad_accum']} · "
+        f"{cfg['train']['precision']}"
+    )
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("unit")
+    rows = [
+        ("status", res["status"] + (f" ({res['reason']})" if res.get("reason") else ""), ""),
+        ("steps measured", str(res["steps_completed"]), "steps"),
+        ("step time p50", _fmt(res.get("step_time_s_p50") and res["step_time_s_p50"] * 1e3, ".1f"), "ms"),
+        ("step time p90", _fmt(res.get("step_time_s_p90") and res["step_time_s_p90"] * 1e3, ".1f"), "ms"),
+        ("throughput", _fmt(res.get("tokens_per_s"), ",.0f"), "tokens/s"),
+        ("throughput per device", _fmt(res.get("tokens_per_s_per_device"), ",.0f"), "tokens/s"),
+        ("TFLOPS per device", _fmt(res.get("tflops_per_device"), ".3f"), "TFLOP/s"),
+        ("MFU", _fmt(res.get("mfu") and res["mfu"] * 100, ".1f"), "%"),
+        ("peak allocated (max rank)", format_bytes(res.get("peak_allocated_bytes")), ""),
+        ("peak reserved (max rank)", format_bytes(res.get("peak_reserved_bytes")), ""),
+        ("loss first → last", _loss_range(res.get("losses") or []), "nats"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def _loss_range(losses: list[float]) -> str:
+    return f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "-"

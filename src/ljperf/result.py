@@ -1,0 +1,116 @@
+"""Result records: one JSON object per run, written atomically; schema in docs/results.md.
+
+The ``env`` section is an allow-list (versions, devices, world size, selected NCCL_/CUDA_ variables):
+never a dump of the environment, so tokens and keys cannot leak into result files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import subprocess
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ljperf.errors import UsageError
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "error")
+PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "triton", "ljperf")
+# Variables that shape a run's performance and carry no secrets.
+ENV_VARIABLES = re.compile(
+    r"^(NCCL_(SOCKET_IFNAME|IB_HCA|DEBUG|ALGO|PROTO|P2P_LEVEL|NET_GDR_LEVEL|MIN_NCHANNELS|MAX_NCHANNELS|"
+    r"BUFFSIZE|NVLS_ENABLE|CUMEM_ENABLE)|CUDA_VISIBLE_DEVICES|CUDA_DEVICE_MAX_CONNECTIONS|"
+    r"PYTORCH_CUDA_ALLOC_CONF|OMP_NUM_THREADS|CHECKPOINT_OPTIMIZATION|COMPILE_OPTIMIZATION|LJPERF_MEMORY_BUDGET)$"
+)
+_SECRET_WORDS = re.compile(r"TOKEN|SECRET|PASSWORD|KEY|CREDENTIAL", re.IGNORECASE)
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def selected_env() -> dict[str, str]:
+    return {
+        k: v for k, v in sorted(os.environ.items()) if ENV_VARIABLES.match(k) and not _SECRET_WORDS.search(k)
+    }
+
+
+def git_revision() -> str | None:
+    """The git revision of the working directory's checkout, if any (the user's project, or ljperf's)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def environment(*, devices: list[str], world_size: int) -> dict[str, Any]:
+    """The ``env`` section of a record."""
+    return {
+        "versions": versions(),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "devices": devices,
+        "world_size": world_size,
+        "variables": selected_env(),
+        "git_revision": git_revision(),
+    }
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Fail before a run starts (exit 2) when its result file could not be written."""
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise UsageError(f"--output {str(path)!r} is a directory; give a file name such as result.json")
+    if not folder.is_dir():
+        raise UsageError(f"--output {str(path)!r}: folder {str(folder)!r} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ljperf-probe-", delete=True) as f:
+            f.write(b"x" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise UsageError(f"--output {str(path)!r} is not writable ({exc.strerror or exc})") from None
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+    """Write JSON atomically: a temporary file in the same folder, fsync, then rename over ``path``."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=f".{target.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a record or calibration file: JSON only, never pickle."""
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,123 @@
+"""The per-process run context: rank, world, device, precision and the process group.
+
+A process is a worker when torchrun started it (``LOCAL_RANK``/``WORLD_SIZE`` set) or when the run
+has one process; ``ljperf.launch`` starts torchrun for ``--nproc-per-node``/``--nnodes`` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ljperf import hardware
+from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
+from ljperf.errors import UsageError
+from ljperf.hardware import DeviceInfo
+from ljperf.models import ModelSpec
+
+
+def under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@dataclass(kw_only=True)
+class RunContext:
+    """Everything a rank knows about its run."""
+
+    engine: str
+    """Engine name: torch, fsdp or deepspeed."""
+    model: ModelSpec
+    """The model being trained."""
+    train: TrainConfig
+    """Batch, sequence, precision and step counts (``seq_len`` and ``precision`` resolved)."""
+    launch: LaunchConfig
+    """Process layout and timeouts."""
+    rank: int = 0
+    """Global rank of this process."""
+    local_rank: int = 0
+    """Rank within the node (the CUDA device index)."""
+    world: int = 1
+    """Number of processes in the run."""
+    device: DeviceInfo = field(default_factory=lambda: hardware.local_device("cpu", 0))
+    """This rank's device."""
+    engine_opts: EngineConfig = field(default_factory=EngineConfig)
+    """FSDP2 / DeepSpeed options."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizations to apply (checkpoint, compile)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def bf16(self) -> bool:
+        return self.train.precision == "bf16-mixed"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast for ``bf16-mixed`` (fp32 master weights), nothing for ``fp32``."""
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+
+def resolve_train(train: TrainConfig, *, model: ModelSpec, device_type: str) -> TrainConfig:
+    """Fill in the defaults that depend on the model and device; check the sequence length fits."""
+    max_pos = model.max_positions
+    seq_len = train.seq_len or min(4096, max_pos or 4096)
+    if max_pos is not None and seq_len > max_pos:
+        raise UsageError(f"--seq-len {seq_len} is longer than {model.name}'s {max_pos} max positions")
+    precision = train.precision or ("bf16-mixed" if device_type == "cuda" else "fp32")
+    return TrainConfig(**{**vars(train), "seq_len": seq_len, "precision": precision})
+
+
+def resolve_device_type(requested: str) -> str:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but torch sees no CUDA device (use --device cpu)")
+    return hardware.default_device_type() if requested == "auto" else requested
+
+
+def check_process_count(launch: LaunchConfig, device_type: str) -> None:
+    """More processes per node than GPUs is a usage error; on CPU any count runs (gloo)."""
+    if device_type == "cuda" and launch.nproc_per_node > torch.cuda.device_count():
+        raise UsageError(
+            f"--nproc-per-node {launch.nproc_per_node} but this node has {torch.cuda.device_count()} GPU(s)"
+        )
+
+
+def init_process(run: RunContext, *, need_group: bool) -> RunContext:
+    """Join the process group (gloo on CPU, NCCL on GPU) when the run is distributed or the engine needs one."""
+    if under_torchrun():
+        run.rank = int(os.environ["RANK"])
+        run.local_rank = int(os.environ["LOCAL_RANK"])
+        run.world = int(os.environ["WORLD_SIZE"])
+    run.device = hardware.local_device(run.device.type, run.local_rank)
+    if (run.world > 1 or need_group) and not dist.is_initialized():
+        if not under_torchrun():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        backend = "nccl" if run.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            rank=run.rank,
+            world_size=run.world,
+            timeout=timedelta(seconds=run.launch.timeout),
+            device_id=run.device.torch_device if run.device.type == "cuda" else None,
+        )
+    return run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shutdown_process() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,45 @@
+"""Byte sizes as people write them: ``70GiB``, ``80GB``, ``512MiB``, ``1K``, plain bytes."""
+
+import re
+
+from ljperf.errors import UsageError
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1024,
+    "KB": 1000,
+    "KIB": 1024,
+    "M": 1024**2,
+    "MB": 1000**2,
+    "MIB": 1024**2,
+    "G": 1024**3,
+    "GB": 1000**3,
+    "GIB": 1024**3,
+    "T": 1024**4,
+    "TB": 1000**4,
+    "TIB": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str, *, what: str = "size") -> int:
+    """Parse ``text`` into bytes. Bare K/M/G are binary (as nccl-tests reads them); KB/MB/GB decimal."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise UsageError(f"{what} {text!r} is not a size: write e.g. 80GiB, 70GB, 512MiB or 1K")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UsageError(f"{what} {text!r} must be larger than zero")
+    return value
+
+
+def format_bytes(n: float | None) -> str:
+    """Human-readable binary size, e.g. ``1.50 GiB``; ``-`` for None."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
