@@ -74,12 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model ENGINE/NAME`` or ``--model-config PATH`` with ``--engine``: shared by benchmark and plan."""
     group = parser.add_argument_group("model")
-    group.add_argument(
-        "--model", metavar="ENGINE/NAME", help="engine and catalog model, e.g. torch/llama-tiny"
-    )
-    group.add_argument(
-        "--model-config", metavar="PATH", help="a local HF config.json (instead of a catalog name)"
-    )
+    group.add_argument("--model", metavar="ENGINE/NAME", help="engine and catalog model, e.g. torch/llama-tiny")
+    group.add_argument("--model-config", metavar="PATH", help="a local HF config.json (instead of a catalog name)")
     group.add_argument(
         "--engine",
         choices=models.ENGINES,
@@ -367,11 +363,7 @@ def results_from_progress(cfg: BenchmarkConfig, progress: Path) -> dict[str, Any
     for line in lines:
         entry = json.loads(line)
         step, seconds = entry.get("step"), entry.get("time_s")
-        if (
-            step is not None
-            and seconds is not None
-            and cfg.train.warmup <= step < cfg.train.warmup + cfg.train.steps
-        ):
+        if step is not None and seconds is not None and cfg.train.warmup <= step < cfg.train.warmup + cfg.train.steps:
             state.step_times.append(seconds)
             state.losses.append(torch.tensor(entry["loss"]))
     record["results"] = results_section(cfg, run, state, status="error", reason=None)

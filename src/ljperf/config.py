@@ -48,9 +48,7 @@ class LaunchConfig:
         _positive("nnodes", self.nnodes)
         _positive("timeout", self.timeout)
         if not 0 <= self.node_rank < self.nnodes:
-            raise UsageError(
-                f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})"
-            )
+            raise UsageError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
 
@@ -90,12 +88,8 @@ class EngineConfig:
     """Engine options (FSDP2 and DeepSpeed ZeRO); the torch engine ignores them."""
 
     zero_stage: int = opt(3, "DeepSpeed ZeRO stage: 1, 2 or 3")
-    deepspeed_config: str | None = opt(
-        None, "a DeepSpeed JSON config to validate and merge with ljperf's options"
-    )
-    reshard_after_forward: bool = opt(
-        True, "FSDP2: free gathered parameters after forward (re-gather in backward)"
-    )
+    deepspeed_config: str | None = opt(None, "a DeepSpeed JSON config to validate and merge with ljperf's options")
+    reshard_after_forward: bool = opt(True, "FSDP2: free gathered parameters after forward (re-gather in backward)")
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (1, 2, 3):
@@ -120,13 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
         default = f.default if f.default is not dataclasses.MISSING else None
         shown = "" if default in (None, False) else f" (default: {default})"
         if kind is bool:
-            group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"]
-            )
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
             continue
-        group.add_argument(
-            flag, type=_base_type(kind), default=default, help=f.metadata["help"] + shown, **extra
-        )
+        group.add_argument(flag, type=_base_type(kind), default=default, help=f.metadata["help"] + shown, **extra)
 
 
 def _base_type(kind: Any) -> type:

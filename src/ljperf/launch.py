@@ -76,9 +76,7 @@ def launch(cfg: Any) -> int:
         status = _keep_failed_record(cfg, record_path, run_dir, reason)
         if status == "oom":
             code = EXIT_OOM
-        raise RunFailed(
-            reason + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code
-        ) from None
+        raise RunFailed(reason + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code) from None
     return 0
 
 

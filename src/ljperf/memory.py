@@ -55,9 +55,7 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def training_state_tensors(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-) -> list[torch.Tensor]:
+def training_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """Tensors alive between steps: parameters, buffers, gradients and optimizer states."""
     tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
     tensors += [p.grad for p in model.parameters() if p.grad is not None]

@@ -34,9 +34,7 @@ def split_model_arg(text: str) -> tuple[str, str]:
     """``ENGINE/NAME`` → (engine, name), with exit-2 errors that name the closest valid choice."""
     engine, sep, name = text.partition("/")
     if not sep or not name:
-        raise UsageError(
-            f"--model {text!r} must be ENGINE/NAME, e.g. torch/llama-tiny or deepspeed/llama3-8b"
-        )
+        raise UsageError(f"--model {text!r} must be ENGINE/NAME, e.g. torch/llama-tiny or deepspeed/llama3-8b")
     if engine not in ENGINES:
         raise UsageError(f"unknown engine {engine!r} in --model {text!r}; choose one of {', '.join(ENGINES)}")
     if name not in catalog_names():
@@ -65,9 +63,7 @@ def read_config_dict(*, name: str | None = None, path: str | Path | None = None)
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"--model-config {str(path)!r}: cannot read it ({exc.__class__.__name__})") from None
     except json.JSONDecodeError as exc:
-        raise UsageError(
-            f"--model-config {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})"
-        ) from None
+        raise UsageError(f"--model-config {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
     if not isinstance(data, dict):
         raise UsageError(f"--model-config {str(path)!r} must hold a JSON object, like an HF config.json")
     return data
@@ -82,22 +78,16 @@ def hf_config(data: dict, *, source: str) -> PretrainedConfig:
 
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
-        raise UsageError(
-            f"{source}: config is missing {', '.join(missing)} (an HF causal-LM config.json has them)"
-        )
+        raise UsageError(f"{source}: config is missing {', '.join(missing)} (an HF causal-LM config.json has them)")
     fields = {k: v for k, v in data.items() if k not in ("model_type", "auto_map", "architectures")}
     try:
         config = AutoConfig.for_model(data["model_type"], **fields)
     except (ValueError, KeyError) as exc:
-        raise UsageError(
-            f"{source}: transformers cannot build model_type {data['model_type']!r} ({exc})"
-        ) from None
+        raise UsageError(f"{source}: transformers cannot build model_type {data['model_type']!r} ({exc})") from None
     from transformers import AutoModelForCausalLM
 
     if type(config) not in AutoModelForCausalLM._model_mapping:
-        raise UsageError(
-            f"{source}: model_type {data['model_type']!r} has no causal-LM class in transformers"
-        )
+        raise UsageError(f"{source}: model_type {data['model_type']!r} has no causal-LM class in transformers")
     return config
 
 

@@ -28,7 +28,7 @@ class ProgressReporter:
         self._log = None
         run_dir = os.environ.get(PROGRESS_FILE_ENV)
         if self.enabled and run_dir:
-            self._log = open(os.path.join(run_dir, "progress.jsonl"), "a", buffering=1)  # noqa: SIM115
+            self._log = open(os.path.join(run_dir, "progress.jsonl"), "a", buffering=1)
 
     def step(self, step: int, total: int, loss: Any, seconds: float | None) -> None:
         if not self.enabled:

@@ -47,9 +47,7 @@ def versions() -> dict[str, str | None]:
 
 
 def selected_env() -> dict[str, str]:
-    return {
-        k: v for k, v in sorted(os.environ.items()) if ENV_VARIABLES.match(k) and not _SECRET_WORDS.search(k)
-    }
+    return {k: v for k, v in sorted(os.environ.items()) if ENV_VARIABLES.match(k) and not _SECRET_WORDS.search(k)}
 
 
 def git_revision() -> str | None:
