@@ -1,0 +1,41 @@
+"""Shared test helpers: run the real ``ljperf`` CLI in a subprocess and read its JSON record."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI subprocess: one OpenMP thread per process on the 2-core machines."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("LJPERF_RUN_DIR", None)
+    env.update(extra)
+    return env
+
+
+def run_ljperf(*args: str, timeout: float = 300, env: dict[str, str] | None = None, cwd: str | Path | None = None):
+    """Run ``python -m ljperf ARGS``; returns the CompletedProcess (text output captured)."""
+    return subprocess.run(
+        [sys.executable, "-m", "ljperf", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or cli_env(),
+        cwd=cwd,
+        check=False,
+    )
+
+
+def read_record(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+@pytest.fixture
+def ljperf():
+    return run_ljperf
