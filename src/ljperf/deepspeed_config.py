@@ -1,0 +1,341 @@
+"""DeepSpeed configs: the one ljperf generates from its options, a user's file validated and merged, and the lint.
+
+Run: ``ljperf benchmark --model deepspeed/llama-tiny --nproc-per-node 2 [--deepspeed-config my_ds.json]``;
+``ljperf doctor`` calls ``lint`` on any DeepSpeed JSON. Rules (docs/engines.md): ljperf's flags are the source
+of truth; ``"auto"`` values are filled from them the way the HF integration does; a number that contradicts
+a flag, or a broken batch identity, is a usage error (exit 2) with the numbers.
+Nothing here imports torch or DeepSpeed, so the lint runs anywhere.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ljperf.errors import UsageError
+
+AUTO = "auto"
+LEVELS = ("ok", "warn", "fail")
+
+# Top-level keys DeepSpeed reads (its config-json documentation and runtime/config.py, 0.17-0.19).
+KNOWN_KEYS = frozenset(
+    {
+        "activation_checkpointing",
+        "aio",
+        "amp",
+        "autotuning",
+        "bf16",
+        "bfloat16",
+        "checkpoint",
+        "comet",
+        "comms_logger",
+        "communication_data_type",
+        "compile",
+        "compression_training",
+        "csv_monitor",
+        "curriculum_learning",
+        "data_efficiency",
+        "data_types",
+        "dataloader_drop_last",
+        "datastates_ckpt",
+        "disable_allgather",
+        "disable_python_gc",
+        "dump_state",
+        "eigenvalue",
+        "elasticity",
+        "expert_parallel",
+        "flops_profiler",
+        "fp16",
+        "gradient_accumulation_steps",
+        "gradient_allreduce_op",
+        "gradient_clipping",
+        "gradient_predivide_factor",
+        "hybrid_engine",
+        "load_universal_checkpoint",
+        "log_level",
+        "managed_gradient_accumulation",
+        "memory_breakdown",
+        "nebula",
+        "optimizer",
+        "pipeline",
+        "prescale_gradients",
+        "progressive_layer_drop",
+        "quantize_training",
+        "scheduler",
+        "seq_parallel_communication_data_type",
+        "sequence_parallel_size",
+        "sparse_attention",
+        "sparse_gradients",
+        "steps_per_print",
+        "tensor_parallel",
+        "tensorboard",
+        "timers",
+        "torch_autocast",
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "use_data_before_expert_parallelism",
+        "use_node_local_storage",
+        "vocabulary_size",
+        "wall_clock_breakdown",
+        "wandb",
+        "weight_quantization",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "zero_optimization",
+    }
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One result of the lint: what was checked, how it came out, and the fix when it is not ok."""
+
+    level: str
+    """``ok``, ``warn`` or ``fail``."""
+    message: str
+    """What was found, with the numbers."""
+    fix: str
+    """What to change (empty when ok)."""
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise ValueError(f"Finding.level must be one of {LEVELS}, not {self.level!r}")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _section(config: dict, key: str) -> dict:
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def lint(config: dict, *, world_size: int | None = None) -> list[Finding]:
+    """Check a DeepSpeed config: one finding per check (unknown keys, batch identity, precision, prefetch bucket).
+
+    ``world_size`` is the data-parallel world size; without it the batch identity is checked up to the world
+    size (``train_batch_size`` must be a multiple of micro batch × accumulation).
+    """
+    if not isinstance(config, dict):
+        return [Finding(level="fail", message="a DeepSpeed config must be a JSON object", fix="write {...}")]
+    return [_unknown_keys(config), _batch_identity(config, world_size), _precision(config), _prefetch(config)]
+
+
+def _unknown_keys(config: dict) -> Finding:
+    unknown = sorted(k for k in config if k not in KNOWN_KEYS)
+    if not unknown:
+        return Finding(level="ok", message="all top-level keys are DeepSpeed keys", fix="")
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return Finding(
+        level="warn",
+        message=f"unknown top-level key(s) {', '.join(hints)}: DeepSpeed ignores them",
+        fix="correct the spelling or remove them",
+    )
+
+
+def _batch_identity(config: dict, world_size: int | None) -> Finding:
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    values = {}
+    for name in names:
+        value = config.get(name, AUTO)
+        if value == AUTO:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            return Finding(
+                level="fail", message=f"{name} is {value!r}", fix=f'set {name} to a positive integer or "auto"'
+            )
+        values[name] = value
+    train, micro, accum = (values.get(n) for n in names)
+    if train is None or micro is None or accum is None:
+        return Finding(level="ok", message="batch sizes are partly auto (DeepSpeed derives the rest)", fix="")
+    product = micro * accum
+    if world_size is not None:
+        expected = product * world_size
+        equation = f"{micro} (micro) × {accum} (accumulation) × {world_size} (world)"
+        if train == expected:
+            return Finding(level="ok", message=f"train_batch_size {train} = {equation}", fix="")
+        return Finding(
+            level="fail",
+            message=f"train_batch_size {train} ≠ {equation} = {expected}",
+            fix=f'set train_batch_size to {expected} or "auto"',
+        )
+    if train % product:
+        return Finding(
+            level="fail",
+            message=f"train_batch_size {train} is not a multiple of {micro} (micro) × {accum} (accumulation)",
+            fix='set train_batch_size to micro × accumulation × world size, or "auto"',
+        )
+    return Finding(level="ok", message=f"train_batch_size {train} fits a world size of {train // product}", fix="")
+
+
+def _enabled(config: dict, *keys: str) -> bool:
+    return any(_section(config, key).get("enabled") is True for key in keys)
+
+
+def _precision(config: dict) -> Finding:
+    if _enabled(config, "bf16", "bfloat16") and _enabled(config, "fp16"):
+        return Finding(
+            level="fail",
+            message="bf16 and fp16 are both enabled",
+            fix='enable one: "bf16": {"enabled": true} on Ampere or newer, else fp16',
+        )
+    return Finding(level="ok", message="at most one of bf16/fp16 is enabled", fix="")
+
+
+def _prefetch(config: dict) -> Finding:
+    value = _section(config, "zero_optimization").get("stage3_prefetch_bucket_size")
+    if _number(value):
+        return Finding(
+            level="warn",
+            message=f"zero_optimization.stage3_prefetch_bucket_size is a fixed number ({value})",
+            fix='leave it out or set it to "auto" (a fixed number fits one model size, and a fractional one '
+            "fails DeepSpeed's integer check)",
+        )
+    return Finding(level="ok", message="stage3_prefetch_bucket_size is left to DeepSpeed", fix="")
+
+
+def load(path: str | Path) -> dict:
+    """Read a DeepSpeed JSON config; a missing or malformed file is a usage error."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--deepspeed-config {str(path)!r}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--deepspeed-config {str(path)!r}: cannot read it ({type(exc).__name__})") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--deepspeed-config {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--deepspeed-config {str(path)!r} must hold a JSON object")
+    return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """The ljperf options a DeepSpeed config is resolved from."""
+
+    micro_batch: int
+    """--micro-batch."""
+    grad_accum: int
+    """--grad-accum."""
+    world: int
+    """Data-parallel processes."""
+    bf16: bool
+    """--precision bf16-mixed."""
+    zero_stage: int
+    """--zero-stage."""
+    lr: float
+    """--lr."""
+    betas: tuple[float, float]
+    """AdamW betas of ``engines.common.adamw``."""
+    eps: float
+    """AdamW eps of ``engines.common.adamw``."""
+    weight_decay: float
+    """AdamW weight decay of ``engines.common.adamw``."""
+    hidden: int
+    """The model's hidden size (bucket sizes scale with it, as in the HF integration)."""
+
+
+def template() -> dict:
+    """ljperf's DeepSpeed config before resolution: every value ljperf controls is ``"auto"``."""
+    return {
+        "train_batch_size": AUTO,
+        "train_micro_batch_size_per_gpu": AUTO,
+        "gradient_accumulation_steps": AUTO,
+        "gradient_clipping": AUTO,
+        "steps_per_print": 2**31 - 1,  # ljperf prints progress itself
+        "wall_clock_breakdown": False,
+        "bf16": {"enabled": AUTO},
+        "fp16": {"enabled": AUTO},
+        # torch_adam: torch.optim.AdamW, the optimizer of the other engines (FusedAdam needs a CUDA op build).
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": AUTO, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO, "torch_adam": True},
+        },
+        "zero_optimization": {
+            "stage": AUTO,
+            "reduce_bucket_size": AUTO,
+            "stage3_param_persistence_threshold": AUTO,
+            "stage3_prefetch_bucket_size": AUTO,  # DeepSpeed keeps its default for "auto"
+        },
+    }
+
+
+def merge(user: dict) -> dict:
+    """ljperf's template with the user's file on top: sections merge key by key; a user optimizer or
+    scheduler replaces ljperf's whole (its parameters belong to its type)."""
+    merged = template()
+    for key, value in user.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key not in ("optimizer", "scheduler"):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def resolve(config: dict, opts: Options, *, source: str) -> tuple[dict, list[Finding]]:
+    """Fill the ``"auto"`` values of a merged config from ``opts``; returns it and the lint's warnings.
+
+    A number that contradicts an ljperf option, and every ``fail`` finding, raise ``UsageError``.
+    """
+    config = copy.deepcopy(config)
+    wanted: dict[tuple[str, ...], tuple[Any, str]] = {
+        ("train_micro_batch_size_per_gpu",): (opts.micro_batch, f"--micro-batch {opts.micro_batch}"),
+        ("gradient_accumulation_steps",): (opts.grad_accum, f"--grad-accum {opts.grad_accum}"),
+        ("zero_optimization", "stage"): (opts.zero_stage, f"--zero-stage {opts.zero_stage}"),
+        ("bf16", "enabled"): (opts.bf16, f"--precision {'bf16-mixed' if opts.bf16 else 'fp32'}"),
+        ("fp16", "enabled"): (False, "ljperf's precisions (fp32, bf16-mixed)"),
+        ("optimizer", "params", "lr"): (opts.lr, f"--lr {opts.lr:g}"),
+    }
+    mismatches = []
+    for path, (value, flag) in wanted.items():
+        current = _get(config, path)
+        if current == AUTO:
+            _set(config, path, value)
+        elif current is not None and current != value:
+            name = ".".join(path)
+            mismatches.append(
+                f'{name} is {json.dumps(current)} but ljperf runs {flag} (set it to "auto" or {json.dumps(value)})'
+            )
+    if mismatches:
+        raise UsageError(f"{source} contradicts ljperf's options: {'; '.join(mismatches)}")
+    fills: dict[tuple[str, ...], Any] = {
+        ("train_batch_size",): opts.micro_batch * opts.grad_accum * opts.world,
+        ("gradient_clipping",): 0.0,
+        ("optimizer", "params", "betas"): list(opts.betas),
+        ("optimizer", "params", "eps"): opts.eps,
+        ("optimizer", "params", "weight_decay"): opts.weight_decay,
+        ("zero_optimization", "reduce_bucket_size"): opts.hidden * opts.hidden,
+        ("zero_optimization", "stage3_param_persistence_threshold"): 10 * opts.hidden,
+    }
+    for path, value in fills.items():
+        if _get(config, path) == AUTO:
+            _set(config, path, value)
+    findings = lint(config, world_size=opts.world)
+    failed = [f for f in findings if f.level == "fail"]
+    if failed:
+        raise UsageError(f"{source}: " + "; ".join(f"{f.message} (fix: {f.fix})" for f in failed))
+    return config, [f for f in findings if f.level == "warn"]
+
+
+def _get(config: dict, path: tuple[str, ...]) -> Any:
+    node: Any = config
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def _set(config: dict, path: tuple[str, ...], value: Any) -> None:
+    node = config
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
