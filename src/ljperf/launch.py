@@ -4,6 +4,7 @@
 torch's elastic launcher (what ``torchrun`` uses), rendezvous on localhost or ``--rdzv-endpoint``.
 When a rank dies, the launcher names it, ends the others, and writes the result record with
 ``status: "error"`` and the steps rank 0 completed (from the run folder's ``progress.jsonl``).
+Other multi-process commands (``ljperf comm``) call ``run_workers`` and ``failure_reason`` directly.
 """
 
 from __future__ import annotations
@@ -17,15 +18,20 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ljperf.config import LaunchConfig
 from ljperf.errors import EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, RunFailed
 from ljperf.report import PROGRESS_FILE_ENV
 from ljperf.result import read_json, write_json
 
 
-def _failure_reason(exc: Exception) -> tuple[str, int]:
-    """One line naming the rank that failed first, and the exit code ljperf should return."""
+def failure_reason(exc: Exception) -> tuple[str, int]:
+    """One line naming the rank that failed first (or the signal), and the exit code ljperf should return."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    if isinstance(exc, SignalException):
+        code = EXIT_SIGINT if exc.sigval == signal.SIGINT else EXIT_SIGTERM
+        return f"interrupted by {exc.sigval.name}", code
     if not isinstance(exc, ChildFailedError):
         return f"launcher failed: {type(exc).__name__}: {exc}", EXIT_ERROR
     rank, failure = min(exc.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
@@ -37,22 +43,15 @@ def _failure_reason(exc: Exception) -> tuple[str, int]:
     return f"rank {rank} {how}", code
 
 
-def launch(cfg: Any) -> int:
-    """Run ``cfg`` on ``nproc_per_node`` processes of this node (one node of ``nnodes``)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
+    """Run ``python -m ljperf ARGV`` on this node's ``lc.nproc_per_node`` processes; raises what the launcher raises."""
+    from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
+    from torch.distributed.launcher.api import elastic_launch
 
-    lc = cfg.launch
-    if cfg.train.device != "cuda":
+    if cpu:
         # gloo on CPU: split the cores between the ranks instead of oversubscribing them.
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // lc.nproc_per_node)))
-    run_dir = Path(tempfile.mkdtemp(prefix="ljperf-run-"))
-    os.environ[PROGRESS_FILE_ENV] = str(run_dir)
-    record_path = Path(cfg.output) if cfg.output else run_dir / "result.json"
-    argv = [a for a in cfg.argv]
-    if not cfg.output:
-        argv += ["--output", str(record_path)]
-    config = LaunchConfig(
+    config = ElasticConfig(
         min_nodes=lc.nnodes,
         max_nodes=lc.nnodes,
         nproc_per_node=lc.nproc_per_node,
@@ -64,15 +63,28 @@ def launch(cfg: Any) -> int:
         monitor_interval=0.1,
         start_method="spawn",
     )
+    elastic_launch(config, sys.executable)("-m", "ljperf", *argv)
+
+
+def launch(cfg: Any) -> int:
+    """Run ``cfg`` on ``nproc_per_node`` processes of this node (one node of ``nnodes``)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    run_dir = Path(tempfile.mkdtemp(prefix="ljperf-run-"))
+    os.environ[PROGRESS_FILE_ENV] = str(run_dir)
+    record_path = Path(cfg.output) if cfg.output else run_dir / "result.json"
+    argv = [a for a in cfg.argv]
+    if not cfg.output:
+        argv += ["--output", str(record_path)]
     try:
-        elastic_launch(config, sys.executable)("-m", "ljperf", *argv)
+        run_workers(argv, cfg.launch, cpu=cfg.train.device != "cuda")
     except SignalException as exc:
-        code = EXIT_SIGINT if exc.sigval == signal.SIGINT else EXIT_SIGTERM
-        _keep_failed_record(cfg, record_path, run_dir, f"interrupted by {exc.sigval.name}")
-        print(f"ljperf benchmark: interrupted by {exc.sigval.name}; partial result kept", file=sys.stderr)
+        reason, code = failure_reason(exc)
+        _keep_failed_record(cfg, record_path, run_dir, reason)
+        print(f"ljperf benchmark: {reason}; partial result kept", file=sys.stderr)
         return code
     except Exception as exc:
-        reason, code = _failure_reason(exc)
+        reason, code = failure_reason(exc)
         status = _keep_failed_record(cfg, record_path, run_dir, reason)
         if status == "oom":
             code = EXIT_OOM
