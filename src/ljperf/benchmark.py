@@ -24,6 +24,7 @@ from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.data import SyntheticTokens
 from ljperf.engines import make_engine
 from ljperf.errors import EXIT_ERROR, EXIT_OK, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, UsageError
+from ljperf.faults import Fault
 from ljperf.metrics import throughput
 from ljperf.models import ModelSpec
 from ljperf.report import ProgressReporter, print_result_table
@@ -253,8 +254,11 @@ def train_loop(run: RunContext, engine: Any, state: LoopState, reporter: Progres
     # Step 1 creates the optimizer states, so memory is measured from step 2 on (the steady state).
     track_step = 1 if train.warmup >= 2 else train.warmup + train.steps
     total = train.warmup + train.steps + (1 if track_step >= train.warmup + train.steps else 0)
+    fault = Fault.from_env()
     for step in range(total):
         batches = data.micro_batches(step, run.rank, device)
+        if fault is not None:
+            fault.maybe_fire(step, run.rank)
         elapsed = None
         if step == track_step:
             loss = measured_memory_step(run, engine, batches, state)

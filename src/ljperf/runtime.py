@@ -83,11 +83,11 @@ def resolve_device_type(requested: str) -> str:
 
 
 def check_process_count(launch: LaunchConfig, device_type: str) -> None:
-    """More processes per node than GPUs is a usage error; on CPU any count runs (gloo)."""
-    if device_type == "cuda" and launch.nproc_per_node > torch.cuda.device_count():
-        raise UsageError(
-            f"--nproc-per-node {launch.nproc_per_node} but this node has {torch.cuda.device_count()} GPU(s)"
-        )
+    """More processes per node than GPUs (or, on CPU, than cores) is a usage error."""
+    have = torch.cuda.device_count() if device_type == "cuda" else (os.cpu_count() or 1)
+    if launch.nproc_per_node > have:
+        what = "GPU(s)" if device_type == "cuda" else "CPU core(s)"
+        raise UsageError(f"--nproc-per-node {launch.nproc_per_node} but this node has {have} {what}")
 
 
 def init_process(run: RunContext, *, need_group: bool) -> RunContext:

@@ -1,0 +1,141 @@
+"""``ljperf benchmark`` end to end on CPU: the record, the numbers in it, DDP, and bad input."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import jsonschema
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from ljperf import memory, models
+from ljperf.engines.common import causal_lm_loss
+
+from conftest import cli_env, read_record, run_ljperf
+
+TINY = ["--model", "torch/llama-tiny", "--seq-len", "128"]
+
+
+def schema() -> dict:
+    return json.loads(resources.files("ljperf").joinpath("schemas", "benchmark-result.schema.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def twenty_steps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "result.json"
+    proc = run_ljperf("benchmark", *TINY, "--micro-batch", "2", "--steps", "20", "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return read_record(out), proc
+
+
+def test_record_validates_against_the_documented_schema(twenty_steps):
+    record, _ = twenty_steps
+    jsonschema.validate(record, schema())
+    res = record["results"]
+    assert res["status"] == "ok" and res["steps_completed"] == 20 and len(res["losses"]) == 20
+    assert res["peak_reserved_bytes"] is None and res["mfu"] is None  # CPU: no allocator, no known peak
+
+
+def test_throughput_arithmetic(twenty_steps):
+    record, _ = twenty_steps
+    res, cfg = record["results"], record["config"]
+    assert cfg["tokens_per_step"] == 2 * 128 * 1 * 1
+    assert res["tokens_per_s"] == pytest.approx(cfg["tokens_per_step"] / res["step_time_s_p50"])
+    flops = models.resolve(name="llama-tiny").flops_per_token(128)
+    assert res["tflops_per_device"] == pytest.approx(res["tokens_per_s_per_device"] * flops / 1e12)
+    assert res["step_time_s_p50"] <= res["step_time_s_p90"]
+
+
+def test_loss_decreases_over_twenty_steps(twenty_steps):
+    losses = twenty_steps[0]["results"]["losses"]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1
+
+
+def test_table_is_printed(twenty_steps):
+    _, proc = twenty_steps
+    for text in ("tokens/s", "step time p50", "peak allocated", "ok"):
+        assert text in proc.stdout
+
+
+def test_peak_memory_at_least_the_training_state(twenty_steps):
+    record, _ = twenty_steps
+    params = record["config"]["model"]["params"]
+    # fp32 AdamW: parameters, gradients and two moments are 16 bytes per parameter, plus activations.
+    assert record["results"]["peak_allocated_bytes"] > 16 * params
+
+
+def test_cpu_memory_measurement_agrees_with_torch_memtracker():
+    spec = models.resolve(name="llama-tiny")
+    model = models.materialize(models.build_meta(spec), device=torch.device("cpu"), seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(0, spec.vocab, (2, 128))
+
+    def step():
+        causal_lm_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with memory.LiveTensorBytes([*memory.training_state_tensors(model, opt), tokens]) as ours:
+        step()
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step()
+    theirs = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert ours.peak == pytest.approx(theirs, rel=0.01)
+
+
+@pytest.mark.slow
+def test_ddp_matches_single_process_for_the_same_global_batch(tmp_path):
+    single, ddp, accum = tmp_path / "single.json", tmp_path / "ddp.json", tmp_path / "accum.json"
+    common = [*TINY, "--steps", "5", "--warmup", "1"]
+    assert run_ljperf("benchmark", *common, "--micro-batch", "4", "--output", str(single)).returncode == 0
+    assert (
+        run_ljperf("benchmark", *common, "--micro-batch", "2", "--grad-accum", "2", "--output", str(accum)).returncode
+        == 0
+    )
+    proc = run_ljperf("benchmark", *common, "--micro-batch", "2", "--nproc-per-node", "2", "--output", str(ddp))
+    assert proc.returncode == 0, proc.stderr
+    ref = read_record(single)["results"]["losses"]
+    assert read_record(ddp)["results"]["losses"] == pytest.approx(ref, rel=1e-5)
+    assert read_record(accum)["results"]["losses"] == pytest.approx(ref, rel=1e-5)
+    ddp_record = read_record(ddp)
+    assert ddp_record["env"]["world_size"] == 2
+    assert len(ddp_record["results"]["peak_allocated_bytes_per_rank"]) == 2
+
+
+def test_injected_oom_is_recorded_with_exit_3(tmp_path):
+    out = tmp_path / "oom.json"
+    proc = run_ljperf("benchmark", *TINY, "--steps", "3", "--output", str(out), env=cli_env(LJPERF_FAULT="oom,step=3"))
+    assert proc.returncode == 3
+    assert "Traceback" not in proc.stderr
+    res = read_record(out)["results"]
+    assert res["status"] == "oom" and res["steps_completed"] == 0
+
+
+BAD_INPUTS = [
+    (["--model", "torch/llama-tinyy"], "closest: llama-tiny"),
+    (["--model", "llama-tiny"], "ENGINE/NAME"),
+    (["--model", "jax/llama-tiny"], "unknown engine"),
+    (["--model", "torch/llama-tiny", "--micro-batch", "0"], "--micro-batch must be larger than zero"),
+    (["--model", "torch/llama-tiny", "--steps", "-3"], "--steps must be larger than zero"),
+    (["--model", "torch/llama-tiny", "--seq-len", "100000"], "longer than"),
+    (["--model", "torch/llama-tiny", "--nproc-per-node", "64"], "--nproc-per-node 64"),
+    (["--model", "torch/llama-tiny", "--device", "cuda"], "no CUDA device"),
+    (["--model", "torch/llama-tiny", "--precision", "fp8"], "--precision"),
+    (["--model", "torch/llama-tiny", "--micro-batch", "two"], "invalid int value"),
+    (["--model", "torch/llama-tiny", "--output", "/nonexistent/dir/r.json"], "does not exist"),
+    (["--model-config", "/nonexistent/config.json"], "no such file"),
+    ([], "exactly one of --model"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    proc = run_ljperf("benchmark", *args, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr

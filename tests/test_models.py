@@ -1,0 +1,136 @@
+"""Model catalog and model arithmetic against published and hand-computed figures."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from ljperf import models
+from ljperf.errors import UsageError
+
+REQUIRED = [
+    "llama3-8b",
+    "llama3.1-8b",
+    "llama3.1-70b",
+    "llama3.2-1b",
+    "llama3.2-3b",
+    "qwen2.5-0.5b",
+    "qwen2.5-7b",
+    "qwen2.5-72b",
+    "qwen3-8b",
+    "mistral-7b",
+    "llama-tiny",
+    "qwen-tiny",
+]
+
+
+def test_catalog_has_the_required_models():
+    assert set(REQUIRED) <= set(models.catalog_names())
+
+
+@pytest.mark.parametrize(
+    ("name", "published_billions", "digits"),
+    [
+        ("llama3-8b", 8.03, 2),
+        ("llama3.1-70b", 70.6, 1),
+        ("qwen2.5-7b", 7.62, 2),
+        ("llama3.2-1b", 1.24, 2),
+        ("qwen2.5-0.5b", 0.49, 2),
+    ],
+)
+def test_parameter_counts_match_published(name, published_billions, digits):
+    assert round(models.resolve(name=name).params.total / 1e9, digits) == published_billions
+
+
+def _tiny_by_hand(*, vocab, hidden, inter, layers, heads, kv, head_dim, tied, qkv_bias):
+    attn = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2
+    if qkv_bias:
+        attn += heads * head_dim + 2 * kv * head_dim
+    per_layer = attn + 3 * hidden * inter + 2 * hidden
+    embedding = vocab * hidden
+    total = layers * per_layer + embedding + (0 if tied else embedding) + hidden
+    return total, embedding
+
+
+def test_llama_tiny_counts_and_flops_by_hand():
+    spec = models.resolve(name="llama-tiny")
+    total, emb = _tiny_by_hand(
+        vocab=2048, hidden=128, inter=352, layers=4, heads=4, kv=2, head_dim=32, tied=False, qkv_bias=False
+    )
+    assert spec.params.total == total == 1_262_720
+    assert spec.params.embedding == emb
+    # 6·(N − N_embedding) + 12·L·H·Q·T with the untied LM head inside N.
+    assert spec.flops_per_token(256) == 6 * (total - emb) + 12 * 4 * 4 * 32 * 256
+
+
+def test_tied_head_is_still_a_matmul():
+    spec = models.resolve(name="qwen-tiny")
+    total, _ = _tiny_by_hand(
+        vocab=2048, hidden=128, inter=352, layers=4, heads=4, kv=2, head_dim=32, tied=True, qkv_bias=True
+    )
+    assert spec.params.total == total
+    assert spec.params.matmul == total  # embedding table removed, tied LM head counted back
+    assert spec.flops_per_token(128) == 6 * total + 12 * 4 * 4 * 32 * 128
+
+
+def test_llama3_8b_flops_per_token():
+    spec = models.resolve(name="llama3-8b")
+    n_emb = 128256 * 4096
+    assert spec.flops_per_token(8192) == 6 * (8_030_261_248 - n_emb) + 12 * 32 * 32 * 128 * 8192
+
+
+def test_70b_is_built_on_meta_without_allocating():
+    start = time.perf_counter()
+    model = models.build_meta(models.resolve(name="llama3.1-70b"))
+    assert time.perf_counter() - start < 20
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_materialize_is_seeded_and_keeps_ties():
+    spec = models.resolve(name="qwen-tiny")
+    a = models.materialize(models.build_meta(spec), device=torch.device("cpu"), seed=3)
+    b = models.materialize(models.build_meta(spec), device=torch.device("cpu"), seed=3)
+    c = models.materialize(models.build_meta(spec), device=torch.device("cpu"), seed=4)
+    assert a.lm_head.weight is a.model.embed_tokens.weight
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+        if pa.dim() == 2:
+            assert not torch.equal(pa, pc), name
+    assert torch.allclose(a.model.rotary_emb.inv_freq, b.model.rotary_emb.inv_freq)
+
+
+def test_model_config_path(tmp_path):
+    data = models.read_config_dict(name="llama-tiny")
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    spec = models.resolve(path=tmp_path)
+    assert spec.params.total == models.resolve(name="llama-tiny").params.total
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"model_type": "llama"}', "missing"),
+        (
+            '{"model_type": "no-such-arch", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1, '
+            '"num_attention_heads": 1}',
+            "cannot build",
+        ),
+    ],
+)
+def test_bad_model_configs_are_usage_errors(tmp_path, content, message):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    with pytest.raises(UsageError, match=message):
+        models.resolve(path=path)
+
+
+def test_unknown_model_names_the_closest():
+    with pytest.raises(UsageError, match="closest: llama3-8b"):
+        models.split_model_arg("torch/llama3-8")
+    with pytest.raises(UsageError, match="unknown engine"):
+        models.split_model_arg("jax/llama-tiny")
