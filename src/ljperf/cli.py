@@ -28,6 +28,8 @@ COMMANDS: dict[str, Command] = {
         "train a model on synthetic tokens and measure throughput, MFU and memory", "ljperf.benchmark"
     ),
     "models": Command("list the model catalog with parameter counts", "ljperf.list_models"),
+    "ablation": Command("measure each optimization's contribution: variants × repeats, report", "ljperf.ablation.cli"),
+    "report": Command("re-render an ablation's report (table, report.md, PNG) from its JSON", "ljperf.ablation.report"),
 }
 
 

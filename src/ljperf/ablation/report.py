@@ -1,0 +1,265 @@
+"""``ljperf report DIR``: the ablation report (terminal table, report.md, PNG chart) from the runs' JSON.
+
+Run: ``ljperf report runs/llama3-8b``; ``ljperf ablation`` calls the same ``render`` when it finishes.
+Writes ``summary.json``, ``report.md`` and ``ablation.png`` into DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from ljperf import __version__
+from ljperf.ablation.stats import Ratio, Spread, VariantStats, summarize
+from ljperf.errors import EXIT_OK, UsageError
+from ljperf.report import console
+from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_json
+from ljperf.units import format_bytes
+
+SUMMARY, MARKDOWN, CHART = "summary.json", "report.md", "ablation.png"
+OVERLAP = "≈"
+OVERLAP_NOTE = f"{OVERLAP}: the min–max ranges of the two variants overlap; these repeats do not show a difference."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``ljperf report``."""
+    parser.add_argument("dir", metavar="DIR", help="the --out folder of an ljperf ablation")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Entry point of ``ljperf report``."""
+    out = Path(args.dir)
+    records = load_records(out)
+    if not records:
+        raise UsageError(f"{out} holds no ablation runs (runs/*/*.json); give the --out folder of ljperf ablation")
+    previous = out / SUMMARY
+    command = read_json(previous).get("args") if previous.exists() else None
+    render(out, records, command=command)
+    return EXIT_OK
+
+
+def load_records(out: Path) -> list[dict[str, Any]]:
+    """Every finished run in ``out`` (pending files of unfinished runs start with a dot)."""
+    paths = sorted(p for p in out.glob("runs/*/*.json") if not p.name.startswith("."))
+    return [rec for rec in map(read_json, paths) if "ablation" in rec]
+
+
+def render(out: Path, records: list[dict[str, Any]], *, command: list[str] | None) -> list[VariantStats]:
+    """Statistics, then the three outputs and the terminal table."""
+    stats = summarize(records)
+    write_json(out / SUMMARY, summary(records, stats, command=command))
+    (out / MARKDOWN).write_text(markdown(records, stats, command=command))
+    chart(stats, out / CHART)
+    print_table(records, stats)
+    console.print(f"report: {out / MARKDOWN} · chart: {out / CHART} · summary: {out / SUMMARY}")
+    return stats
+
+
+def summary(records: list[dict], stats: list[VariantStats], *, command: list[str] | None) -> dict[str, Any]:
+    first = _reference(records)
+    envs = {r["ablation"]["environment"]["name"]: r["ablation"]["environment"] for r in records}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "ablation",
+        "created": now_iso(),
+        "args": command,
+        "config": first.get("config"),
+        "environments": list(envs.values()),
+        "variants": [dataclasses.asdict(s) for s in stats],
+        "runs": sorted(f"runs/{r['ablation']['environment']['name']}/{_run_file(r)}" for r in records),
+    }
+
+
+def _reference(records: list[dict]) -> dict:
+    """The baseline's first successful run (its config describes the shared settings), else the first run."""
+    return min(records, key=lambda r: (r["results"]["status"] != "ok", *_order(r)))
+
+
+def _order(record: dict) -> tuple[int, int, int]:
+    meta = record["ablation"]
+    return meta["environment_index"], meta["variant_index"], meta["repeat"]
+
+
+def _run_file(record: dict) -> str:
+    meta = record["ablation"]
+    return f"{meta['variant']}.r{meta['repeat']}.json"
+
+
+# --- formatting -----------------------------------------------------------------------------------------
+
+
+def _spread(s: Spread | None, scale: float = 1.0, spec: str = ",.0f") -> tuple[str, str]:
+    """(median, "min–max") as text."""
+    if s is None:
+        return "-", "-"
+    return format(s.median * scale, spec), f"{format(s.low * scale, spec)}–{format(s.high * scale, spec)}"
+
+
+def _ratio(r: Ratio | None) -> str:
+    if r is None:
+        return "-"
+    return f"×{r.value:.2f}" + (f" {OVERLAP}" if r.overlaps else "")
+
+
+def _status(s: VariantStats) -> str:
+    return ", ".join(f"{name} ×{n}" if n > 1 else name for name, n in s.statuses.items())
+
+
+def rows(stats: list[VariantStats]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows shared by the terminal and the markdown tables."""
+    header = [
+        "variant",
+        "flags",
+        "status",
+        "tokens/s",
+        "tokens/s min–max",
+        "step ms",
+        "peak memory",
+        "MFU %",
+        "speedup vs base",
+        "gain vs previous",
+        "loss Δ vs base",
+        "wall s",
+    ]
+    body = []
+    for s in stats:
+        tps, tps_range = _spread(s.tokens_per_s)
+        body.append(
+            [
+                s.label,
+                s.flags or "(none)",
+                _status(s),
+                tps,
+                tps_range,
+                _spread(s.step_time_s, 1e3, ".1f")[0],
+                format_bytes(s.peak_allocated_bytes.median) if s.peak_allocated_bytes else "-",
+                _spread(s.mfu, 100, ".1f")[0],
+                _ratio(s.speedup),
+                _ratio(s.gain),
+                "-" if s.loss_max_abs_diff is None else f"{s.loss_max_abs_diff:.1e}",
+                _spread(s.wall_s, 1, ".1f")[0],
+            ]
+        )
+    return header, body
+
+
+def title(records: list[dict]) -> str:
+    cfg = _reference(records).get("config")
+    repeats = max(r["ablation"]["repeat"] for r in records)
+    if not cfg:
+        return f"ablation · {repeats} repeat(s)"
+    train = cfg["train"]
+    return (
+        f"{cfg['engine']['name']}/{cfg['model']['name']} · {cfg['launch']['world_size']} process(es) · "
+        f"mb {train['micro_batch']} × seq {train['seq_len']} × accum {train['grad_accum']} · {train['precision']} · "
+        f"{train['steps']} steps (+{train['warmup']} warm-up) × {repeats} repeat(s)"
+    )
+
+
+def print_table(records: list[dict], stats: list[VariantStats]) -> None:
+    header, body = rows(stats)
+    table = Table(title=escape(title(records)), caption=OVERLAP_NOTE)
+    for i, name in enumerate(header):
+        if name != "flags":  # in report.md; too wide for a terminal
+            table.add_column(name, justify="left" if i < 3 else "right")
+    for row in body:
+        table.add_row(*(escape(cell) for name, cell in zip(header, row, strict=True) if name != "flags"))
+    console.print(table)
+    for s in stats:
+        if s.reason:
+            console.print(f"[red]{escape(s.label)}[/red]: {escape(_status(s))}: {escape(s.reason)}")
+
+
+def markdown(records: list[dict], stats: list[VariantStats], *, command: list[str] | None) -> str:
+    ref = _reference(records)
+    env = ref.get("env", {})
+    header, body = rows(stats)
+    lines = [
+        f"# Ablation: {title(records)}",
+        "",
+        f"{now_iso()} · ljperf {__version__} · host {env.get('host', '-')} · "
+        f"devices {', '.join(env.get('devices', []))}",
+        "",
+    ]
+    if command:
+        lines += ["```", "ljperf " + " ".join(_quote(a) for a in command), "```", ""]
+    lines += ["## Results", "", _md_row(header), _md_row(["---"] * len(header)), *map(_md_row, body), ""]
+    memory_method = ref.get("results", {}).get("memory_method")
+    lines += [
+        f"Speedup: median tokens/s vs `{stats[0].label}`; gain: vs the variant above it (the added optimization). "
+        + OVERLAP_NOTE,
+        f"Peak memory: median over repeats ({memory_method or 'see the run records'}). "
+        "Loss Δ: largest difference of the loss curve from the baseline's (same seed and data).",
+        "",
+        f"![throughput and memory per variant]({CHART})",
+        "",
+    ]
+    failures = [r for r in records if r["results"]["status"] != "ok"]
+    if failures:
+        lines += ["## Failed runs", ""]
+        for r in failures:
+            meta = r["ablation"]
+            lines.append(
+                f"- `{meta['environment']['name']}/{meta['variant']}` repeat {meta['repeat']}: "
+                f"{r['results']['status']}: {r['results'].get('reason')} (log: `runs/{meta['environment']['name']}/"
+                f"{meta['log']}`)"
+            )
+        lines.append("")
+    envs = {r["ablation"]["environment"]["name"]: r["ablation"]["environment"] for r in records}
+    packages = ["python", "torch", "transformers", "deepspeed", "triton", "ljperf"]
+    lines += ["## Environments", "", _md_row(["name", "interpreter", *packages])]
+    lines.append(_md_row(["---"] * (len(packages) + 2)))
+    for e in envs.values():
+        lines.append(_md_row([e["name"], f"`{e['python']}`", *(str(e["versions"].get(p) or "-") for p in packages)]))
+    return "\n".join(lines) + "\n"
+
+
+def _md_row(cells: list[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _quote(arg: str) -> str:
+    return arg if arg and all(c.isalnum() or c in "-_./=+,:@" for c in arg) else repr(arg)
+
+
+def chart(stats: list[VariantStats], path: Path) -> None:
+    """Throughput per variant (median, min–max error bars) and peak memory beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [s.label for s in stats]
+    x = list(range(len(stats)))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(stats) + 3), 4.5))
+    tps = [s.tokens_per_s.median if s.tokens_per_s else 0.0 for s in stats]
+    err = [
+        [s.tokens_per_s.median - s.tokens_per_s.low if s.tokens_per_s else 0.0 for s in stats],
+        [s.tokens_per_s.high - s.tokens_per_s.median if s.tokens_per_s else 0.0 for s in stats],
+    ]
+    left.bar(x, tps, yerr=err, capsize=6, color="tab:blue")
+    left.set_title("throughput (median, min–max)")
+    left.set_ylabel("tokens/s")
+    peaks = [s.peak_allocated_bytes.median if s.peak_allocated_bytes else 0.0 for s in stats]
+    scale, unit = (1024**3, "GiB") if max(peaks, default=0) >= 1024**3 else (1024**2, "MiB")
+    right.bar(x, [p / scale for p in peaks], color="tab:orange")
+    right.set_title("peak memory (median)")
+    right.set_ylabel(unit)
+    for i, s in enumerate(stats):
+        if s.tokens_per_s is None:
+            for ax in (left, right):
+                ax.text(i, 0, _status(s), ha="center", va="bottom", color="tab:red")
+        elif s.speedup is not None:
+            left.text(i, s.tokens_per_s.high, _ratio(s.speedup), ha="center", va="bottom")
+    for ax in (left, right):
+        ax.set_xticks(x, labels, rotation=20 if len(stats) > 3 else 0, ha="right" if len(stats) > 3 else "center")
+        ax.grid(axis="y", alpha=0.3)
+        ax.margins(y=0.12)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

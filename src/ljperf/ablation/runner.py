@@ -1,0 +1,192 @@
+"""Run an ablation plan: one fresh ``ljperf benchmark`` process per run, interleaved across repeats.
+
+Each run writes ``runs/<env>/<variant>.r<k>.json`` (the benchmark's record plus an ``ablation`` section)
+only after it has ended, so a killed run never looks finished; with the same folder a re-run skips
+finished runs. Each run gets its own compile cache folder, so no variant inherits another's compiled code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+
+from ljperf.ablation.variants import Environment, Variant
+from ljperf.errors import UsageError
+from ljperf.report import PROGRESS_FILE_ENV, console
+from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_json
+
+# Seconds a timed-out run gets after SIGTERM to write its partial record before SIGKILL.
+STOP_GRACE_S = 15.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedRun:
+    """One benchmark process of the plan."""
+
+    environment: Environment
+    environment_index: int
+    variant: Variant
+    variant_index: int
+    repeat: int
+    command: tuple[str, ...]
+    """The ``ljperf benchmark`` flags: the shared ones, then the variant's."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.environment.name}/{self.variant.name}.r{self.repeat}"
+
+    def path(self, out: Path) -> Path:
+        return out / "runs" / self.environment.name / f"{self.variant.name}.r{self.repeat}.json"
+
+    def meta(self) -> dict[str, Any]:
+        """The ``ablation`` section of the run's record (what resume compares, what the report groups by)."""
+        return {
+            "variant": self.variant.name,
+            "variant_index": self.variant_index,
+            "flags": self.variant.text,
+            "repeat": self.repeat,
+            "environment": self.environment.describe(),
+            "environment_index": self.environment_index,
+            "command": list(self.command),
+        }
+
+
+def plan(
+    *, shared: list[str], variants: list[Variant], environments: list[Environment], repeat: int
+) -> list[PlannedRun]:
+    """Every run, interleaved (A B C A B C …) so that drift of the machine hits all variants alike."""
+    return [
+        PlannedRun(
+            environment=env,
+            environment_index=e,
+            variant=variant,
+            variant_index=v,
+            repeat=k,
+            command=(*shared, *variant.flags),
+        )
+        for k in range(1, repeat + 1)
+        for e, env in enumerate(environments)
+        for v, variant in enumerate(variants)
+    ]
+
+
+def run_all(runs: list[PlannedRun], *, out: Path, timeout: float, force: bool) -> list[dict[str, Any]]:
+    """Execute the plan (skipping finished runs unless ``force``); returns the records in plan order."""
+    done = [None] * len(runs) if force else [finished(run, out) for run in runs]
+    todo = [i for i, record in enumerate(done) if record is None]
+    if len(todo) < len(runs):
+        console.print(f"resuming {out}: {len(runs) - len(todo)} of {len(runs)} runs already finished")
+    records = []
+    for i, run in enumerate(runs):
+        record = done[i]
+        if record is None:
+            step = f"[{todo.index(i) + 1}/{len(todo)}] {run.name}"
+            with console.status(escape(f"{step}: {shlex.join(run.command)}")):
+                record = execute(run, out=out, timeout=timeout)
+            console.print(f"{escape(step)}: {_one_line(record)}")
+        records.append(record)
+    return records
+
+
+def finished(run: PlannedRun, out: Path) -> dict[str, Any] | None:
+    """The record of ``run`` if an earlier invocation finished it; refuses a folder of another ablation."""
+    path = run.path(out)
+    if not path.exists():
+        return None
+    record = read_json(path)
+    meta = record.get("ablation", {})
+    if meta.get("command") != list(run.command) or meta.get("environment", {}).get("python") != (
+        run.environment.python
+    ):
+        raise UsageError(
+            f"{path} is a run of another ablation ({shlex.join(meta.get('command', []))}); "
+            "pass --force to replace the runs in that folder, or choose another --out"
+        )
+    if meta.get("variant_index") != run.variant_index or meta.get("environment_index") != run.environment_index:
+        record["ablation"] = {**meta, **run.meta()}
+        write_json(path, record)
+    return record
+
+
+def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
+    """Run one benchmark process; its record (or one made here for a crash or timeout) is written at the end."""
+    path = run.path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pending = path.with_name(f".{path.stem}.pending.json")
+    pending.unlink(missing_ok=True)
+    log = path.with_suffix(".log")
+    argv = [run.environment.python, "-m", "ljperf", "benchmark", *run.command, "--output", str(pending)]
+    timed_out = False
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ljperf-ablation-") as cache, open(log, "w") as log_file:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
+        env.pop(PROGRESS_FILE_ENV, None)
+        # A session of its own: a timeout or Ctrl-C stops the whole tree (torchrun and its ranks).
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            exit_code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            exit_code = _stop(proc)
+        except BaseException:
+            _stop(proc)
+            pending.unlink(missing_ok=True)
+            raise
+    wall_s = time.monotonic() - start
+    record = read_json(pending) if pending.exists() else _crash_record(run)
+    results = record["results"]
+    if timed_out:
+        results["status"], results["reason"] = "timeout", f"stopped after --timeout {timeout:g} s"
+    elif not pending.exists():
+        results["reason"] = _last_line(log) or f"exited with code {exit_code}"
+    record["ablation"] = {**run.meta(), "exit_code": exit_code, "wall_s": wall_s, "log": log.name}
+    write_json(path, record)
+    pending.unlink(missing_ok=True)
+    return record
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    """SIGTERM the run's process group (the benchmark keeps a partial record), SIGKILL after a grace period."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def _crash_record(run: PlannedRun) -> dict[str, Any]:
+    """The record of a run that ended without writing one (crash, usage error, timeout before start-up)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "benchmark",
+        "start_time": now_iso(),
+        "args": ["benchmark", *run.command],
+        "env": {"versions": run.environment.versions},
+        "results": {"status": "error", "reason": None},
+    }
+
+
+def _last_line(log: Path) -> str | None:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else None
+
+
+def _one_line(record: dict[str, Any]) -> str:
+    res = record["results"]
+    wall = f"{record['ablation']['wall_s']:.1f} s"
+    if res["status"] != "ok":
+        return f"[red]{res['status']}[/red] ({escape(str(res.get('reason')))}) · {wall}"
+    return f"ok · {res['tokens_per_s']:,.0f} tokens/s · step {res['step_time_s_p50'] * 1e3:.1f} ms · {wall}"

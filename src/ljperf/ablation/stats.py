@@ -1,0 +1,133 @@
+"""Statistics of an ablation: per-variant median and min–max, speedup vs the baseline, incremental gain.
+
+Throughput ratios use median tokens/s. A ratio is marked as within noise when the min–max ranges of the
+two variants overlap: the repeats do not separate them, so the difference is not shown.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ljperf.ablation.variants import LOCAL_ENV
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spread:
+    """Median and range of one figure over the successful repeats."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread | None:
+        return cls(median=statistics.median(values), low=min(values), high=max(values)) if values else None
+
+    def overlaps(self, other: Spread) -> bool:
+        return self.low <= other.high and other.low <= self.high
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ratio:
+    """``value`` = median of a variant / median of the reference; ``overlaps``: their ranges overlap."""
+
+    value: float
+    reference: str
+    overlaps: bool
+
+
+def ratio(of: Spread | None, to: Spread | None, *, reference: str) -> Ratio | None:
+    if of is None or to is None:
+        return None
+    return Ratio(value=of.median / to.median, reference=reference, overlaps=of.overlaps(to))
+
+
+@dataclass(kw_only=True)
+class VariantStats:
+    """One variant in one environment, over its repeats."""
+
+    environment: str
+    variant: str
+    flags: str
+    runs: int
+    statuses: dict[str, int]
+    reason: str | None = None
+    """The first failure's reason, if any run failed."""
+    tokens_per_s: Spread | None = None
+    step_time_s: Spread | None = None
+    peak_allocated_bytes: Spread | None = None
+    mfu: Spread | None = None
+    wall_s: Spread | None = None
+    """Wall time of the whole run (start-up, compile, warm-up, steps)."""
+    losses: list[float] = field(default_factory=list)
+    """The loss curve of the first successful repeat."""
+    loss_max_abs_diff: float | None = None
+    """Largest loss difference from the baseline's curve (same seed and data: should be ~0)."""
+    speedup: Ratio | None = None
+    """Throughput vs the baseline (first variant of the first environment)."""
+    gain: Ratio | None = None
+    """Throughput vs the previous variant of the same environment (the added optimization's share)."""
+
+    @property
+    def label(self) -> str:
+        return self.variant if self.environment == LOCAL_ENV else f"{self.environment}/{self.variant}"
+
+    @property
+    def ok(self) -> int:
+        return self.statuses.get("ok", 0)
+
+
+def summarize(records: list[dict[str, Any]]) -> list[VariantStats]:
+    """Group run records by (environment, variant) in plan order and compute every figure."""
+    groups: dict[tuple[int, int, str, str], list[dict]] = {}
+    for rec in records:
+        meta = rec["ablation"]
+        key = (meta["environment_index"], meta["variant_index"], meta["environment"]["name"], meta["variant"])
+        groups.setdefault(key, []).append(rec)
+    out = [_one(runs) for _, runs in sorted(groups.items())]
+    contributions(out)
+    return out
+
+
+def _one(runs: list[dict]) -> VariantStats:
+    runs = sorted(runs, key=lambda r: r["ablation"]["repeat"])
+    meta = runs[0]["ablation"]
+    ok = [r["results"] for r in runs if r["results"]["status"] == "ok"]
+    failed = [r["results"] for r in runs if r["results"]["status"] != "ok"]
+
+    def spread(key: str) -> Spread | None:
+        return Spread.of([res[key] for res in ok if res.get(key) is not None])
+
+    return VariantStats(
+        environment=meta["environment"]["name"],
+        variant=meta["variant"],
+        flags=meta["flags"],
+        runs=len(runs),
+        statuses=dict(Counter(r["results"]["status"] for r in runs)),
+        reason=failed[0].get("reason") if failed else None,
+        tokens_per_s=spread("tokens_per_s"),
+        step_time_s=spread("step_time_s_p50"),
+        peak_allocated_bytes=spread("peak_allocated_bytes"),
+        mfu=spread("mfu"),
+        wall_s=Spread.of([r["ablation"]["wall_s"] for r in runs if r["results"]["status"] == "ok"]),
+        losses=(ok[0].get("losses") or []) if ok else [],
+    )
+
+
+def contributions(stats: list[VariantStats]) -> None:
+    """Fill ``speedup`` (vs the first entry) and ``gain`` (vs the previous variant of the same environment)."""
+    if not stats:
+        return
+    base = stats[0]
+    for i, s in enumerate(stats):
+        s.speedup = ratio(s.tokens_per_s, base.tokens_per_s, reference=base.label) if i else None
+        prev = stats[i - 1] if i else None
+        if prev is not None and prev.environment == s.environment:
+            s.gain = ratio(s.tokens_per_s, prev.tokens_per_s, reference=prev.label)
+        else:
+            s.gain = None
+        if s.losses and base.losses:
+            s.loss_max_abs_diff = max(abs(a - b) for a, b in zip(s.losses, base.losses, strict=False))
