@@ -13,9 +13,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ljperf.checkpoint import parse_recompute
 from ljperf.errors import UsageError
+from ljperf.units import parse_size
 
 PRECISIONS = ("fp32", "bf16-mixed")
+COMPILE_MODES = ("regional", "whole", "off")
 
 
 def opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
@@ -99,6 +102,19 @@ class EngineConfig:
 @dataclass(kw_only=True)
 class OptimConfig:
     """Optimizations, applied in a fixed order before the engine shards: checkpoint → compile."""
+
+    recompute: str = opt("none", "activation recompute: none, full, auto (fastest plan under the budget) or K")
+    memory_budget: str | None = opt(None, "memory budget of --recompute auto, e.g. 70GiB (docs/checkpoint.md)")
+    compile_mode: str = opt(
+        "off", "torch.compile: regional (each block and the loss), whole (the model) or off; --compile = regional"
+    )
+
+    def __post_init__(self) -> None:
+        parse_recompute(self.recompute)
+        if self.compile_mode not in COMPILE_MODES:
+            raise UsageError(f"--compile-mode {self.compile_mode!r}: choose one of {', '.join(COMPILE_MODES)}")
+        if self.memory_budget is not None:
+            parse_size(self.memory_budget, what="--memory-budget")
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None) -> None:

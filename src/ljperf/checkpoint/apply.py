@@ -1,0 +1,142 @@
+"""Apply a per-layer recompute plan: ``none`` keeps every activation, ``selective`` keeps the matmul and
+attention outputs and recomputes the cheap pointwise ops, ``full`` keeps only the layer's inputs.
+
+HF decoder layers (``GradientCheckpointingLayer``) get their own per-layer flag; any other model's repeated
+blocks (the longest ``ModuleList`` of one block class) get a forward that checkpoints. Both checkpoint the
+block's ``forward``, not ``__call__``, so FSDP2/ZeRO-3 module hooks stay outside and do not run twice.
+Always non-reentrant, so it composes with FSDP2, ZeRO-3 and torch.compile; apply before sharding/compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Sequence
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ljperf.checkpoint import MODES
+from ljperf.errors import UsageError
+
+Plan = tuple[str, ...]
+"""One mode per layer, in layer order."""
+
+_aten = torch.ops.aten
+# Outputs that cost FLOPs to recompute: matmuls and fused attention. Everything else (norms, rotary, activation
+# functions, residual adds, dtype casts) is memory-bound and recomputed.
+SAVE_OPS = frozenset(
+    op
+    for op in (
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.baddbmm.default,
+        getattr(_aten, "_scaled_dot_product_flash_attention", None),
+        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
+        getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
+        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+        getattr(_aten, "_flash_attention_forward", None),
+        getattr(_aten, "_efficient_attention_forward", None),
+    )
+    if op is not None
+)
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    packet = getattr(op, "overloadpacket", op)
+    if op in SAVE_OPS or packet in SAVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_fn(mode: str):
+    """``torch.utils.checkpoint.checkpoint`` configured for ``mode`` (``full`` or ``selective``)."""
+    if mode == "selective":
+        context = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+        return functools.partial(checkpoint, use_reentrant=False, context_fn=context)
+    return functools.partial(checkpoint, use_reentrant=False)
+
+
+def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks in order: HF decoder layers, else the longest ModuleList of one class."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    hf = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if hf:
+        return hf
+    best: list[torch.nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
+            if len({type(block) for block in module}) == 1:
+                best = list(module)
+    if not best:
+        raise UsageError(f"{type(model).__name__} has no repeated blocks (no ModuleList): cannot checkpoint it")
+    return best
+
+
+def apply_plan(model: torch.nn.Module, plan: Sequence[str]) -> list[torch.nn.Module]:
+    """Set each block's recompute mode; idempotent, so a later call re-plans. Returns the blocks."""
+    blocks = find_blocks(model)
+    if len(plan) != len(blocks):
+        raise ValueError(f"plan has {len(plan)} entries for {len(blocks)} layers")
+    for block, mode in zip(blocks, plan, strict=True):
+        if mode not in MODES:
+            raise ValueError(f"recompute mode {mode!r}: choose one of {', '.join(MODES)}")
+        _set_mode(block, mode)
+    return blocks
+
+
+def _set_mode(block: torch.nn.Module, mode: str) -> None:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    block._ljperf_recompute = mode
+    if isinstance(block, GradientCheckpointingLayer):
+        block.gradient_checkpointing = mode != "none"
+        block._gradient_checkpointing_func = checkpoint_fn(mode)
+    elif "forward" not in block.__dict__:
+        # An instance attribute: other instances of the class are untouched, deepcopy rebinds it.
+        block.forward = types.MethodType(_checkpointed_forward, block)
+
+
+def _checkpointed_forward(self: torch.nn.Module, *args, **kwargs):
+    # type(self).forward, looked up per call: FSDP2 swaps the class for a subclass after this is set.
+    forward = functools.partial(type(self).forward, self)
+    mode = self._ljperf_recompute
+    if mode == "none" or not (self.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    return checkpoint_fn(mode)(forward, *args, **kwargs)
+
+
+def current_plan(model: torch.nn.Module) -> Plan:
+    """The mode each block runs with now (HF layers enabled by the user's own flag count as ``full``)."""
+    modes = []
+    for block in find_blocks(model):
+        mode = getattr(block, "_ljperf_recompute", None)
+        if mode is None:
+            mode = "full" if getattr(block, "gradient_checkpointing", False) else "none"
+        modes.append(mode)
+    return tuple(modes)
+
+
+def fixed_plan(value: str | int | tuple[str, ...], layers: int) -> Plan:
+    """The plan of ``--recompute none|full|K|MODE,...`` (parsed) for a model of ``layers`` layers."""
+    if value == "none":
+        return ("none",) * layers
+    if value == "full":
+        return ("full",) * layers
+    if isinstance(value, tuple):
+        if len(value) != layers:
+            raise UsageError(f"--recompute lists {len(value)} modes but the model has {layers} layers")
+        return value
+    if isinstance(value, int):
+        if value > layers:
+            raise UsageError(f"--recompute {value}: the model has only {layers} layers")
+        return ("full",) * value + ("none",) * (layers - value)
+    raise ValueError(f"no fixed plan for --recompute {value!r}")
+
+
+def summary(plan: Sequence[str]) -> str:
+    """``12/32 layers (selective 4, full 8)``."""
+    sel, full = plan.count("selective"), plan.count("full")
+    return f"{sel + full}/{len(plan)} layers (selective {sel}, full {full})"
