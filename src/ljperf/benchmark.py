@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfgmod.add_arguments(parser, TrainConfig)
     cfgmod.add_arguments(parser, EngineConfig)
     cfgmod.add_arguments(parser, OptimConfig)
+    parser.add_argument(
+        "--compile", dest="compile_mode", action="store_const", const="regional", help="same as --compile-mode regional"
+    )
     cfgmod.add_arguments(parser, LaunchConfig)
 
 
@@ -113,6 +116,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
     check_process_count(cfg.launch, device_type)
     if cfg.output and not under_torchrun():
         check_writable(cfg.output)
+    if cfg.optim.compile_mode != "off" and cfg.train.warmup < 1:
+        raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
     return cfg
 
 
@@ -335,6 +340,10 @@ def results_section(
             )
         )
         out["peak_tflops_per_device"] = peak
+    if cfg.optim.compile_mode != "off":
+        from ljperf.compile import session
+
+        out["compile"] = session().results() if session() else None
     return {**figures, **out}
 
 

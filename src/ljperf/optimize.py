@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from ljperf.compile import apply_compile
 from ljperf.runtime import RunContext
 
 
 def apply_optimizations(model: torch.nn.Module, run: RunContext) -> torch.nn.Module:
     """Apply the run's optimizations in order; returns the model to wrap/shard."""
+    model = apply_compile(model, run)
     return model

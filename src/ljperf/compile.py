@@ -1,0 +1,202 @@
+"""Compile optimization: ``torch.compile`` per repeated block (regional), of the whole model, or off.
+
+Run: ``ljperf benchmark --model torch/llama-tiny --compile`` (``--compile-mode regional|whole|off``);
+``ljperf compile-report --model torch/llama-tiny --seq-lens 512,1000,2048`` explains breaks and recompiles.
+
+A region is a module whose ``forward`` (not ``__call__``) is compiled, so the hooks of FSDP2, ZeRO-3 and
+DDP stay outside every compiled graph. ``regional`` compiles each decoder block and the loss (torchtitan's
+recipe: blocks of one class share one compiled graph); ``whole`` compiles the model's forward.
+A region whose compile fails (forward or backward, or ``recompile_limit`` hit) runs eager from then on,
+with a one-line reason in ``fallbacks``. Sequence lengths: the first length compiles static, the first
+different one recompiles once with the sequence dimension dynamic (torch's automatic dynamic shapes),
+later lengths reuse it. See docs/compile.md.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters, get_compilation_metrics
+
+MODES = ("regional", "whole", "off")
+
+# Every compile also lowers the backward at once (not lazily at the first backward), so a failing
+# backward compile is caught where the region can still fall back; hitting the recompile limit raises
+# instead of silently running eager, so it is reported too.
+_COMPILE_CONFIG = {"force_non_lazy_backward_lowering": True}
+_DYNAMO_CONFIG = {"fail_on_recompile_limit_hit": True}
+
+
+@dataclass
+class CompileSession:
+    """What compiling cost in this process since ``apply_compile``: the ``compile`` part of the result."""
+
+    mode: str
+    regions: list[str] = field(default_factory=list)
+    fallbacks: list[dict[str, str]] = field(default_factory=list)
+    region_time_s: dict[str, float] = field(default_factory=dict)
+    recompile_reasons: list[str] = field(default_factory=list)
+    graph_breaks_at_start: int = field(default_factory=lambda: _graph_break_count())
+    start_us: int = field(default_factory=lambda: time.time_ns() // 1000)
+    verbose: bool = True
+    _seen_us: int = 0
+
+    def collect(self, region: str) -> None:
+        """Book the compilations that finished since the last call to ``region``."""
+        for m in get_compilation_metrics():
+            begin = m.start_time_us or 0
+            if begin < self.start_us or begin <= self._seen_us:
+                continue
+            self._seen_us = max(self._seen_us, begin)
+            self.region_time_s[region] = self.region_time_s.get(region, 0.0) + (m.duration_us or 0) / 1e6
+            if m.recompile_reason:
+                self.recompile_reasons.append(f"{region}: {m.recompile_reason}")
+
+    def fallback(self, region: str, exc: BaseException) -> None:
+        reason = one_line(exc)
+        self.fallbacks.append({"region": region, "reason": reason})
+        if self.verbose:
+            print(f"ljperf compile: {region} runs eager (compile failed: {reason})", file=sys.stderr)
+
+    def results(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "regions": len(self.regions),
+            "graph_breaks": _graph_break_count() - self.graph_breaks_at_start,
+            "recompiles": len(self.recompile_reasons),
+            "time_s": round(sum(self.region_time_s.values()), 3),
+            "time_s_per_region": {k: round(v, 3) for k, v in self.region_time_s.items()},
+            "recompile_reasons": self.recompile_reasons,
+            "fallbacks": self.fallbacks,
+        }
+
+
+_session: CompileSession | None = None
+
+
+def session() -> CompileSession | None:
+    """This process's compile session (None when nothing was compiled)."""
+    return _session
+
+
+def _graph_break_count() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, with dynamo's ``Explanation:`` line when it has one."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    explanation = next((line for line in lines if line.startswith("Explanation:")), None)
+    if explanation:
+        text = f"{text}: {explanation.removeprefix('Explanation:').strip()}"
+    return f"{type(exc).__name__}: {text}"[:400]
+
+
+class _Group:
+    """Regions that run the same code (one block class): one failed compile sends them all to eager."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.failed = False
+
+
+class Region:
+    """A callable standing in for a module's ``forward`` (or the loss): compiled, eager after a failure."""
+
+    def __init__(self, name: str, resolve: Callable[[], Callable], group: _Group, sess: CompileSession):
+        self.name = name
+        self._resolve = resolve
+        self._group = group
+        self._session = sess
+        self._eager: Callable | None = None
+        self._compiled: Callable | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._eager is None:
+            # Resolved at the first call: FSDP2's fully_shard swaps the module's class after compile is applied.
+            self._eager = self._resolve()
+            self._compiled = torch.compile(self._eager)
+        if self._group.failed:
+            return self._eager(*args, **kwargs)
+        frames = counters["frames"]["total"]
+        try:
+            with torch._functorch.config.patch(_COMPILE_CONFIG), torch._dynamo.config.patch(_DYNAMO_CONFIG):
+                out = self._compiled(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            out = self._eager(*args, **kwargs)  # an error of the model itself raises here as well
+            self._group.failed = True
+            self._session.fallback(self._group.label, exc)
+        if counters["frames"]["total"] != frames:
+            self._session.collect(self.name)
+        return out
+
+
+def _forward_resolver(module: torch.nn.Module) -> Callable[[], Callable]:
+    own = module.__dict__.get("forward")
+    if own is not None:  # an earlier optimization (checkpoint) replaced this module's forward: compile that
+        return lambda: own
+    return lambda: types.MethodType(type(module).forward, module)
+
+
+def _compile_module(module: torch.nn.Module, name: str, group: _Group, sess: CompileSession) -> None:
+    module.forward = Region(name, _forward_resolver(module), group, sess)
+    sess.regions.append(name)
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks: HF decoder layers, else the longest ``ModuleList`` of one block class."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    hf = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if hf:
+        return hf
+    best: list[torch.nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best) and len({type(b) for b in module}) == 1:
+            best = list(module)
+    return best
+
+
+def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True) -> CompileSession | None:
+    """Compile ``model`` in place for training (``regional`` or ``whole``); returns the session, None for ``off``."""
+    global _session
+    if mode not in MODES:
+        raise ValueError(f"compile mode {mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "off":
+        return None
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False  # a KV cache in the forward's guards would recompile every layer
+    sess = _session = CompileSession(mode=mode, verbose=verbose)
+    names = {id(m): n for n, m in model.named_modules()}
+    if mode == "whole":
+        _compile_module(model, "model", _Group("model"), sess)
+        return sess
+    blocks = decoder_blocks(model)
+    groups: dict[type, _Group] = {}
+    for block in blocks:
+        kind = type(block)
+        label = f"{kind.__name__} blocks" if sum(type(b) is kind for b in blocks) > 1 else names[id(block)]
+        _compile_module(block, names[id(block)], groups.setdefault(kind, _Group(label)), sess)
+    if not blocks:
+        _compile_module(model, "model", _Group("model"), sess)
+    if hasattr(type(model), "loss_function"):
+        loss = model.loss_function
+        model.loss_function = Region("loss", lambda: loss, _Group("loss"), sess)
+        sess.regions.append("loss")
+    return sess
+
+
+def apply_compile(model: torch.nn.Module, run: Any) -> torch.nn.Module:
+    """The compile step of ``optimize.apply_optimizations`` (after checkpointing, before the engine wraps)."""
+    compile_model(model, run.optim.compile_mode, verbose=run.is_main)
+    return model
