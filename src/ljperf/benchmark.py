@@ -118,6 +118,11 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
         check_writable(cfg.output)
     if cfg.optim.compile_mode != "off" and cfg.train.warmup < 1:
         raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
+    if engine == "deepspeed" and not under_torchrun():
+        # A contradicting DeepSpeed config fails here (exit 2), before any process starts.
+        from ljperf.engines.deepspeed_engine import resolved_config
+
+        resolved_config(run_context(cfg, world=cfg.launch.nproc_per_node * cfg.launch.nnodes))
     return cfg
 
 

@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -32,6 +33,9 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak = self.current
 
     def _track(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, DTensor):
+            # A DTensor is a wrapper: this rank holds its local shard (ops on it run below this mode).
+            tensor = tensor._local_tensor
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()

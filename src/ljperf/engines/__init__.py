@@ -14,7 +14,11 @@ if TYPE_CHECKING:
 
     from ljperf.runtime import RunContext
 
-_MODULES = {"torch": "ljperf.engines.torch_engine"}
+_MODULES = {
+    "torch": "ljperf.engines.torch_engine",
+    "fsdp": "ljperf.engines.fsdp_engine",
+    "deepspeed": "ljperf.engines.deepspeed_engine",
+}
 
 
 class Engine(Protocol):

@@ -1,0 +1,108 @@
+"""Engine ``deepspeed``: DeepSpeed ZeRO stage 1, 2 or 3 (``--zero-stage``, default 3) through ``deepspeed.initialize``.
+
+Run: ``ljperf benchmark --model deepspeed/llama-tiny --nproc-per-node 2`` (CPU, gloo) or
+``ljperf benchmark --model deepspeed/llama3-8b --nproc-per-node 8 [--deepspeed-config my_ds.json]``.
+The DeepSpeed config is ljperf's own or the user's merged with it (``ljperf.deepspeed_config``); the
+resolved one is recorded. The weights start equal to the torch engine's, and the optimizer is
+``torch.optim.AdamW`` with the same hyper-parameters, so losses match the other engines.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ljperf import deepspeed_config
+from ljperf.engines.common import adamw, causal_lm_loss
+from ljperf.models import materialize
+from ljperf.optimize import apply_optimizations
+from ljperf.report import console
+from ljperf.runtime import RunContext
+
+
+class DeepSpeedEngine:
+    """A DeepSpeed engine over all ranks; ZeRO partitions optimizer states (1), gradients (2) and parameters (3)."""
+
+    def __init__(self, run: RunContext):
+        self.run = run
+        self.config, self.warnings = resolved_config(run)
+        self.model: torch.nn.Module
+        self.optimizer: Any = None
+
+    def setup(self, model: torch.nn.Module) -> None:
+        import deepspeed
+
+        run = self.run
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        if run.is_main:
+            for finding in self.warnings:
+                console.print(f"[yellow]warning:[/] {finding.message}; fix: {finding.fix}")
+        if run.device.type == "cpu" and run.is_main and not _comm_op_built():
+            console.print("DeepSpeed is building its CPU comm op (first run only, about 20 s)...")
+        deepspeed.init_distributed(dist_backend="gloo" if run.device.type == "cpu" else "nccl")
+        model = materialize(model, device=run.device.torch_device, seed=run.train.seed)
+        model = apply_optimizations(model, run)
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=self.config
+        )
+        self.model = engine
+        self.optimizer = optimizer
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        # DeepSpeed divides each micro-step's loss by gradient_accumulation_steps and steps at the boundary.
+        total = torch.zeros((), device=self.run.device.torch_device)
+        for tokens in micro_batches:
+            loss = causal_lm_loss(self.model, tokens)
+            self.model.backward(loss)
+            self.model.step()
+            total += loss.detach().float() / len(micro_batches)
+        return total
+
+    def describe(self) -> dict:
+        return {
+            "name": "deepspeed",
+            "zero_stage": self.config["zero_optimization"]["stage"],
+            "config_source": self.run.engine_opts.deepspeed_config or "ljperf",
+            "deepspeed_config": self.config,
+            "warnings": [f"{f.message}; fix: {f.fix}" for f in self.warnings],
+            "optimizer": "torch.optim.AdamW (DeepSpeed torch_adam)",
+        }
+
+
+def resolved_config(run: RunContext) -> tuple[dict, list[deepspeed_config.Finding]]:
+    """ljperf's DeepSpeed config, or ``--deepspeed-config`` merged into it; ``"auto"`` values resolved."""
+    path = run.engine_opts.deepspeed_config
+    user = deepspeed_config.load(path) if path else {}
+    defaults = adamw([torch.zeros(1)], run=run).defaults
+    opts = deepspeed_config.Options(
+        micro_batch=run.train.micro_batch,
+        grad_accum=run.train.grad_accum,
+        world=run.world,
+        bf16=run.bf16,
+        zero_stage=run.engine_opts.zero_stage,
+        lr=run.train.lr,
+        betas=tuple(defaults["betas"]),
+        eps=defaults["eps"],
+        weight_decay=defaults["weight_decay"],
+        hidden=run.model.hidden,
+    )
+    source = f"--deepspeed-config {path}" if path else "ljperf's DeepSpeed config"
+    return deepspeed_config.resolve(deepspeed_config.merge(user), opts, source=source)
+
+
+def _comm_op_built() -> bool:
+    """Whether DeepSpeed's CPU shared-memory comm op is already in torch's extension cache."""
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:
+        return True
+    return any(Path(_get_build_directory(builder.name, verbose=False)).glob("*.so"))
+
+
+def create(run: RunContext) -> DeepSpeedEngine:
+    return DeepSpeedEngine(run)

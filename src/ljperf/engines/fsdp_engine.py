@@ -1,0 +1,114 @@
+"""Engine ``fsdp``: PyTorch FSDP2 (``fully_shard``), each decoder block sharded, then the root.
+
+Run: ``ljperf benchmark --model fsdp/llama-tiny --nproc-per-node 2`` (CPU, gloo) or
+``ljperf benchmark --model fsdp/qwen2.5-7b --nproc-per-node 8`` (GPU, NCCL).
+The model is sharded while its parameters are still on the meta device; then each rank allocates only its
+shards and fills them from ``models.init_value``, so no rank ever holds the whole model and the weights
+equal the torch engine's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ljperf.engines.common import accumulate, adamw
+from ljperf.models import init_value
+from ljperf.optimize import apply_optimizations
+from ljperf.runtime import RunContext
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of an HF causal LM (``model.model.layers``)."""
+    return list(model.get_decoder().layers)
+
+
+class FSDPEngine:
+    """FSDP2 over all ranks of the run: parameters, gradients and optimizer states sharded 1/world."""
+
+    def __init__(self, run: RunContext):
+        self.run = run
+        self.model: torch.nn.Module
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def setup(self, model: torch.nn.Module) -> None:
+        run = self.run
+        device = run.device.torch_device
+        names = _parameter_names(model)
+        model = apply_optimizations(model, run)
+        mesh = init_device_mesh(device.type, (run.world,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if run.bf16 else None
+        options = {"mesh": mesh, "reshard_after_forward": run.engine_opts.reshard_after_forward}
+        if mp is not None:
+            options["mp_policy"] = mp
+        for block in decoder_blocks(model):
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        _materialize_shards(model, names, device=device, seed=run.train.seed)
+        self.model = model
+        self.optimizer = adamw(model.parameters(), run=run)
+
+    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        loss = accumulate(self.model, micro_batches, run=self.run)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def describe(self) -> dict:
+        return {
+            "name": "fsdp",
+            "wrapper": "FSDP2 fully_shard (each decoder block, then the root)",
+            "world": self.run.world,
+            "reshard_after_forward": self.run.engine_opts.reshard_after_forward,
+            "mixed_precision": "bf16 params, fp32 reduce" if self.run.bf16 else None,
+            "optimizer": "AdamW",
+        }
+
+
+def _parameter_names(model: torch.nn.Module) -> dict[tuple[int, str], str]:
+    """(id(module), attribute) → the parameter's name in the plain HF model (a tied weight: its first name).
+
+    Modules keep their identity through checkpoint/compile wrappers and ``fully_shard`` (which replaces the
+    parameter objects), so this finds every parameter's ``init_value`` name afterwards.
+    """
+    first = {id(p): n for n, p in model.named_parameters()}
+    return {
+        (id(module), key): first[id(param)]
+        for module in model.modules()
+        for key, param in module._parameters.items()
+        if param is not None
+    }
+
+
+def _materialize_shards(
+    model: torch.nn.Module, names: dict[tuple[int, str], str], *, device: torch.device, seed: int
+) -> None:
+    """Allocate this rank's shards on ``device`` and fill them with the torch engine's initial values.
+
+    ``to_empty`` also empties the buffers, so the real ones (RoPE frequencies) are put back.
+    """
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    model.to_empty(device=device)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name])
+        for module in model.modules():
+            for key, param in module._parameters.items():
+                if param is None or id(param) in done:
+                    continue
+                done.add(id(param))
+                # One full parameter at a time, on the device the torch engine uses (same RNG stream).
+                full = init_value(names[(id(module), key)], param.shape, std=std, seed=seed, device=device)
+                if isinstance(param, DTensor):
+                    local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                    param.to_local().copy_(local.to_local())
+                else:
+                    param.copy_(full)
+
+
+def create(run: RunContext) -> FSDPEngine:
+    return FSDPEngine(run)
