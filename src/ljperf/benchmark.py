@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ljperf import config as cfgmod
 from ljperf import hardware, memory, models
+from ljperf.checkpoint.solver import prepare_run
 from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.data import SyntheticTokens
 from ljperf.engines import make_engine
@@ -168,7 +169,9 @@ def run_worker(cfg: BenchmarkConfig) -> int:
     state = LoopState()
     reporter = ProgressReporter(run)
     status, reason, exit_code = "ok", None, EXIT_OK
+    recompute = None
     try:
+        recompute = prepare_run(run)
         engine = make_engine(run)
         engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
         record["config"]["engine"] = engine.describe()
@@ -187,7 +190,10 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         reporter.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    record["results"] = results_section(cfg, run, state, status=status, reason=reason)
+    rflops = recompute.recompute_flops_per_token if recompute else 0.0
+    record["results"] = results_section(cfg, run, state, status=status, reason=reason, recompute_flops_per_token=rflops)
+    if recompute is not None:
+        record["results"]["recompute"] = recompute.record()
     if run.is_main:
         if cfg.output:
             write_json(cfg.output, record)
@@ -302,7 +308,13 @@ def measured_memory_step(run: RunContext, engine: Any, batches: list[torch.Tenso
 
 
 def results_section(
-    cfg: BenchmarkConfig, run: RunContext, state: LoopState, *, status: str, reason: str | None
+    cfg: BenchmarkConfig,
+    run: RunContext,
+    state: LoopState,
+    *,
+    status: str,
+    reason: str | None,
+    recompute_flops_per_token: float = 0.0,
 ) -> dict[str, Any]:
     """The ``results`` of the record; all ranks call it (it gathers when the run is healthy)."""
     healthy = status == "ok" and dist.is_initialized()
@@ -341,6 +353,7 @@ def results_section(
                 tokens_per_step=train.micro_batch * train.seq_len * train.grad_accum * run.world,
                 world=run.world,
                 flops_per_token=cfg.model.flops_per_token(train.seq_len),
+                recompute_flops_per_token=recompute_flops_per_token,
                 peak_tflops=peak,
             )
         )

@@ -1,0 +1,318 @@
+"""The fastest recompute plan that fits a memory budget.
+
+Run: ``ljperf benchmark --model torch/llama-tiny --recompute auto --memory-budget 60MiB`` or
+``ljperf plan --model deepspeed/llama3.1-70b --gpus 64 --gpu-memory 80GiB --recompute auto``.
+
+Plans are ordered ``full… selective… none…`` from the first layer: backward reaches the first layers last,
+when the later layers' activations are already freed, so recomputing them adds least to the peak. A plan is
+then two numbers (layers full, layers selective); every pair is ranked by its recompute time and the memory
+forecast (``ljperf.forecast``) of each, cheapest first, decides the first that fits. Recompute time per layer
+comes from one layer traced on fake tensors at the run's shape: full repeats the layer's FLOPs and its
+memory-bound ops, selective only the memory-bound ops (``apply.SAVE_OPS`` outputs are kept).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ljperf import models
+from ljperf.checkpoint.apply import SAVE_OPS, Plan, summary
+from ljperf.errors import UsageError
+from ljperf.units import parse_size
+
+BUDGET_ENV = "LJPERF_MEMORY_BUDGET"
+GPU_MARGIN = 0.10
+"""Share of a GPU's memory the default budget leaves free (CUDA context, NCCL buffers, fragmentation)."""
+GiB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """The chosen plan and why."""
+
+    plan: Plan
+    """One mode per layer."""
+    budget_bytes: int | None = None
+    """The memory budget per device (None: a fixed plan, nothing solved)."""
+    forecast_bytes: int | None = None
+    """Forecast peak of the plan (device bytes)."""
+    fits: bool | None = None
+    """Whether the plan's forecast is within the budget (False: even full recompute does not fit)."""
+    recompute_s: float = 0.0
+    """Estimated recompute seconds per micro-step."""
+    recompute_flops_per_token: float = 0.0
+    """Forward FLOPs per token that recompute repeats (for HFU)."""
+    advice: list[str] = field(default_factory=list)
+    """What would fit when nothing does, or why checkpointing cannot help."""
+
+    def line(self) -> str:
+        """``recomputing 12/32 layers (selective 4, full 8): forecast 71.2 of 72.0 GiB``."""
+        if self.budget_bytes is None or self.forecast_bytes is None:
+            return f"recomputing {summary(self.plan)}"
+        head = f"recomputing {summary(self.plan)}: forecast {self.forecast_bytes / GiB:.1f} of "
+        text = head + f"{self.budget_bytes / GiB:.1f} GiB"
+        return text if self.fits else f"{text} (does not fit: {'; '.join(self.advice)})"
+
+    def record(self) -> dict:
+        return {
+            "plan": list(self.plan),
+            "summary": summary(self.plan),
+            "forecast_peak_bytes": self.forecast_bytes,
+            "budget_bytes": self.budget_bytes,
+            "fits": self.fits,
+            "recompute_s_estimate": self.recompute_s,
+            "recompute_flops_per_token": self.recompute_flops_per_token,
+            "advice": self.advice,
+        }
+
+
+# --- budget ---------------------------------------------------------------------------------------------------
+def budget_bytes(device: torch.device, *, given: str | None = None, local_world: int = 1) -> int:
+    """The budget: ``given``, else ``$LJPERF_MEMORY_BUDGET``, else the GPU's memory minus ``GPU_MARGIN``,
+    else (CPU) the available RAM shared by the node's ``local_world`` processes."""
+    text = given or os.environ.get(BUDGET_ENV)
+    if text:
+        return parse_size(text, what="memory budget" if given else f"${BUDGET_ENV}")
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * (1 - GPU_MARGIN))
+    return available_ram() // max(local_world, 1)
+
+
+def available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise UsageError(f"cannot read the available RAM: set {BUDGET_ENV}, e.g. {BUDGET_ENV}=16GiB")
+
+
+# --- recompute cost -----------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Rates:
+    """What the device sustains: matmul FLOP/s and memory-bound bytes/s."""
+
+    flops_per_s: float
+    bytes_per_s: float
+
+    @classmethod
+    def measure(cls, device: torch.device) -> Rates:
+        """A short matmul and a short add on ``device`` (tens of milliseconds)."""
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        n = 4096 if device.type == "cuda" else 512
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        x = torch.randn(16 * 2**20 // 4, device=device)
+        mm = _best_time(lambda: a @ a, device)
+        add = _best_time(lambda: x + x, device)
+        return cls(flops_per_s=2 * n**3 / mm, bytes_per_s=3 * x.numel() * x.element_size() / add)
+
+
+def _best_time(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    from ljperf.hardware import synchronize
+
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """One decoder layer's forward at the run's shape, split the way selective recompute splits it."""
+
+    tokens: int
+    """Tokens of the micro-batch traced (micro batch × sequence length)."""
+    saved_flops: float
+    """FLOPs of the ops whose outputs selective recompute keeps (matmuls, attention)."""
+    pointwise_bytes: float
+    """Bytes the other (memory-bound) ops write and read."""
+
+    def seconds(self, mode: str, rates: Rates) -> float:
+        pointwise = self.pointwise_bytes / rates.bytes_per_s
+        return {"none": 0.0, "selective": pointwise, "full": self.saved_flops / rates.flops_per_s + pointwise}[mode]
+
+
+def layer_cost(spec: models.ModelSpec, *, micro_batch: int, seq_len: int, attn: str) -> LayerCost:
+    """Trace the first decoder layer of ``spec`` on fake tensors and split its forward ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import flop_registry
+
+    from ljperf.forecast.trace import fake_model, shallow_spec
+
+    totals = {"flops": 0.0, "bytes": 0.0}
+    inside = [False]
+
+    class Census(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if not inside[0]:
+                return out
+            packet = func.overloadpacket
+            if func in SAVE_OPS or packet in SAVE_OPS:
+                if packet in flop_registry:
+                    totals["flops"] += flop_registry[packet](*args, **kwargs, out_val=out)
+                else:  # an attention kernel torch's counter does not know (CPU flash): q·kᵀ and p·v
+                    q, k = args[0], args[1]
+                    totals["flops"] += 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+            else:
+                written = sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+                totals["bytes"] += 2 * written  # written once, read once by the next op
+            return out
+
+    fake_mode = FakeTensorMode()
+    model = fake_model(shallow_spec(spec, 1), attn=attn, fake_mode=fake_mode)
+    layer = model.get_decoder().layers[0]
+    layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    with fake_mode, Census(), torch.no_grad():
+        model(input_ids=torch.zeros(micro_batch, seq_len, dtype=torch.long), use_cache=False)
+    return LayerCost(tokens=micro_batch * seq_len, saved_flops=totals["flops"], pointwise_bytes=totals["bytes"])
+
+
+# --- the solver -----------------------------------------------------------------------------------------------
+PeakFn = Callable[[Plan], tuple[int, str]]
+"""A plan → (forecast peak device bytes, the phase that sets it)."""
+
+
+def ordered_plan(layers: int, full: int, selective: int) -> Plan:
+    return ("full",) * full + ("selective",) * selective + ("none",) * (layers - full - selective)
+
+
+def solve(
+    *, layers: int, budget: int, peak: PeakFn, cost: LayerCost, rates: Rates, advise: Callable[[], list[str]]
+) -> Decision:
+    """The cheapest ``full… selective… none…`` plan whose forecast fits ``budget``."""
+    candidates = sorted(
+        ((f, s) for f in range(layers + 1) for s in range(layers + 1 - f)),
+        key=lambda fs: (fs[0] * cost.seconds("full", rates) + fs[1] * cost.seconds("selective", rates), sum(fs)),
+    )
+    # Recomputing more never raises the peak: a plan whose every layer saves no more than in a plan that
+    # missed (no more full layers, no more recomputed layers) misses too, so it is not forecast.
+    misses: list[tuple[int, int]] = []
+    for f, s in candidates:
+        if any(f <= mf and f + s <= mf + ms for mf, ms in misses):
+            continue
+        plan = ordered_plan(layers, f, s)
+        bytes_, _phase = peak(plan)
+        if bytes_ <= budget:
+            return _decision(plan, budget, bytes_, cost, rates, fits=True)
+        misses.append((f, s))
+    plan = ordered_plan(layers, layers, 0)
+    bytes_, phase = peak(plan)
+    none_bytes, _ = peak(ordered_plan(layers, 0, 0))
+    advice = advise()
+    if phase.startswith("optimizer") or none_bytes - bytes_ < 0.02 * none_bytes:
+        advice.insert(0, f"the {phase} step, not activations, sets the peak: checkpointing cannot help")
+    return _decision(plan, budget, bytes_, cost, rates, fits=False, advice=advice)
+
+
+def _decision(plan: Plan, budget: int | None, bytes_: int | None, cost: LayerCost, rates: Rates, **kw) -> Decision:
+    return Decision(
+        plan=plan,
+        budget_bytes=budget,
+        forecast_bytes=bytes_,
+        recompute_s=sum(cost.seconds(m, rates) for m in plan),
+        recompute_flops_per_token=plan.count("full") * cost.saved_flops / cost.tokens,
+        **kw,
+    )
+
+
+# --- from a recipe ---------------------------------------------------------------------------------------------
+def solve_recipe(
+    spec: models.ModelSpec, recipe, *, budget: int, rates: Rates, cost: LayerCost | None = None
+) -> Decision:
+    """The fastest plan for ``recipe`` (an ``ljperf.forecast.Recipe``) under ``budget`` bytes per device."""
+    from ljperf.forecast import forecast
+
+    def peak(plan: Plan, r=recipe) -> tuple[int, str]:
+        result = forecast(spec, r.with_(recompute=plan))
+        return result.device_bytes, result.phase
+
+    if cost is None:
+        cost = layer_cost(spec, micro_batch=recipe.micro_batch, seq_len=recipe.seq_len, attn=recipe.attn_implementation)
+    full = ordered_plan(spec.layers, spec.layers, 0)
+    return solve(
+        layers=spec.layers,
+        budget=budget,
+        peak=peak,
+        cost=cost,
+        rates=rates,
+        advise=lambda: [text for text, r in alternatives(recipe) if peak(full, r)[0] <= budget],
+    )
+
+
+def alternatives(recipe) -> list[tuple[str, object]]:
+    """Changes that cut per-device memory, each with full recompute, in the order a user would try them."""
+    out = []
+    if recipe.micro_batch > 1:
+        out.append((f"--micro-batch {recipe.micro_batch // 2}", recipe.with_(micro_batch=recipe.micro_batch // 2)))
+    if recipe.engine == "deepspeed" and recipe.zero_stage < 3:
+        out.append(("ZeRO stage 3", recipe.with_(zero_stage=3)))
+    if recipe.engine == "torch" and recipe.world > 1:
+        out.append(("FSDP2 (engine fsdp)", recipe.with_(engine="fsdp")))
+    if recipe.engine != "torch":
+        for factor in (2, 4):
+            out.append((f"{recipe.world * factor} GPUs", recipe.with_(world=recipe.world * factor)))
+    return out
+
+
+# --- for a benchmark run ----------------------------------------------------------------------------------------
+def decide_for_run(run) -> Decision | None:
+    """The plan of ``run.optim.recompute`` (a ``RunContext``): None for ``none``, solved for ``auto``."""
+    from ljperf.checkpoint import parse_recompute
+    from ljperf.checkpoint.apply import fixed_plan
+
+    value = parse_recompute(run.optim.recompute)
+    if value == "none":
+        return None
+    train, spec = run.train, run.model
+    cost = layer_cost(spec, micro_batch=train.micro_batch, seq_len=train.seq_len, attn=train.attn_implementation)
+    rates = Rates.measure(run.device.torch_device)
+    if value != "auto":
+        plan = fixed_plan(value, spec.layers)
+        return _decision(plan, None, None, cost, rates)
+    from ljperf.forecast import Recipe
+
+    recipe = Recipe(
+        engine=run.engine,
+        zero_stage=run.engine_opts.zero_stage,
+        world=run.world,
+        device=run.device.type,
+        precision=train.precision,
+        micro_batch=train.micro_batch,
+        seq_len=train.seq_len,
+        grad_accum=train.grad_accum,
+        attn_implementation=train.attn_implementation,
+        reshard_after_forward=run.engine_opts.reshard_after_forward,
+    )
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", run.launch.nproc_per_node))
+    budget = budget_bytes(run.device.torch_device, given=run.optim.memory_budget, local_world=local_world)
+    return solve_recipe(spec, recipe, budget=budget, rates=rates, cost=cost)
+
+
+def prepare_run(run) -> Decision | None:
+    """Resolve ``--recompute`` for ``run`` before the engine is built: ``run.optim.recompute`` becomes the
+    concrete per-layer plan, rank 0 prints the plan's line; a plan that cannot fit is a usage error (exit 2)."""
+    import dataclasses
+
+    decision = decide_for_run(run)
+    if decision is None:
+        return None
+    if decision.fits is False:
+        raise UsageError(decision.line())
+    run.optim = dataclasses.replace(run.optim, recompute=",".join(decision.plan))
+    if run.is_main:
+        print(decision.line(), flush=True)
+    return decision
