@@ -1,0 +1,332 @@
+"""``ljperf comm``: time collectives over torch.distributed the way nccl-tests does, and check their results.
+
+Run: ``ljperf comm --nproc-per-node 8 --ops all_reduce,all_gather,reduce_scatter --min-bytes 1K --max-bytes 1G``
+(NCCL on GPUs, gloo on CPU). For each op and size (doubling from --min-bytes to --max-bytes): warm-up, timed
+iterations, then one checked iteration; columns size, count, type, time, algbw, busbw and #wrong, with
+nccl-tests' definitions (docs/comm.md). ``--output FILE`` writes the JSON record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from rich.table import Table
+
+from ljperf import config as cfgmod
+from ljperf import hardware
+from ljperf.config import LaunchConfig, TrainConfig, opt
+from ljperf.errors import RunFailed, UsageError
+from ljperf.report import console
+from ljperf.result import SCHEMA_VERSION, check_writable, environment, now_iso, write_json
+from ljperf.runtime import (
+    RunContext,
+    check_process_count,
+    init_process,
+    resolve_device_type,
+    shutdown_process,
+    under_torchrun,
+)
+from ljperf.units import parse_size
+
+# Bus bandwidth = algbw × this factor of the world size n (nccl-tests, doc/PERFORMANCE.md).
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+OPS = tuple(BUS_FACTOR)
+# Ops whose buffers are split in n equal chunks: their size is rounded down to a multiple of n elements.
+SPLIT_OPS = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Largest integer each dtype holds exactly: the check's values stay below it for small worlds.
+_EXACT_INT = {torch.float32: 2**24, torch.bfloat16: 2**8, torch.float16: 2**11}
+CHECK_CHUNK = 1 << 24  # elements compared at a time, so the check needs little extra memory
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    """Which collectives to time, at which sizes, how often."""
+
+    ops: str = opt("all", f"comma-separated collectives ({', '.join(OPS)}) or all")
+    min_bytes: str = opt("1K", "smallest message (nccl-tests -b); K/M/G are binary, KB/MB/GB decimal")
+    max_bytes: str = opt("64M", "largest message (nccl-tests -e)")
+    step_factor: int = opt(2, "multiply the size by this from --min-bytes to --max-bytes (nccl-tests -f)")
+    iters: int = opt(20, "timed iterations per size (nccl-tests -n)")
+    warmup_iters: int = opt(5, "untimed iterations per size before timing (nccl-tests -w)")
+    dtype: str = opt("float32", "element type: float32, bfloat16 or float16")
+    device: str = opt("auto", "cuda (NCCL), cpu (gloo) or auto (cuda when available)")
+    check: bool = opt(True, "verify one iteration per size (the #wrong column)")
+    op_list: list[str] = field(init=False, default_factory=list)
+    """The collectives, resolved from ``ops``."""
+    sizes: list[int] = field(init=False, default_factory=list)
+    """The sizes in bytes, resolved from ``min_bytes``, ``max_bytes`` and ``step_factor``."""
+
+    def __post_init__(self) -> None:
+        names = [o.strip() for o in self.ops.split(",") if o.strip()]
+        unknown = [o for o in names if o not in (*OPS, "all")]
+        if unknown or not names:
+            raise UsageError(f"--ops {self.ops!r}: choose from {', '.join(OPS)} or all")
+        self.op_list = list(OPS) if "all" in names else list(dict.fromkeys(names))
+        low = parse_size(self.min_bytes, what="--min-bytes")
+        high = parse_size(self.max_bytes, what="--max-bytes")
+        if low > high:
+            raise UsageError(f"--min-bytes {self.min_bytes} is larger than --max-bytes {self.max_bytes}")
+        if self.step_factor < 2:
+            raise UsageError(f"--step-factor must be 2 or more (got {self.step_factor})")
+        if self.iters <= 0 or self.warmup_iters < 0:
+            raise UsageError("--iters must be larger than zero and --warmup-iters zero or more")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"--device {self.device!r}: choose cpu, cuda or auto")
+        self.sizes = [low]
+        while self.sizes[-1] * self.step_factor <= high:
+            self.sizes.append(self.sizes[-1] * self.step_factor)
+
+
+def bandwidth(op: str, size_bytes: int, seconds: float, world: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (10⁹ bytes/s) of one ``op`` moving ``size_bytes`` in ``seconds`` on ``world`` ranks."""
+    algbw = size_bytes / seconds / 1e9
+    return algbw, algbw * BUS_FACTOR[op](world)
+
+
+def element_count(op: str, size_bytes: int, element_size: int, world: int) -> int:
+    """Elements of the op's size (nccl-tests' size: the whole buffer; split ops round to a multiple of world)."""
+    count = max(1, size_bytes // element_size)
+    return max(world, count - count % world) if op in SPLIT_OPS else count
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One line of the result: one op at one size."""
+
+    op: str
+    size_bytes: int
+    count: int
+    dtype: str
+    time_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    wrong: int | None
+
+
+# --- buffers, the collectives, and the check --------------------------------------------------------------
+
+
+def pattern(index: torch.Tensor, rank: int) -> torch.Tensor:
+    """The value rank ``rank`` puts at input ``index``: small integers, exact in every dtype."""
+    return (index + rank) % 3
+
+
+def _sum_over_ranks(index: torch.Tensor, world: int) -> torch.Tensor:
+    """Σ_r pattern(index, r) for r < world, in closed form (full cycles of 0+1+2, then the remainder)."""
+    total = torch.full_like(index, 3 * (world // 3))
+    for r in range(world % 3):
+        total += pattern(index, r)
+    return total
+
+
+def expected(op: str, index: torch.Tensor, *, rank: int, world: int, chunk: int) -> torch.Tensor:
+    """The value output element ``index`` of ``rank`` must hold after ``op`` (sum reductions, root 0)."""
+    if op == "all_reduce":
+        return _sum_over_ranks(index, world)
+    if op == "broadcast":
+        return pattern(index, 0)
+    if op == "all_gather":
+        return pattern(index % chunk, index // chunk)
+    if op == "reduce_scatter":
+        return _sum_over_ranks(rank * chunk + index, world)
+    if op == "all_to_all":
+        return pattern(rank * chunk + index % chunk, index // chunk)
+    raise ValueError(op)
+
+
+def buffers(op: str, count: int, world: int, dtype: torch.dtype, device: torch.device):
+    """(input, output) of ``op`` for a size of ``count`` elements; in-place ops share one tensor."""
+    if op in ("all_reduce", "broadcast"):
+        buf = torch.zeros(count, dtype=dtype, device=device)
+        return buf, buf
+    per_rank = count // world
+    if op == "all_gather":
+        return torch.zeros(per_rank, dtype=dtype, device=device), torch.zeros(count, dtype=dtype, device=device)
+    if op == "reduce_scatter":
+        return torch.zeros(count, dtype=dtype, device=device), torch.zeros(per_rank, dtype=dtype, device=device)
+    return torch.zeros(count, dtype=dtype, device=device), torch.zeros(count, dtype=dtype, device=device)
+
+
+def collective(op: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``op`` as a function of (input, output)."""
+    # torch 2.13 renamed the tensor forms; older torch (≥ 2.6 is supported) has only the old names.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return {
+        "all_reduce": lambda inp, out: dist.all_reduce(out),
+        "broadcast": lambda inp, out: dist.broadcast(out, src=0),
+        "all_gather": lambda inp, out: gather(out, inp),
+        "reduce_scatter": lambda inp, out: scatter(out, inp),
+        "all_to_all": lambda inp, out: dist.all_to_all_single(out, inp),
+    }[op]
+
+
+def tolerance(dtype: torch.dtype, world: int) -> float:
+    """Relative tolerance of the check: 0 while every sum (≤ 2·world) is an exact integer of ``dtype``."""
+    return 0.0 if 2 * world <= _EXACT_INT[dtype] else torch.finfo(dtype).eps * world
+
+
+def count_wrong(op: str, out: torch.Tensor, *, rank: int, world: int, chunk: int) -> int:
+    """Elements of ``out`` that differ from what ``op`` must produce."""
+    rtol = tolerance(out.dtype, world)
+    wrong = 0
+    for start in range(0, out.numel(), CHECK_CHUNK):
+        got = out[start : start + CHECK_CHUNK].double()
+        index = torch.arange(start, start + got.numel(), device=out.device)
+        want = expected(op, index, rank=rank, world=world, chunk=chunk).double()
+        wrong += int((~torch.isclose(got, want, rtol=rtol, atol=0.0)).sum())
+    return wrong
+
+
+def measure(op: str, size_bytes: int, cfg: CommConfig, *, rank: int, world: int, device: torch.device) -> Row:
+    """Warm-up, timed iterations (average over ranks, as nccl-tests reports), then one checked iteration."""
+    dtype = DTYPES[cfg.dtype]
+    count = element_count(op, size_bytes, torch.tensor([], dtype=dtype).element_size(), world)
+    inp, out = buffers(op, count, world, dtype, device)
+    run = collective(op)
+    for _ in range(cfg.warmup_iters):
+        run(inp, out)
+    dist.barrier()
+    hardware.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(cfg.iters):
+        run(inp, out)
+    hardware.synchronize(device)
+    seconds = torch.tensor([(time.perf_counter() - start) / cfg.iters], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds)
+    mean = float(seconds) / world
+    wrong = None
+    if cfg.check:
+        inp.copy_(pattern(torch.arange(inp.numel(), device=device), rank))
+        run(inp, out)
+        mine = count_wrong(op, out, rank=rank, world=world, chunk=count // world)
+        total = torch.tensor([mine], dtype=torch.int64, device=device)
+        dist.all_reduce(total)
+        wrong = int(total)
+    size = count * inp.element_size()
+    algbw, busbw = bandwidth(op, size, mean, world)
+    return Row(
+        op=op,
+        size_bytes=size,
+        count=count,
+        dtype=cfg.dtype,
+        time_us=mean * 1e6,
+        algbw_gbps=algbw,
+        busbw_gbps=busbw,
+        wrong=wrong,
+    )
+
+
+# --- command ----------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``ljperf comm``."""
+    parser.add_argument("--output", metavar="FILE", help="write the JSON result record here (atomically)")
+    cfgmod.add_arguments(parser, CommConfig)
+    cfgmod.add_arguments(parser, LaunchConfig)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Entry point of ``ljperf comm``: start the ranks, or be one."""
+    cfg = cfgmod.from_args(CommConfig, args)
+    launch = cfgmod.from_args(LaunchConfig, args)
+    device_type = resolve_device_type(cfg.device)
+    check_process_count(launch, device_type)
+    if args.output and not under_torchrun():
+        check_writable(args.output)
+    if launch.distributed and not under_torchrun():
+        from ljperf.launch import failure_reason, run_workers
+
+        try:
+            run_workers(argv, launch, cpu=device_type != "cuda")
+        except Exception as exc:
+            reason, code = failure_reason(exc)
+            raise RunFailed(reason, exit_code=code) from None
+        return 0
+    return run_worker(cfg, launch, device_type=device_type, output=args.output, argv=argv)
+
+
+def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, output: str | None, argv: list[str]) -> int:
+    """One rank: join the group, measure every op and size, print and write the record on rank 0."""
+    context = RunContext(engine="comm", model=None, train=TrainConfig(device=device_type), launch=launch)
+    run = init_process(context, need_group=True)
+    device = run.device.torch_device
+    record = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "comm",
+        "start_time": now_iso(),
+        "args": argv,
+        "env": environment(devices=[run.device.name], world_size=run.world),
+        "config": {
+            **asdict(cfg),
+            "backend": dist.get_backend(),
+            "launch": {**asdict(launch), "world_size": run.world},
+        },
+    }
+    rows = []
+    for op in cfg.op_list:
+        op_rows = [measure(op, size, cfg, rank=run.rank, world=run.world, device=device) for size in cfg.sizes]
+        if run.is_main:
+            print_table(op, op_rows, world=run.world, backend=dist.get_backend())
+        rows += op_rows
+    wrong = sum(r.wrong or 0 for r in rows)
+    record["results"] = {
+        "status": "ok" if wrong == 0 else "error",
+        "reason": None if wrong == 0 else f"{wrong} wrong element(s)",
+        "wrong": wrong if cfg.check else None,
+        "avg_busbw_gbps": {op: average_busbw([r for r in rows if r.op == op]) for op in cfg.op_list},
+        "rows": [asdict(r) for r in rows],
+    }
+    if run.is_main and output:
+        write_json(output, record)
+    shutdown_process()
+    if wrong:
+        raise RunFailed(f"{wrong} element(s) differ from the expected result (see the #wrong column)")
+    return 0
+
+
+def average_busbw(rows: list[Row]) -> float:
+    """nccl-tests' footer: the mean bus bandwidth over all sizes."""
+    return sum(r.busbw_gbps for r in rows) / len(rows)
+
+
+def print_table(op: str, rows: list[Row], *, world: int, backend: str) -> None:
+    table = Table(title=f"{op} · {world} rank(s) · {backend}")
+    for name, unit in (
+        ("size", "(B)"),
+        ("count", "(elements)"),
+        ("type", ""),
+        ("time", "(us)"),
+        ("algbw", "(GB/s)"),
+        ("busbw", "(GB/s)"),
+        ("#wrong", ""),
+    ):
+        table.add_column(f"{name}\n{unit}", justify="left" if name == "type" else "right")
+    for r in rows:
+        wrong = "N/A" if r.wrong is None else str(r.wrong)
+        table.add_row(
+            str(r.size_bytes),
+            str(r.count),
+            r.dtype,
+            f"{r.time_us:.1f}",
+            f"{r.algbw_gbps:.2f}",
+            f"{r.busbw_gbps:.2f}",
+            wrong,
+        )
+    table.caption = f"avg bus bandwidth: {average_busbw(rows):.3f} GB/s"
+    console.print(table)
