@@ -1,0 +1,136 @@
+"""``ljperf comm``: nccl-tests' bandwidth arithmetic, the result check, and a real 2-process gloo run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ljperf import comm
+from ljperf.cli import main
+from ljperf.errors import UsageError
+
+from conftest import run_ljperf
+
+
+@pytest.mark.parametrize(
+    ("op", "world", "algbw", "busbw"),
+    [
+        # 1 GB in 10 ms is 100 GB/s of algbw; busbw per nccl-tests' PERFORMANCE.md.
+        ("all_reduce", 8, 100.0, 175.0),  # × 2(n-1)/n
+        ("all_reduce", 2, 100.0, 100.0),
+        ("all_gather", 8, 100.0, 87.5),  # × (n-1)/n
+        ("reduce_scatter", 4, 100.0, 75.0),  # × (n-1)/n
+        ("all_to_all", 16, 100.0, 93.75),  # × (n-1)/n
+        ("broadcast", 8, 100.0, 100.0),  # × 1
+        ("all_reduce", 1, 100.0, 0.0),
+    ],
+)
+def test_bandwidth_matches_nccl_tests(op, world, algbw, busbw):
+    got = comm.bandwidth(op, 10**9, 0.01, world)
+    assert got == pytest.approx((algbw, busbw))
+
+
+def test_sizes_and_counts():
+    cfg = comm.CommConfig(ops="all_reduce, broadcast", min_bytes="1K", max_bytes="1M", step_factor=4)
+    assert cfg.op_list == ["all_reduce", "broadcast"]
+    assert cfg.sizes == [1024, 4096, 16384, 65536, 262144, 1048576]
+    assert comm.CommConfig(ops="all").op_list == list(comm.OPS)
+    assert comm.CommConfig(min_bytes="1M", max_bytes="3M").sizes == [2**20, 2**21]
+    # nccl-tests' sizes: the whole buffer; split ops round to a multiple of the world size.
+    assert comm.element_count("all_reduce", 1000, 4, 3) == 250
+    assert comm.element_count("all_gather", 1000, 4, 3) == 249
+    assert comm.element_count("reduce_scatter", 4, 4, 8) == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"ops": "allreduce"},
+        {"min_bytes": "2M", "max_bytes": "1M"},
+        {"min_bytes": "lots"},
+        {"step_factor": 1},
+        {"iters": 0},
+        {"dtype": "int8"},
+    ],
+)
+def test_bad_options_are_usage_errors(kwargs):
+    with pytest.raises(UsageError):
+        comm.CommConfig(**kwargs)
+
+
+def simulate(op: str, world: int, count: int) -> list[torch.Tensor]:
+    """Each rank's output of ``op`` computed by hand from every rank's input (what the collective must do)."""
+    chunk = count // world
+    inputs = [comm.pattern(torch.arange(count if op != "all_gather" else chunk), r) for r in range(world)]
+    total = torch.stack(inputs).sum(0)
+    if op == "all_reduce":
+        return [total] * world
+    if op == "broadcast":
+        return [inputs[0]] * world
+    if op == "all_gather":
+        return [torch.cat(inputs)] * world
+    if op == "reduce_scatter":
+        return [total[r * chunk : (r + 1) * chunk] for r in range(world)]
+    return [torch.cat([inputs[p][r * chunk : (r + 1) * chunk] for p in range(world)]) for r in range(world)]
+
+
+@pytest.mark.parametrize("op", comm.OPS)
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_check_agrees_with_a_hand_simulation(op, world):
+    count = 6 * world
+    for rank, out in enumerate(simulate(op, world, count)):
+        got = out.to(torch.bfloat16)
+        assert comm.count_wrong(op, got, rank=rank, world=world, chunk=count // world) == 0
+        broken = got.clone()
+        broken[-1] += 1
+        broken[0] = -1
+        assert comm.count_wrong(op, broken, rank=rank, world=world, chunk=count // world) == 2
+
+
+@pytest.mark.slow
+def test_two_process_gloo_run(tmp_path):
+    out = tmp_path / "comm.json"
+    proc = run_ljperf(
+        "comm",
+        "--nproc-per-node",
+        "2",
+        "--device",
+        "cpu",
+        "--min-bytes",
+        "1K",
+        "--max-bytes",
+        "64K",
+        "--step-factor",
+        "4",
+        "--iters",
+        "3",
+        "--warmup-iters",
+        "1",
+        "--output",
+        str(out),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "busbw" in proc.stdout and "avg bus bandwidth" in proc.stdout
+    record = json.loads(out.read_text())
+    assert record["kind"] == "comm" and record["schema_version"] == 1
+    assert record["env"]["world_size"] == 2 and record["config"]["backend"] == "gloo"
+    results = record["results"]
+    assert results["status"] == "ok" and results["wrong"] == 0
+    rows = results["rows"]
+    assert [r["op"] for r in rows] == [op for op in comm.OPS for _ in range(4)]
+    assert [r["size_bytes"] for r in rows[:4]] == [1024, 4096, 16384, 65536]
+    for r in rows:
+        assert r["wrong"] == 0 and r["time_us"] > 0 and r["count"] * 4 == r["size_bytes"]
+        algbw = r["size_bytes"] / (r["time_us"] * 1e-6) / 1e9
+        assert r["algbw_gbps"] == pytest.approx(algbw)
+        assert r["busbw_gbps"] == pytest.approx(algbw * comm.BUS_FACTOR[r["op"]](2))
+    for op, value in results["avg_busbw_gbps"].items():
+        assert value == pytest.approx(sum(r["busbw_gbps"] for r in rows if r["op"] == op) / 4)
+
+
+def test_bad_flag_exits_2(capsys):
+    assert main(["comm", "--ops", "all_reduce,gather"]) == 2
+    assert "--ops 'all_reduce,gather'" in capsys.readouterr().err
