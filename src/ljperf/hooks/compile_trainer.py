@@ -1,0 +1,72 @@
+"""``COMPILE_OPTIMIZATION=true``: an HF Trainer with ``TrainingArguments(torch_compile=True)`` compiles per block.
+
+Run: ``COMPILE_OPTIMIZATION=true python train.py`` (docs/compile.md). ``Trainer.__init__`` is patched when
+``transformers.trainer`` is imported: with ``torch_compile=True`` it compiles the model's decoder blocks and
+loss in place (``ljperf.compile``, with the Trainer's backend and mode) and turns accelerate's whole-model
+``torch.compile`` off; under DeepSpeed ZeRO-3 each block becomes one gathering unit. At the end of training
+it logs one line: regions, graph breaks, recompiles, compile time, fallbacks. Without ``torch_compile`` (or
+without the variable) the Trainer is untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from types import ModuleType
+from typing import Any
+
+from ljperf.hooks.imports import when_imported
+
+PREFIX = "[ljperf]"
+
+
+def register() -> None:
+    when_imported("transformers.trainer", _patch_trainer)
+
+
+def _patch_trainer(module: ModuleType) -> None:
+    cls = module.Trainer
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if self.args.torch_compile:
+            try:
+                regional_compile(self)
+            except Exception as exc:  # the Trainer goes on with its own whole-model compile
+                warnings.warn(f"{PREFIX} COMPILE_OPTIMIZATION: regional compile not applied ({exc!r})", stacklevel=2)
+
+    cls.__init__ = __init__
+
+
+def regional_compile(trainer) -> None:
+    """Compile ``trainer.model`` per block instead of accelerate's whole-model ``torch.compile``."""
+    from accelerate.utils import DynamoBackend
+    from transformers import TrainerCallback
+
+    from ljperf.compile import compile_model, zero3_gather_per_block
+
+    args = trainer.args
+    ds = getattr(args, "hf_deepspeed_config", None)
+    if ds is not None and ds.config.get("zero_optimization", {}).get("stage") == 3:
+        zero3_gather_per_block(trainer.model)
+    options = {"backend": args.torch_compile_backend or "inductor"}
+    if args.torch_compile_mode:
+        options["mode"] = args.torch_compile_mode
+    session = compile_model(trainer.model, "regional", verbose=args.process_index == 0, **options)
+    trainer.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+
+    class CompileSummary(TrainerCallback):
+        def on_train_end(self, targs, state, control, **kwargs):
+            if state.is_world_process_zero:
+                r = session.results()
+                print(
+                    f"{PREFIX} regional compile: {r['regions']} regions, {r['graph_breaks']} graph breaks, "
+                    f"{r['recompiles']} recompiles, {r['time_s']:.1f} s compiling, {len(r['fallbacks'])} fallbacks",
+                    flush=True,
+                )
+
+    trainer.add_callback(CompileSummary)
+    if args.process_index == 0:
+        print(f"{PREFIX} COMPILE_OPTIMIZATION: {len(session.regions)} regions compiled per block", flush=True)

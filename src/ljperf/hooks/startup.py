@@ -1,0 +1,31 @@
+"""What ``ljperf_startup.pth`` calls when one of the variables in ``HOOKS`` is set: each enabled hook's
+``register()``. A hook that fails to register warns once; the interpreter starts as usual.
+
+To add a hook: one line in ``HOOKS`` (variable → module with ``register()``), the variable in the ``.pth``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+
+HOOKS = {
+    "CHECKPOINT_OPTIMIZATION": "ljperf.hooks.checkpoint",
+    "COMPILE_OPTIMIZATION": "ljperf.hooks.compile_trainer",
+}
+"""Environment variable → module whose ``register()`` installs the hook (``imports.when_imported``)."""
+
+
+def enabled(variable: str) -> bool:
+    return os.environ.get(variable, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def install() -> None:
+    for variable, module in HOOKS.items():
+        if not enabled(variable):
+            continue
+        try:
+            importlib.import_module(module).register()
+        except Exception as exc:
+            warnings.warn(f"ljperf: {variable} is set but its hook failed to load ({exc!r})", stacklevel=2)
