@@ -1,0 +1,21 @@
+"""Memory forecast: the peak bytes per rank of a training recipe, before anything runs.
+
+Run: ``ljperf plan --model torch/llama3-8b --gpus 8 --micro-batch 1 --seq-len 8192`` (docs/forecast.md).
+
+API (stable; the checkpoint optimization's solver uses it):
+
+- ``Recipe`` (keyword-only dataclass): engine, zero_stage, world, device, precision, micro_batch, seq_len,
+  grad_accum, attn_implementation, reshard_after_forward, ``recompute`` (one of none/full/selective per
+  decoder layer), optimizer (AdamW implementation, default what torch picks).
+- ``forecast(spec, recipe) -> Forecast``: ``peak_allocated_bytes``, ``peak_reserved_bytes`` (CUDA),
+  ``context_bytes``, ``breakdown`` (bytes per component at the peak), ``phase`` (where the peak is), ``source``.
+- ``layer_costs(spec, recipe) -> {mode: LayerCost}``: per decoder layer and recompute mode, the activation
+  bytes it keeps until its backward and the extra bytes its backward needs; cheap once traced, so a solver can
+  search per-layer plans and call ``forecast`` only to confirm.
+- Recompute modes are traced through ``ljperf.checkpoint.apply.apply_plan`` (what the engines run).
+"""
+
+from ljperf.forecast.api import LayerCost, forecast, layer_costs
+from ljperf.forecast.recipe import RECOMPUTE_MODES, Forecast, Recipe, parse_recompute
+
+__all__ = ["RECOMPUTE_MODES", "Forecast", "LayerCost", "Recipe", "forecast", "layer_costs", "parse_recompute"]

@@ -1,0 +1,46 @@
+"""Closed-form activation bytes (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", adapted to RMSNorm, RoPE, GQA and SwiGLU as HF Llama-style code saves them).
+
+Used when tracing fails and as a cross-check of the traced coefficients (tests compare the two).
+Per token and layer, with ``a`` the matmul activation width (2 bytes under bf16 autocast, 4 in fp32):
+two RMSNorms keep input and output in fp32 (2·4h each); Q/K/V outputs and their rotated copies 2a(h + 2·kv·d);
+attention output a·h plus the fp32 log-sum-exp per head; SwiGLU keeps gate, up, SiLU(gate) and their
+product (4a·ffn); under autocast the bf16 casts of both norm outputs (2a·h). Eager attention adds the
+score and fp32 softmax matrices, heads·s·(a + 4). Full recompute keeps only the layer input (4h).
+"""
+
+from __future__ import annotations
+
+from ljperf.forecast.recipe import Recipe
+from ljperf.models import ModelSpec
+
+
+def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
+    """Activation bytes one decoder layer keeps for its backward."""
+    tokens = recipe.micro_batch * recipe.seq_len
+    h, heads, kv, d = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
+    if mode == "full":
+        return 4 * h * tokens
+    a = 2 if recipe.precision == "bf16-mixed" else 4
+    ffn = getattr(spec.config, "intermediate_size", 4 * h)
+    per_token = 2 * 2 * 4 * h
+    per_token += 2 * a * (heads * d + 2 * kv * d) + a * heads * d + 4 * heads
+    per_token += 4 * a * ffn
+    if a == 2:
+        per_token += 2 * a * h
+    if recipe.attn_implementation == "eager":
+        per_token += heads * recipe.seq_len * (a + 4)
+    return per_token * tokens
+
+
+def head_bytes(spec: ModelSpec, recipe: Recipe) -> int:
+    """Logits (in the autocast width), their fp32 copy and log-softmax, kept until the loss backward."""
+    tokens = recipe.micro_batch * recipe.seq_len
+    a = 2 if recipe.precision == "bf16-mixed" else 4
+    return tokens * spec.vocab * (a + 4 + (4 if a == 2 else 0)) + 4 * spec.hidden * tokens
+
+
+def activation_bytes(spec: ModelSpec, recipe: Recipe) -> int:
+    """All activations of one micro-step at the end of the forward (embedding output, layers, head)."""
+    layers = sum(layer_bytes(spec, recipe, mode) for mode in recipe.layer_modes(spec.layers))
+    return 4 * spec.hidden * recipe.micro_batch * recipe.seq_len + layers + head_bytes(spec, recipe)

@@ -1,0 +1,114 @@
+"""``forecast(spec, recipe)``: traced patterns → composed timeline → device overheads (see ``__init__``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ljperf import models
+from ljperf.errors import UsageError
+from ljperf.forecast import analytic, timeline
+from ljperf.forecast.calibrate import Overheads, overheads_for
+from ljperf.forecast.recipe import Forecast, Recipe
+from ljperf.forecast.trace import TraceError, traced_patterns
+
+
+def forecast(
+    spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None = None, overheads: Overheads | None = None
+) -> Forecast:
+    """Peak memory of one rank running ``recipe``; overheads: calibrated for ``device_name``, else defaults."""
+    try:
+        patterns = {
+            mode: traced_patterns(
+                spec,
+                precision=recipe.precision,
+                attn=recipe.attn_implementation,
+                mode=mode,
+                micro_batch=recipe.micro_batch,
+            )
+            for mode in dict.fromkeys(recipe.layer_modes(spec.layers))
+        }
+        raw = timeline.compose(spec, recipe, patterns, sharding=timeline.engine_sharding(spec, recipe))
+    except TraceError as exc:
+        raw = analytic_forecast(spec, recipe, reason=str(exc))
+    terms = overheads or overheads_for(recipe.device, device_name)
+    allocated, reserved = terms.apply(raw.peak_allocated_bytes)
+    breakdown = dict(raw.breakdown)
+    if allocated != raw.peak_allocated_bytes:
+        breakdown["device_overhead"] = allocated - raw.peak_allocated_bytes
+    notes = list(raw.notes)
+    if recipe.device == "cuda" and not terms.samples:
+        notes.append("CUDA overheads are uncalibrated defaults: run ljperf plan --calibrate on benchmark records")
+    return replace(
+        raw,
+        peak_allocated_bytes=allocated,
+        peak_reserved_bytes=reserved,
+        context_bytes=terms.context,
+        breakdown=breakdown,
+        traced_peak_bytes=raw.peak_allocated_bytes,
+        notes=notes,
+    )
+
+
+def analytic_forecast(spec: models.ModelSpec, recipe: Recipe, *, reason: str) -> Forecast:
+    """The closed-form fallback: model states plus the end-of-forward activations, or the optimizer step."""
+    blocks = timeline.block_params(spec)
+    shard = timeline.engine_sharding(spec, recipe)
+    batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * timeline.TOKEN_BYTES
+    states = shard.params + shard.optimizer + shard.comm_buffers + blocks.buffer_bytes + batch
+    acts = analytic.activation_bytes(spec, recipe)
+    logits_grad = recipe.micro_batch * recipe.seq_len * spec.vocab * 4
+    grads_seen = shard.grads if recipe.grad_accum > 1 else 0
+    forward = states + grads_seen + acts + logits_grad + shard.gathered_transient
+    optimizer = states + shard.grads + timeline.optimizer_transient(blocks, recipe, local_params=shard.params)
+    parts = {
+        "parameters": shard.params + blocks.buffer_bytes,
+        "optimizer_states": shard.optimizer,
+        "gradients": grads_seen if forward >= optimizer else shard.grads,
+        "activations": acts if forward >= optimizer else 0,
+        "batch": batch,
+        "comm_buffers": shard.comm_buffers,
+    }
+    peak = max(forward, optimizer)
+    parts["temporaries"] = peak - sum(parts.values())
+    return Forecast(
+        peak_allocated_bytes=peak,
+        peak_reserved_bytes=None,
+        context_bytes=0,
+        breakdown={k: v for k, v in parts.items() if v},
+        phase="backward, micro-step 1, LM head and loss" if forward >= optimizer else "optimizer step",
+        source="analytic",
+        notes=[f"traced forecast unavailable ({reason}); analytic formula used"],
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """One middle decoder layer in one recompute mode, at the recipe's shape."""
+
+    saved_bytes: int
+    """Bytes it keeps from its forward until its backward."""
+    forward_peak_bytes: int
+    """Peak above the level before its forward."""
+    backward_peak_bytes: int
+    """Peak above the level before its backward (recomputed activations included)."""
+
+
+def layer_costs(spec: models.ModelSpec, recipe: Recipe, modes: tuple[str, ...] = ("none", "full")) -> dict:
+    """``{mode: LayerCost}`` for a solver: cheap once the patterns are cached."""
+    out = {}
+    for mode in modes:
+        try:
+            pats = traced_patterns(
+                spec,
+                precision=recipe.precision,
+                attn=recipe.attn_implementation,
+                mode=mode,
+                micro_batch=recipe.micro_batch,
+            )
+        except TraceError as exc:
+            raise UsageError(f"cannot trace {spec.name}: {exc}") from None
+        values = pats.evaluate(recipe.micro_batch, recipe.seq_len)
+        out[mode] = LayerCost(
+            saved_bytes=values["f1@1"][1], forward_peak_bytes=values["f1@1"][0], backward_peak_bytes=values["b1@1"][0]
+        )
+    return out

@@ -1,0 +1,127 @@
+"""Overhead terms per device type, fitted from benchmark records: ``ljperf plan --calibrate results/*.json``.
+
+A record of ``ljperf benchmark`` holds the forecast beside the measured peaks (``results.forecast``). Per device
+name, the fit is ``measured allocated = scale · forecast + offset`` (least squares; offset only with one
+record or one forecast value) and ``reserved = reserved_scale · allocated`` (the median ratio). The fitted
+terms are saved as JSON in the cache folder (``calibration.json``) and applied to later forecasts.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ljperf.errors import UsageError
+from ljperf.result import read_json, write_json
+
+MiB = 1024**2
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overheads:
+    """What the traced tensor bytes miss on a device: allocator and library terms."""
+
+    scale: float = 1.0
+    """Multiplier of the traced peak (kernels that save more or less than the CPU trace)."""
+    offset: int = 0
+    """Bytes added to the allocated peak (library workspaces that live in the allocator)."""
+    reserved_scale: float | None = None
+    """Reserved / allocated at the peak (rounding and fragmentation); None: no allocator (CPU)."""
+    context: int = 0
+    """Bytes outside the allocator: CUDA context, kernels, library handles."""
+    samples: int = 0
+    """Records this was fitted from (0: the defaults)."""
+
+    def apply(self, allocated: int) -> tuple[int, int | None]:
+        peak = round(self.scale * allocated + self.offset)
+        return peak, (round(self.reserved_scale * peak) if self.reserved_scale else None)
+
+
+DEFAULTS: dict[str, Overheads] = {
+    "cpu": Overheads(),
+    # Uncalibrated starting points for CUDA: the cuBLAS workspace (32 MiB on Hopper in torch's default
+    # CUBLAS_WORKSPACE_CONFIG), 5% allocator slack, and a typical context of ~0.5 GiB. Calibrate to replace them.
+    "cuda": Overheads(offset=32 * MiB, reserved_scale=1.05, context=512 * MiB),
+}
+
+
+def calibration_path() -> Path:
+    from ljperf.forecast.trace import cache_dir
+
+    return cache_dir().parent / "calibration.json"
+
+
+def load(path: Path | None = None) -> dict[str, Overheads]:
+    """Saved overheads by device name ({} when none were saved)."""
+    path = path or calibration_path()
+    if not path.exists():
+        return {}
+    try:
+        data = read_json(path)
+        return {name: Overheads(**values) for name, values in data["devices"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def overheads_for(device_type: str, device_name: str | None) -> Overheads:
+    """The calibrated terms of ``device_name`` if any, else the defaults of ``device_type``."""
+    saved = load()
+    if device_name:
+        for name, terms in saved.items():
+            if name == device_name or name.lower() in device_name.lower() or device_name.lower() in name.lower():
+                return terms
+    return DEFAULTS[device_type]
+
+
+def fit(records: list[dict]) -> dict[str, Overheads]:
+    """Fit the overheads per device name from benchmark records that hold a forecast and a measured peak."""
+    by_device: dict[str, list[tuple[int, int, int | None]]] = {}
+    for record in records:
+        results = record.get("results") or {}
+        predicted = (results.get("forecast") or {}).get("traced_peak_allocated_bytes")
+        measured = results.get("peak_allocated_bytes")
+        if results.get("status") != "ok" or not predicted or not measured:
+            continue
+        devices = (record.get("env") or {}).get("devices") or ["unknown"]
+        device_type = ((record.get("config") or {}).get("train") or {}).get("device", "cpu")
+        name = "cpu" if device_type == "cpu" else devices[0]
+        by_device.setdefault(name, []).append((predicted, measured, results.get("peak_reserved_bytes")))
+    fitted = {}
+    for name, rows in by_device.items():
+        xs, ys = [r[0] for r in rows], [r[1] for r in rows]
+        if len(set(xs)) >= 2:
+            slope, intercept = statistics.linear_regression(xs, ys)
+        else:
+            slope, intercept = 1.0, statistics.fmean(y - x for x, y in zip(xs, ys, strict=True))
+        ratios = [r[2] / r[1] for r in rows if r[2]]
+        base = DEFAULTS["cpu" if name == "cpu" else "cuda"]
+        fitted[name] = replace(
+            base,
+            scale=slope,
+            offset=round(intercept),
+            reserved_scale=statistics.median(ratios) if ratios else base.reserved_scale,
+            samples=len(rows),
+        )
+    return fitted
+
+
+def calibrate(paths: list[str], *, out: Path | None = None) -> dict[str, Overheads]:
+    """Read benchmark records (JSON), fit, merge into the saved calibration and save it atomically."""
+    records = []
+    for p in paths:
+        try:
+            records.append(read_json(p))
+        except FileNotFoundError:
+            raise UsageError(f"--calibrate: no such file {p!r}") from None
+        except ValueError:
+            raise UsageError(f"--calibrate: {p!r} is not a JSON benchmark record") from None
+    fitted = fit(records)
+    if not fitted:
+        raise UsageError("--calibrate: no record holds both a forecast and a measured peak (run ljperf benchmark)")
+    out = out or calibration_path()
+    merged = {**load(out), **fitted}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, {"version": CALIBRATION_VERSION, "devices": {k: asdict(v) for k, v in merged.items()}})
+    return fitted

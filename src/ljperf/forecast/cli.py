@@ -1,0 +1,206 @@
+"""``ljperf plan``: forecast the peak memory per GPU of a training recipe before it runs.
+
+Run: ``ljperf plan --model deepspeed/llama3-8b --gpus 8 --gpu-memory 80GiB --micro-batch 1 --seq-len 8192``
+or ``ljperf plan --model-config ./config.json --engine torch --device cpu --precision fp32 --json``;
+``ljperf plan --calibrate results/*.json`` fits the device overheads from benchmark records (docs/forecast.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict
+
+from ljperf import hardware
+from ljperf.errors import UsageError
+from ljperf.forecast.recipe import Forecast, Recipe, parse_recompute
+from ljperf.models import ModelSpec
+from ljperf.units import format_bytes, parse_size
+
+MAX_MICRO_BATCH = 4096
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ljperf.benchmark import add_model_arguments
+
+    add_model_arguments(parser)
+    g = parser.add_argument_group("recipe")
+    g.add_argument("--zero-stage", type=int, default=3, help="DeepSpeed ZeRO stage 1, 2 or 3 (default: 3)")
+    g.add_argument("--gpus", type=int, default=1, help="data-parallel ranks, the world size (default: 1)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cuda", help="device the job runs on (default: cuda)")
+    g.add_argument("--precision", choices=("fp32", "bf16-mixed"), help="default: bf16-mixed on cuda, fp32 on cpu")
+    g.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-step (default: 1)")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: min(4096, the model's max positions))")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default: 1)")
+    g.add_argument("--recompute", default="none", help="none, full, selective, or K: the first K layers full")
+    g.add_argument("--attn-implementation", choices=("sdpa", "eager"), default="sdpa", help="default: sdpa")
+    g.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="FSDP2: free gathered parameters after forward",
+    )
+    g.add_argument("--optimizer", choices=("single", "foreach", "fused"), help="AdamW kind (default: torch's pick)")
+    m = parser.add_argument_group("memory")
+    m.add_argument("--gpu-memory", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's)")
+    m.add_argument("--gpu", metavar="NAME", help=f"a known GPU instead: {', '.join(hardware.GPU_MEMORY_BYTES)}")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    out.add_argument("--calibrate", nargs="+", metavar="RECORD", help="fit device overheads from benchmark records")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Entry point of ``ljperf plan``."""
+    if args.calibrate:
+        return calibrate_command(args)
+    from ljperf.benchmark import model_from_args
+    from ljperf.forecast.api import forecast
+
+    engine, spec = model_from_args(args)
+    recipe = recipe_from_args(args, engine=engine, spec=spec)
+    memory, device_name = device_memory(args)
+    result = forecast(spec, recipe, device_name=device_name)
+    best = max_micro_batch(spec, recipe, memory, device_name=device_name)
+    report = plan_record(spec, recipe, result, memory=memory, max_micro_batch=best)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_plan(report)
+    return 0
+
+
+def recipe_from_args(args: argparse.Namespace, *, engine: str, spec: ModelSpec) -> Recipe:
+    seq_len = args.seq_len or min(4096, spec.max_positions or 4096)
+    if spec.max_positions and seq_len > spec.max_positions:
+        raise UsageError(f"--seq-len {seq_len} is longer than {spec.name}'s {spec.max_positions} max positions")
+    if args.recompute == "auto":
+        raise UsageError("--recompute auto needs the checkpoint solver; give none, full, selective or K")
+    return Recipe(
+        engine=engine,
+        zero_stage=args.zero_stage,
+        world=args.gpus,
+        device=args.device,
+        precision=args.precision or ("bf16-mixed" if args.device == "cuda" else "fp32"),
+        micro_batch=args.micro_batch,
+        seq_len=seq_len,
+        grad_accum=args.grad_accum,
+        attn_implementation=args.attn_implementation,
+        reshard_after_forward=args.reshard_after_forward,
+        recompute=parse_recompute(args.recompute, spec.layers),
+        optimizer=args.optimizer,
+    )
+
+
+def device_memory(args: argparse.Namespace) -> tuple[int, str | None]:
+    """(bytes per device, device name for calibration) from --gpu-memory, --gpu or this machine."""
+    if args.gpu_memory and args.gpu:
+        raise UsageError("give one of --gpu-memory SIZE or --gpu NAME")
+    if args.gpu:
+        if args.gpu not in hardware.GPU_MEMORY_BYTES:
+            raise UsageError(f"--gpu {args.gpu!r} is not known; choose one of {', '.join(hardware.GPU_MEMORY_BYTES)}")
+        return hardware.GPU_MEMORY_BYTES[args.gpu], args.gpu.split("-")[0]
+    if args.gpu_memory:
+        return parse_size(args.gpu_memory, what="--gpu-memory"), None
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("no GPU here to read its memory from: give --gpu-memory SIZE or --gpu NAME")
+        return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "cpu"
+
+
+def max_micro_batch(spec: ModelSpec, recipe: Recipe, memory: int, *, device_name: str | None) -> int:
+    """The largest micro batch whose forecast fits ``memory`` (0 when even 1 does not)."""
+    from ljperf.forecast.api import forecast
+
+    def fits(b: int) -> bool:
+        return forecast(spec, recipe.with_(micro_batch=b), device_name=device_name).device_bytes <= memory
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= MAX_MICRO_BATCH and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > MAX_MICRO_BATCH:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def plan_record(spec: ModelSpec, recipe: Recipe, result: Forecast, *, memory: int, max_micro_batch: int) -> dict:
+    """The JSON object of ``ljperf plan --json``."""
+    from ljperf.result import SCHEMA_VERSION
+
+    recipe_dict = asdict(recipe)
+    recipe_dict["recompute"] = list(recipe.layer_modes(spec.layers))
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "plan",
+        "model": {"name": spec.name, "architecture": spec.architecture, "params": spec.params.total},
+        "recipe": recipe_dict,
+        "peak_allocated_bytes": result.peak_allocated_bytes,
+        "peak_reserved_bytes": result.peak_reserved_bytes,
+        "context_bytes": result.context_bytes,
+        "device_bytes": result.device_bytes,
+        "breakdown": result.breakdown,
+        "phase": result.phase,
+        "source": result.source,
+        "gpu_memory_bytes": memory,
+        "headroom_bytes": memory - result.device_bytes,
+        "fits": result.device_bytes <= memory,
+        "max_micro_batch": max_micro_batch,
+        "notes": result.notes,
+    }
+
+
+def print_plan(report: dict) -> None:
+    from rich.table import Table
+
+    from ljperf.report import console
+
+    recipe = report["recipe"]
+    title = (
+        f"{recipe['engine']}/{report['model']['name']} · {recipe['world']} × {recipe['device']} · "
+        f"mb {recipe['micro_batch']} × seq {recipe['seq_len']} × accum {recipe['grad_accum']} · {recipe['precision']}"
+    )
+    table = Table(title=title)
+    table.add_column("component")
+    table.add_column("GiB", justify="right")
+    table.add_column("share", justify="right")
+    peak = report["peak_allocated_bytes"]
+    for name, value in sorted(report["breakdown"].items(), key=lambda kv: -kv[1]):
+        table.add_row(name.replace("_", " "), f"{value / 1024**3:.2f}", f"{100 * value / peak:.1f}%")
+    table.add_section()
+    table.add_row("peak allocated per rank", f"{peak / 1024**3:.2f}", "100.0%")
+    console.print(table)
+    lines = [f"peak at: {report['phase']} ({report['source']})"]
+    if report["peak_reserved_bytes"] is not None:
+        lines.append(
+            f"reserved {format_bytes(report['peak_reserved_bytes'])} + context {format_bytes(report['context_bytes'])}"
+            f" = {format_bytes(report['device_bytes'])} on the device"
+        )
+    verdict = "fits" if report["fits"] else "does NOT fit"
+    lines.append(
+        f"{verdict} in {format_bytes(report['gpu_memory_bytes'])}: headroom {format_bytes(report['headroom_bytes'])};"
+        f" largest micro batch that fits: {report['max_micro_batch']}"
+    )
+    lines += [f"note: {n}" for n in report["notes"]]
+    for line in lines:
+        console.print(line, highlight=False)
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    from ljperf.forecast.calibrate import calibrate, calibration_path
+
+    fitted = calibrate(args.calibrate)
+    for name, terms in fitted.items():
+        print(
+            f"{name}: scale {terms.scale:.4f}, offset {format_bytes(terms.offset)}, "
+            f"reserved/allocated {terms.reserved_scale or '-'} from {terms.samples} record(s)"
+        )
+    print(f"saved to {calibration_path()}")
+    return 0

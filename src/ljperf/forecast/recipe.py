@@ -1,0 +1,130 @@
+"""The training recipe a forecast is for, and the forecast it yields.
+
+Build one with ``Recipe(engine="torch", micro_batch=2, seq_len=1024, recompute=("full",) * 4)``, or from
+``ljperf plan`` flags; ``ljperf.forecast.forecast(spec, recipe)`` returns a ``Forecast``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ljperf.config import PRECISIONS
+from ljperf.errors import UsageError
+from ljperf.models import ENGINES
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+"""Per-layer activation recomputation: keep everything, keep only the layer input, or op-level SAC."""
+OPTIMIZER_IMPLS = ("single", "foreach", "fused")
+"""torch AdamW implementations; they differ in the optimizer step's temporaries."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """What one rank runs: engine, sharding, shapes, precision and the per-layer recompute choice."""
+
+    engine: str = "torch"
+    """torch (one device / DDP), fsdp (FSDP2) or deepspeed (ZeRO)."""
+    zero_stage: int = 3
+    """DeepSpeed ZeRO stage 1, 2 or 3 (deepspeed engine only)."""
+    world: int = 1
+    """Data-parallel ranks (GPUs)."""
+    device: str = "cuda"
+    """cpu or cuda: the optimizer implementation and the reserved-memory terms depend on it."""
+    precision: str = "bf16-mixed"
+    """fp32, or bf16-mixed (fp32 master weights, bf16 autocast)."""
+    micro_batch: int = 1
+    """Sequences per rank per micro-step."""
+    seq_len: int = 4096
+    """Tokens per sequence."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step."""
+    attn_implementation: str = "sdpa"
+    """transformers attention: sdpa or eager (eager keeps the seq² attention weights)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after each block's forward."""
+    recompute: tuple[str, ...] = ()
+    """One entry per decoder layer: none, full or selective; empty means none for every layer."""
+    optimizer: str | None = None
+    """AdamW implementation: single, foreach or fused (default: what torch picks, foreach on CUDA, single on CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise UsageError(f"engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
+        if self.zero_stage not in (1, 2, 3):
+            raise UsageError(f"--zero-stage {self.zero_stage}: choose 1, 2 or 3")
+        if self.device not in ("cpu", "cuda"):
+            raise UsageError(f"--device {self.device!r}: choose cpu or cuda")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        for name in ("world", "micro_batch", "seq_len", "grad_accum"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be larger than zero (got {getattr(self, name)})")
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise UsageError(f"--attn-implementation {self.attn_implementation!r}: the forecast knows sdpa and eager")
+        bad = sorted(set(self.recompute) - set(RECOMPUTE_MODES))
+        if bad:
+            raise UsageError(f"recompute mode {bad[0]!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZER_IMPLS:
+            raise UsageError(f"optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZER_IMPLS)}")
+
+    @property
+    def optimizer_impl(self) -> str:
+        """The AdamW implementation the engine really runs (torch's default choice)."""
+        return self.optimizer or ("foreach" if self.device == "cuda" else "single")
+
+    def layer_modes(self, layers: int) -> tuple[str, ...]:
+        """The recompute mode of each of ``layers`` decoder layers."""
+        if not self.recompute:
+            return ("none",) * layers
+        if len(self.recompute) != layers:
+            raise UsageError(f"recompute plan has {len(self.recompute)} entries for a model of {layers} layers")
+        return self.recompute
+
+    def with_(self, **changes) -> Recipe:
+        return replace(self, **changes)
+
+
+def parse_recompute(text: str, layers: int) -> tuple[str, ...]:
+    """``none`` | ``full`` | ``selective`` | ``K`` (the first K layers full) | ``MODE,MODE,…`` → one mode per layer."""
+    if text in RECOMPUTE_MODES:
+        return (text,) * layers
+    if "," in text:
+        modes = tuple(m.strip() for m in text.split(","))
+        bad = [m for m in modes if m not in RECOMPUTE_MODES]
+        if bad or len(modes) != layers:
+            raise UsageError(f"--recompute {text!r}: give {layers} modes from {', '.join(RECOMPUTE_MODES)}")
+        return modes
+    try:
+        k = int(text)
+    except ValueError:
+        raise UsageError(f"--recompute {text!r}: choose none, full, selective or a layer count K") from None
+    if not 0 <= k <= layers:
+        raise UsageError(f"--recompute {k}: the model has {layers} layers, give 0..{layers}")
+    return ("full",) * k + ("none",) * (layers - k)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Forecast:
+    """Predicted peak memory of one rank for one recipe."""
+
+    peak_allocated_bytes: int
+    """Peak of live tensor bytes (``torch.cuda.max_memory_allocated`` on CUDA)."""
+    peak_reserved_bytes: int | None
+    """Allocator reserve at the peak (rounding, fragmentation, workspace); None on CPU."""
+    context_bytes: int
+    """CUDA context and libraries, outside the allocator (0 on CPU)."""
+    breakdown: dict[str, int]
+    """Bytes per component at the peak; they add up to ``peak_allocated_bytes``."""
+    phase: str
+    """Where the peak happens: forward, backward or optimizer (with the micro-step and block)."""
+    source: str
+    """traced (real model code on fake tensors) or analytic (the formula fallback)."""
+    notes: list[str] = field(default_factory=list)
+    """Caveats, e.g. a fallback taken."""
+    traced_peak_bytes: int | None = None
+    """The allocated peak before device overheads (what calibration fits against)."""
+
+    @property
+    def device_bytes(self) -> int:
+        """What the device must hold: the reserve (or allocation) plus the context."""
+        return (self.peak_reserved_bytes or self.peak_allocated_bytes) + self.context_bytes

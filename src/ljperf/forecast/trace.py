@@ -1,0 +1,335 @@
+"""Trace the real HF model code on fake tensors and record its live-bytes timeline, segmented by block.
+
+Run (normally through ``forecast``): ``traced_patterns(spec, precision="fp32", attn="sdpa", mode="full")``.
+
+A 3-layer copy of the model (real hidden size, vocabulary and code) runs two micro-steps of
+``engines.common.accumulate`` under ``FakeTensorMode``: nothing is allocated. ``LiveBytesTimeline`` counts
+tensor storages exactly as ``memory.LiveTensorBytes`` does on a real CPU step, and module/tensor hooks mark
+block boundaries: forward and backward of the embedding part ("pre"), of each decoder layer and of the
+norm/LM-head/loss part ("post"). The layer 0 / layer 1 / layer 2 segments stand for the first, middle and
+last layer of the full-depth model, which ``timeline`` composes.
+
+Every segment is traced at several (micro batch b, sequence s) shapes and each of its points is fitted exactly
+as bytes = c · (1, b, s, b·s, s², b·s²) (micro batch 1 separately, as c · (1, s, s²)): tensor sizes are such
+polynomials (s² from eager attention). The
+integer coefficients are cached per architecture family, precision, attention and recompute mode under
+``$LJPERF_CACHE_DIR`` (default ``~/.cache/ljperf``)/forecast, so later forecasts need no tracing.
+
+Recompute modes (full, selective) are applied with ``ljperf.checkpoint.apply.apply_plan``, the code the
+engines run, so the traced layers save exactly what training saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import weakref
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ljperf import models
+from ljperf.result import read_json, write_json
+
+TRACE_VERSION = 1
+TRACE_LAYERS = 3
+FAMILIES = {
+    "b1": ((1, 32), (1, 64), (1, 96), (1, 128)),
+    "bn": ((2, 32), (3, 32), (4, 32), (2, 64), (3, 64), (2, 96), (3, 96)),
+}
+"""Shapes traced per family. Micro batch 1 is its own family: some copies (``.contiguous()``) vanish at b=1.
+Each family has one shape more than coefficients, so every fit is also checked."""
+MICRO_STEPS = 2
+"""Micro-step 1 allocates the gradients; micro-step 2 (and every later one) accumulates into them."""
+
+
+def family(micro_batch: int) -> str:
+    return "b1" if micro_batch == 1 else "bn"
+
+
+def monomials(b: int, s: int) -> tuple[int, ...]:
+    """The terms tensor sizes are made of; at b=1 the b-terms coincide, so that family keeps (1, s, s²)."""
+    return (1, s, s * s) if b == 1 else (1, b, s, b * s, s * s, b * s * s)
+
+
+class TraceError(RuntimeError):
+    """The model could not be traced consistently; the forecast falls back to the analytic formula."""
+
+
+class LiveBytesTimeline(TorchDispatchMode):
+    """Live tensor-storage bytes after every allocating aten op, with named marks (works on fake tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.points: list[int] = []
+        self.marks: list[tuple[str, int]] = []
+        self._sizes: dict[int, int] = {}
+
+    def track(self, tensor: torch.Tensor) -> bool:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._sizes or storage.nbytes() == 0:
+            return False
+        self._sizes[key] = storage.nbytes()
+        self.current += storage.nbytes()
+        weakref.finalize(storage, self._release, key)
+        return True
+
+    def _release(self, key: int) -> None:
+        self.current -= self._sizes.pop(key, 0)
+
+    def mark(self, name: str) -> None:
+        self.points.append(self.current)
+        self.marks.append((name, len(self.points) - 1))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any([self.track(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]):
+            self.points.append(self.current)
+        return out
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return model.get_decoder().layers
+
+
+def shallow_spec(spec: models.ModelSpec, layers: int = TRACE_LAYERS) -> models.ModelSpec:
+    """The same architecture with ``layers`` decoder layers (per-layer config lists cut to match)."""
+    config = copy.deepcopy(spec.config)
+    config.num_hidden_layers = layers
+    for name in ("layer_types", "mlp_only_layers"):
+        value = getattr(config, name, None)
+        if isinstance(value, list) and len(value) > layers:
+            setattr(config, name, value[:layers])
+    return models.ModelSpec(name=f"{spec.name}[{layers} layers]", config=config)
+
+
+def fake_model(spec: models.ModelSpec, *, attn: str, fake_mode) -> torch.nn.Module:
+    """``spec``'s model with fake CPU parameters and buffers (tied weights stay tied)."""
+    model = models.build_meta(spec, attn_implementation=attn)
+    done: dict[int, torch.nn.Parameter] = {}
+    with fake_mode:
+        for module in model.modules():
+            for key, param in module._parameters.items():
+                if param is not None:
+                    if id(param) not in done:
+                        done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype))
+                    module._parameters[key] = done[id(param)]
+    for module in model.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = fake_mode.from_tensor(buf)
+    return model
+
+
+@dataclass(frozen=True)
+class RawTrace:
+    """The timeline of one traced shape: points and (mark name, point index)."""
+
+    points: list[int]
+    marks: list[tuple[str, int]]
+
+
+MARKS = ["fwd", "f0", "f0e", "f1", "f1e", "f2", "f2e", "loss_grad", "b2", "b1", "b0", "b0e", "bwd_end"]
+"""The block marks of one micro-step ("loss", set when the model returns, is ignored)."""
+
+
+def trace_shape(
+    spec: models.ModelSpec, *, micro_batch: int, seq_len: int, precision: str, attn: str, mode: str
+) -> RawTrace:
+    """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import masking_utils
+
+    from ljperf.config import LaunchConfig, TrainConfig
+    from ljperf.engines.common import accumulate
+    from ljperf.hardware import DeviceInfo
+    from ljperf.runtime import RunContext
+
+    shallow = shallow_spec(spec)
+    fake_mode = FakeTensorMode()
+    model = fake_model(shallow, attn=attn, fake_mode=fake_mode)
+    if mode != "none":
+        from ljperf.checkpoint.apply import apply_plan
+
+        apply_plan(model, (mode,) * TRACE_LAYERS)
+    run = RunContext(
+        engine="torch",
+        model=shallow,
+        train=TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device="cpu"),
+        launch=LaunchConfig(),
+        device=DeviceInfo(type="cpu", index=None, name="fake"),
+    )
+    timeline = LiveBytesTimeline()
+    state = {"backward": False}
+    _install_marks(model, timeline, state)
+    with contextlib.ExitStack() as stack:
+        # Real runs pass no position ids, so transformers finds no packed sequences and lets SDPA skip the
+        # causal mask; on fake tensors it cannot read the values and would build the mask (and repeat K/V).
+        stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
+        stack.enter_context(fake_mode)
+        batches = [torch.zeros(micro_batch, seq_len, dtype=torch.long) for _ in range(MICRO_STEPS)]
+        for tensor in [*model.parameters(), *model.buffers(), *batches]:
+            timeline.track(tensor)
+        stack.enter_context(timeline)
+        accumulate(model, batches, run=run)
+    return RawTrace(points=timeline.points, marks=timeline.marks)
+
+
+def _install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: dict) -> None:
+    def on_loss_grad(grad):
+        state["backward"] = True
+        timeline.mark("loss_grad")
+
+        def done():
+            state["backward"] = False
+            timeline.mark("bwd_end")
+
+        torch.autograd.Variable._execution_engine.queue_callback(done)
+
+    def model_pre(_module, _args, _kwargs):
+        timeline.mark("fwd")
+
+    def model_post(_module, _args, _kwargs, output):
+        timeline.mark("loss")
+        output.loss.register_hook(on_loss_grad)
+
+    model.register_forward_pre_hook(model_pre, with_kwargs=True)
+    model.register_forward_hook(model_post, with_kwargs=True)
+    for i, layer in enumerate(decoder_layers(model)):
+
+        def pre(_module, args, i=i):
+            if state["backward"]:
+                return
+            timeline.mark(f"f{i}")
+            if i == 0:
+                args[0].register_hook(lambda g: timeline.mark("b0e"))
+
+        def post(_module, _args, output, i=i):
+            if state["backward"]:
+                return
+            timeline.mark(f"f{i}e")
+            output.register_hook(lambda g: timeline.mark(f"b{i}"))
+
+        layer.register_forward_pre_hook(pre)
+        layer.register_forward_hook(post)
+
+
+# --- segments ---------------------------------------------------------------------------------------------
+SEGMENTS = (
+    # (name, start mark, end mark) within one micro-step; "next" is the next micro-step's "fwd" or the end.
+    ("pre_f", "fwd", "f0"),
+    ("f0", "f0", "f1"),
+    ("f1", "f1", "f2"),
+    ("f2", "f2", "f2e"),
+    ("post_f", "f2e", "loss_grad"),
+    ("post_b", "loss_grad", "b2"),
+    ("b2", "b2", "b1"),
+    ("b1", "b1", "b0"),
+    ("b0", "b0", "b0e"),
+    ("pre_b", "b0e", "bwd_end"),
+    ("gap", "bwd_end", "next"),
+)
+
+
+def split_segments(raw: RawTrace) -> dict[str, list[int]]:
+    """``{"<segment>@<micro>": [bytes relative to the segment start, ...]}`` including start and end points."""
+    names = [name for name, _ in raw.marks if name != "loss"]
+    want = MARKS
+    if names != want * MICRO_STEPS:
+        raise TraceError(f"unexpected block order in the trace: {names[:20]}")
+    out: dict[str, list[int]] = {}
+    marks = [(n, i) for n, i in raw.marks if n != "loss"]
+    for micro in range(MICRO_STEPS):
+        at = dict(marks[micro * len(want) : (micro + 1) * len(want)])
+        nxt = marks[(micro + 1) * len(want)][1] if micro + 1 < MICRO_STEPS else len(raw.points) - 1
+        at["next"] = nxt
+        for name, start, end in SEGMENTS:
+            lo, hi = at[start], at[end]
+            base = raw.points[lo]
+            out[f"{name}@{micro + 1}"] = [p - base for p in raw.points[lo : hi + 1]]
+    return out
+
+
+@dataclass(frozen=True)
+class Patterns:
+    """Fitted segment patterns of one shape family: rows of integer coefficients over ``monomials(b, s)``."""
+
+    segments: dict[str, list[list[int]]]
+    """``"<segment>@<micro>"`` → one coefficient row per timeline point (first = start, last = end)."""
+    base: list[int]
+    """Coefficients of the live bytes at the first forward of the traced model (params, buffers, 2 batches)."""
+
+    def evaluate(self, b: int, s: int) -> dict[str, tuple[int, int]]:
+        """``segment → (peak above its start, end minus start)`` at micro batch ``b`` and sequence ``s``."""
+        m = monomials(b, s)
+        out = {}
+        for name, rows in self.segments.items():
+            values = [sum(c * x for c, x in zip(row, m, strict=True)) for row in rows]
+            out[name] = (max(values), values[-1])
+        return out
+
+
+def fit_patterns(traces: dict[tuple[int, int], RawTrace]) -> Patterns:
+    """Fit every point of every segment exactly over the traced shapes; raises TraceError when not exact."""
+    shapes = list(traces)
+    split = {shape: split_segments(raw) for shape, raw in traces.items()}
+    x = torch.tensor([monomials(b, s) for b, s in shapes], dtype=torch.float64)
+    segments: dict[str, list[list[int]]] = {}
+    for name in split[shapes[0]]:
+        lengths = {len(split[shape][name]) for shape in shapes}
+        if len(lengths) != 1:
+            raise TraceError(f"segment {name} has a shape-dependent op sequence ({sorted(lengths)} points)")
+        y = torch.tensor([split[shape][name] for shape in shapes], dtype=torch.float64)
+        segments[name] = _exact_fit(x, y, name)
+    bases = torch.tensor([[traces[shape].points[traces[shape].marks[0][1]]] for shape in shapes], dtype=torch.float64)
+    return Patterns(segments=segments, base=[row[0] for row in _exact_fit(x, bases, "base")])
+
+
+def _exact_fit(x: torch.Tensor, y: torch.Tensor, name: str) -> list[list[int]]:
+    coef = torch.linalg.lstsq(x, y).solution.round()
+    if (x @ coef - y).abs().max() > 0.5:
+        raise TraceError(f"segment {name}: bytes are not a polynomial in batch and sequence length")
+    return coef.T.to(torch.int64).tolist()
+
+
+# --- cache ----------------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    return Path(os.environ.get("LJPERF_CACHE_DIR") or Path.home() / ".cache" / "ljperf") / "forecast"
+
+
+def family_key(spec: models.ModelSpec, *, precision: str, attn: str, mode: str) -> str:
+    """Architecture family: the config without its depth, plus what changes the traced code path."""
+    config = {k: v for k, v in spec.config.to_dict().items() if k not in ("num_hidden_layers", "layer_types")}
+    versions = {p: metadata.version(p) for p in ("torch", "transformers")}
+    blob = json.dumps([config, precision, attn, mode, versions, TRACE_VERSION], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: str, micro_batch: int) -> Patterns:
+    """The fitted patterns of one architecture and shape family, from the cache or traced now (and cached)."""
+    fam = family(micro_batch)
+    key = family_key(spec, precision=precision, attn=attn, mode=mode)
+    path = cache_dir() / f"{spec.architecture}-{mode}-{fam}-{key}.json"
+    if path.exists():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            data = read_json(path)
+            return Patterns(segments=data["segments"], base=data["base"])
+    traces = {
+        (b, s): trace_shape(spec, micro_batch=b, seq_len=s, precision=precision, attn=attn, mode=mode)
+        for b, s in FAMILIES[fam]
+    }
+    patterns = fit_patterns(traces)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"trace_version": TRACE_VERSION, "segments": patterns.segments, "base": patterns.base})
+    return patterns
