@@ -25,7 +25,9 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters, get_compilation_metrics
 
-MODES = ("regional", "whole", "off")
+from ljperf.checkpoint.apply import find_blocks
+from ljperf.config import COMPILE_MODES
+from ljperf.errors import UsageError
 
 # Every compile also lowers the backward at once (not lazily at the first backward), so a failing
 # backward compile is caught where the region can still fall back; hitting the recompile limit raises
@@ -39,6 +41,8 @@ class CompileSession:
     """What compiling cost in this process since ``apply_compile``: the ``compile`` part of the result."""
 
     mode: str
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of ``torch.compile`` (backend, mode)."""
     regions: list[str] = field(default_factory=list)
     fallbacks: list[dict[str, str]] = field(default_factory=list)
     region_time_s: dict[str, float] = field(default_factory=dict)
@@ -123,7 +127,7 @@ class Region:
         if self._eager is None:
             # Resolved at the first call: FSDP2's fully_shard swaps the module's class after compile is applied.
             self._eager = self._resolve()
-            self._compiled = torch.compile(self._eager)
+            self._compiled = torch.compile(self._eager, **self._session.options)
         if self._group.failed:
             return self._eager(*args, **kwargs)
         frames = counters["frames"]["total"]
@@ -153,42 +157,32 @@ def _compile_module(module: torch.nn.Module, name: str, group: _Group, sess: Com
     sess.regions.append(name)
 
 
-def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks: HF decoder layers, else the longest ``ModuleList`` of one block class."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
+def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True, **options: Any) -> CompileSession | None:
+    """Compile ``model`` in place for training (``regional`` or ``whole``); returns the session, None for ``off``.
 
-    hf = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if hf:
-        return hf
-    best: list[torch.nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best) and len({type(b) for b in module}) == 1:
-            best = list(module)
-    return best
-
-
-def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True) -> CompileSession | None:
-    """Compile ``model`` in place for training (``regional`` or ``whole``); returns the session, None for ``off``."""
+    ``options`` go to every ``torch.compile`` call (e.g. ``backend``, ``mode``).
+    """
     global _session
-    if mode not in MODES:
-        raise ValueError(f"compile mode {mode!r}: choose one of {', '.join(MODES)}")
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r}: choose one of {', '.join(COMPILE_MODES)}")
     if mode == "off":
         return None
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False  # a KV cache in the forward's guards would recompile every layer
-    sess = _session = CompileSession(mode=mode, verbose=verbose)
+    sess = _session = CompileSession(mode=mode, options=options, verbose=verbose)
     names = {id(m): n for n, m in model.named_modules()}
     if mode == "whole":
         _compile_module(model, "model", _Group("model"), sess)
         return sess
-    blocks = decoder_blocks(model)
+    try:
+        blocks = find_blocks(model)
+    except UsageError:  # no repeated blocks: the model is the one region
+        blocks = [model]
     groups: dict[type, _Group] = {}
     for block in blocks:
         kind = type(block)
         label = f"{kind.__name__} blocks" if sum(type(b) is kind for b in blocks) > 1 else names[id(block)]
-        _compile_module(block, names[id(block)], groups.setdefault(kind, _Group(label)), sess)
-    if not blocks:
-        _compile_module(model, "model", _Group("model"), sess)
+        _compile_module(block, names[id(block)] or "model", groups.setdefault(kind, _Group(label)), sess)
     if hasattr(type(model), "loss_function"):
         loss = model.loss_function
         model.loss_function = Region("loss", lambda: loss, _Group("loss"), sess)
@@ -198,5 +192,23 @@ def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True) ->
 
 def apply_compile(model: torch.nn.Module, run: Any) -> torch.nn.Module:
     """The compile step of ``optimize.apply_optimizations`` (after checkpointing, before the engine wraps)."""
-    compile_model(model, run.optim.compile_mode, verbose=run.is_main)
+    mode = run.optim.compile_mode
+    if mode != "off" and run.engine == "deepspeed" and run.engine_opts.zero_stage == 3:
+        zero3_gather_per_block(model)
+    compile_model(model, mode, verbose=run.is_main)
     return model
+
+
+def zero3_gather_per_block(model: torch.nn.Module) -> None:
+    """Make each decoder block one ZeRO-3 unit of parameter gathering (a "leaf module").
+
+    DeepSpeed then hooks the block, not every Linear inside it, so no gather hook (and no ``ds_id``
+    guard) sits inside a compiled block and the block's parameters arrive in one all-gather.
+    """
+    from deepspeed.utils import set_z3_leaf_modules
+
+    try:
+        classes = list({type(block): None for block in find_blocks(model)})
+    except UsageError:
+        return
+    set_z3_leaf_modules(model, classes)

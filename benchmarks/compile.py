@@ -1,0 +1,117 @@
+"""Eager vs regional vs whole-model torch.compile, side by side: steady-state step time and compile time.
+
+Run: ``.venv/bin/python benchmarks/compile.py [--model torch/llama-tiny] [--seq-len 256] [--micro-batch 2]``
+GPU: ``python benchmarks/compile.py --device cuda --model torch/llama3.2-1b --seq-len 2048 --micro-batch 4
+--markdown benchmarks/compile_llama3.2-1b_<gpu>_<date>.md`` (bf16-mixed is the GPU default; target ≥ 1.20× eager).
+
+Each mode is one ``ljperf benchmark`` process (``--compile-mode off|regional|whole``), modes interleaved per
+repeat so machine drift hits them alike. Every process gets an empty inductor cache (cold compile times)
+unless ``--warm-cache``. Step time is the p50 of the timed steps (compilation happens in the warm-up steps);
+compile time is the time dynamo/inductor report (``results.compile.time_s``). Extra ``ljperf benchmark``
+flags go after ``--``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ljperf.result import read_json, versions
+
+MODES = ("off", "regional", "whole")
+
+
+def run_mode(mode: str, args: argparse.Namespace, workdir: Path, index: int) -> dict:
+    out = workdir / f"{mode}-{index}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
+    if not args.warm_cache:
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-", dir=workdir)
+    cmd = [
+        sys.executable, "-m", "ljperf", "benchmark", "--model", args.model, "--device", args.device,
+        "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--compile-mode", mode, "--output", str(out), *args.extra,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return read_json(out)
+
+
+def summarize(records: list[dict]) -> dict:
+    res = [r["results"] for r in records]
+    comp = [r.get("compile") or {} for r in res]
+    return {
+        "step_s": statistics.median(r["step_time_s_p50"] for r in res),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in res),
+        "compile_s": statistics.median(c.get("time_s", 0.0) for c in comp),
+        "graph_breaks": max(c.get("graph_breaks", 0) for c in comp),
+        "recompiles": max(c.get("recompiles", 0) for c in comp),
+        "fallbacks": max(len(c.get("fallbacks", [])) for c in comp),
+        "final_loss": res[0]["losses"][-1],
+    }
+
+
+def table(rows: dict[str, dict], header: str) -> str:
+    eager = rows["off"]["step_s"] if "off" in rows else None
+    lines = [
+        header,
+        "",
+        "| mode | step time p50 | tokens/s | × eager tokens/s | compile time | graph breaks | recompiles | fallbacks |"
+        " final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| | ms | tokens/s | × | s | | | | nats |",
+    ]
+    for mode, s in rows.items():
+        ratio = f"{eager / s['step_s']:.2f}" if eager else "-"
+        lines.append(
+            f"| {'eager' if mode == 'off' else mode} | {s['step_s'] * 1e3:.1f} | {s['tokens_per_s']:,.0f} | {ratio} "
+            f"| {s['compile_s']:.1f} | {s['graph_breaks']} | {s['recompiles']} | {s['fallbacks']} "
+            f"| {s['final_loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="torch/llama-tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1, help="interleaved rounds of all modes; medians reported")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of off,regional,whole")
+    parser.add_argument("--warm-cache", action="store_true", help="reuse the inductor cache (warm compile times)")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table (with versions) to this file")
+    parser.add_argument("extra", nargs="*", help="more ljperf benchmark flags, after --")
+    args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    with tempfile.TemporaryDirectory(prefix="ljperf-compile-bench-") as tmp:
+        records: dict[str, list[dict]] = {m: [] for m in modes}
+        for i in range(args.repeat):
+            for mode in modes:
+                records[mode].append(run_mode(mode, args, Path(tmp), i))
+                print(f"round {i + 1}/{args.repeat} {mode}: done", file=sys.stderr)
+    rows = {m: summarize(r) for m, r in records.items()}
+    env = records[modes[0]][0]["env"]
+    ver = versions()
+    header = (
+        f"## torch.compile: {args.model} · {env['devices'][0]} · mb {args.micro_batch} × seq {args.seq_len} · "
+        f"{records[modes[0]][0]['config']['train']['precision']} · {args.steps} steps × {args.repeat} round(s) · "
+        f"{'warm' if args.warm_cache else 'cold'} inductor cache\n\n"
+        f"torch {ver.get('torch')}, transformers {ver.get('transformers')}, ljperf {ver.get('ljperf')}; "
+        f"extra flags: {' '.join(args.extra) or 'none'}"
+    )
+    text = table(rows, header)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""``ljperf compile-report``: what torch.compile does with a model, and what it buys.
+
+Run: ``ljperf compile-report --model torch/llama-tiny --seq-lens 512,1000,2048 [--output r.json]``
+One process: graph breaks with their reasons and source lines (``torch._dynamo.explain`` of the whole forward),
+then eager steps at each length, then the same model compiled in place (``ljperf.compile``) at each length:
+compile time per region, recompiles with the guard that failed, eager vs compiled step time (medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from ljperf import config as cfgmod
+from ljperf import hardware, models
+from ljperf.benchmark import add_model_arguments, model_from_args
+from ljperf.compile import compile_model
+from ljperf.config import COMPILE_MODES, LaunchConfig, TrainConfig, opt
+from ljperf.data import SyntheticTokens
+from ljperf.engines.torch_engine import TorchEngine
+from ljperf.errors import UsageError
+from ljperf.report import console
+from ljperf.result import SCHEMA_VERSION, check_writable, environment, now_iso, write_json
+from ljperf.runtime import RunContext, init_process, resolve_device_type, resolve_train
+
+
+@dataclass(kw_only=True)
+class ReportConfig:
+    """What compile-report runs: lengths, steps per length, compile mode."""
+
+    seq_lens: str = opt("512,1000,2048", "comma-separated sequence lengths, run in this order")
+    steps: int = opt(3, "timed steps per length (after one untimed step), eager and compiled")
+    micro_batch: int = opt(1, "sequences per step")
+    compile_mode: str = opt("regional", "regional or whole", choices=COMPILE_MODES[:2])
+    device: str = opt("auto", "cpu, cuda or auto")
+    precision: str | None = opt(None, "fp32 or bf16-mixed (default: bf16-mixed on GPU, fp32 on CPU)")
+
+    def __post_init__(self) -> None:
+        try:
+            lens = [int(x) for x in self.seq_lens.split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(
+                f"--seq-lens {self.seq_lens!r} must be integers separated by commas, e.g. 512,1024"
+            ) from None
+        if not lens or min(lens) < 2:
+            raise UsageError(f"--seq-lens {self.seq_lens!r}: give one or more lengths of at least 2")
+        if self.steps < 1 or self.micro_batch < 1:
+            raise UsageError("--steps and --micro-batch must be larger than zero")
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(x) for x in self.seq_lens.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``ljperf compile-report``."""
+    add_model_arguments(parser)
+    parser.add_argument("--output", metavar="FILE", help="write the JSON report here (atomically)")
+    cfgmod.add_arguments(parser, ReportConfig)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Entry point of ``ljperf compile-report``."""
+    engine_name, spec = model_from_args(args)
+    if engine_name != "torch":
+        raise UsageError(f"compile-report runs one process: use --model torch/{spec.name} (regions are the same)")
+    cfg = cfgmod.from_args(ReportConfig, args)
+    if args.output:
+        check_writable(args.output)
+    device_type = resolve_device_type(cfg.device)
+    train = TrainConfig(
+        micro_batch=cfg.micro_batch, seq_len=max(cfg.lengths), device=cfg.device, precision=cfg.precision
+    )
+    run_ctx = RunContext(
+        engine="torch",
+        model=spec,
+        train=resolve_train(train, model=spec, device_type=device_type),
+        launch=LaunchConfig(),
+        device=hardware.local_device(device_type, 0),
+    )
+    run_ctx = init_process(run_ctx, need_group=False)
+    report = compile_report(run_ctx, cfg)
+    report["args"] = argv
+    print_report(report)
+    if args.output:
+        write_json(args.output, report)
+    return 0
+
+
+def compile_report(run: RunContext, cfg: ReportConfig) -> dict[str, Any]:
+    """Explain, time eager, compile in place, time compiled; returns the report record."""
+    engine = TorchEngine(run)
+    engine.setup(models.build_meta(run.model, attn_implementation=run.train.attn_implementation))
+    model = engine.model
+    device = run.device.torch_device
+    batches = {seq: _batches(run, seq) for seq in cfg.lengths}
+
+    explained = explain_breaks(model, batches[cfg.lengths[0]][0], run)
+    eager = {seq: _timed_steps(engine, batches[seq], cfg.steps, device) for seq in cfg.lengths}
+
+    session = compile_model(model, cfg.compile_mode)
+    lengths = []
+    for seq in cfg.lengths:
+        before_time = sum(session.region_time_s.values())
+        before_recompiles = len(session.recompile_reasons)
+        compiled = _timed_steps(engine, batches[seq], cfg.steps, device)
+        lengths.append(
+            {
+                "seq_len": seq,
+                "eager_step_s": eager[seq],
+                "compiled_step_s": compiled,
+                "speedup": eager[seq] / compiled if compiled else None,
+                "compile_s": round(sum(session.region_time_s.values()) - before_time, 3),
+                "recompiles": session.recompile_reasons[before_recompiles:],
+            }
+        )
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "compile-report",
+        "start_time": now_iso(),
+        "env": environment(devices=[run.device.name], world_size=1),
+        "config": {"model": run.model.name, **asdict(cfg), "precision": run.train.precision},
+        "graph_breaks": explained,
+        "lengths": lengths,
+        "compile": session.results(),
+    }
+
+
+def _batches(run: RunContext, seq: int) -> list[torch.Tensor]:
+    data = SyntheticTokens(
+        vocab=run.model.vocab,
+        seq_len=seq,
+        micro_batch=run.train.micro_batch,
+        grad_accum=1,
+        world=1,
+        seed=run.train.seed,
+    )
+    return data.micro_batches(0, 0, run.device.torch_device)
+
+
+def _timed_steps(engine: TorchEngine, batches: list[torch.Tensor], steps: int, device: torch.device) -> float:
+    """Median seconds of ``steps`` training steps, after one untimed step (which compiles)."""
+    engine.train_step(batches)
+    times = []
+    for _ in range(steps):
+        hardware.synchronize(device)
+        start = time.perf_counter()
+        engine.train_step(batches)
+        hardware.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def explain_breaks(model: torch.nn.Module, tokens: torch.Tensor, run: RunContext) -> dict[str, Any]:
+    """Graph breaks of the whole forward (a region's breaks are among them), with their source lines."""
+    with run.autocast():
+        out = torch._dynamo.explain(model)(input_ids=tokens, labels=tokens, use_cache=False)
+    torch._dynamo.reset()  # explain's cache entries must not count as the compiled run's recompiles
+    reasons = []
+    for br in out.break_reasons:
+        frame = br.user_stack[-1] if br.user_stack else None
+        where = f"{frame.filename}:{frame.lineno}" if frame else None
+        reasons.append({"reason": br.reason.strip().splitlines()[0], "where": where, "line": frame and frame.line})
+    return {"count": out.graph_break_count, "graphs": out.graph_count, "reasons": reasons}
+
+
+def print_report(report: dict[str, Any]) -> None:
+    cfg = report["config"]
+    table = Table(title=f"compile-report · {cfg['model']} · {cfg['compile_mode']} · {cfg['precision']}")
+    for col in ("seq len", "eager step", "compiled step", "speedup", "compile time", "recompiles"):
+        table.add_column(col, justify="right")
+    table.add_row("", "ms", "ms", "×", "s", "")
+    for row in report["lengths"]:
+        table.add_row(
+            str(row["seq_len"]),
+            f"{row['eager_step_s'] * 1e3:.1f}",
+            f"{row['compiled_step_s'] * 1e3:.1f}",
+            f"{row['speedup']:.2f}",
+            f"{row['compile_s']:.1f}",
+            str(len(row["recompiles"])),
+        )
+    console.print(table)
+    comp = report["compile"]
+    per_region = ", ".join(f"{name} {sec:.1f} s" for name, sec in comp["time_s_per_region"].items()) or "-"
+    console.print(f"compile time per region: {per_region} (total {comp['time_s']:.1f} s)")
+    breaks = report["graph_breaks"]
+    console.print(f"graph breaks (whole forward): {breaks['count']} in {breaks['graphs']} graph(s)")
+    for br in breaks["reasons"]:
+        console.print(f"  - {br['reason']}  at {br['where']}" + (f": {br['line']}" if br["line"] else ""))
+    for row in report["lengths"]:
+        for reason in row["recompiles"]:
+            console.print(f"recompile at seq {row['seq_len']}: {reason}")
+    for fb in comp["fallbacks"]:
+        console.print(f"[yellow]eager fallback:[/] {fb['region']}: {fb['reason']}")
