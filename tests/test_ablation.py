@@ -1,0 +1,212 @@
+"""``ljperf ablation`` and ``ljperf report``: real benchmark subprocesses of a tiny model on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from ljperf.ablation.cli import check_variant, split_argv
+from ljperf.ablation.stats import Spread, VariantStats, contributions
+from ljperf.ablation.variants import BUILTIN, parse_environments, parse_variants
+from ljperf.errors import UsageError
+
+from conftest import read_record, run_ljperf
+
+SHORT = ("--model", "torch/llama-tiny", "--seq-len", "64", "--steps", "2", "--warmup", "1")
+# Three variants, the third fails at run time (flash-attention is not installed): it must not stop the others.
+VARIANTS = (
+    "--variant",
+    "mb1=--micro-batch 1",
+    "--variant",
+    "mb2=--micro-batch 2",
+    "--variant",
+    "broken=--attn-implementation flash_attention_2",
+)
+
+
+def _stats(name: str, tokens: list[float], env: str = "local") -> VariantStats:
+    return VariantStats(
+        environment=env,
+        variant=name,
+        flags="",
+        runs=len(tokens),
+        statuses={"ok": len(tokens)} if tokens else {"oom": 1},
+        tokens_per_s=Spread.of(tokens),
+        losses=[1.0, 0.5] if tokens else [],
+    )
+
+
+def test_contributions_on_known_inputs():
+    stats = [
+        _stats("base", [100, 90, 110]),
+        _stats("compile", [150, 140, 160]),
+        _stats("compile+ckpt", [150, 135, 155]),
+        _stats("ckpt-full", []),
+        _stats("after-oom", [80, 80, 80]),
+    ]
+    stats[2].losses = [1.0, 0.25]
+    contributions(stats)
+    base, comp, both, oom, after = stats
+    assert base.speedup is None and base.gain is None and base.loss_max_abs_diff == 0.0
+    assert comp.speedup.value == pytest.approx(1.5) and not comp.speedup.overlaps
+    assert comp.gain.value == pytest.approx(1.5) and comp.gain.reference == "base"
+    # 150 vs 150 with ranges 135-155 and 140-160: no gain, and the marker says the repeats overlap.
+    assert both.speedup.value == pytest.approx(1.5) and not both.speedup.overlaps
+    assert both.gain.value == pytest.approx(1.0) and both.gain.overlaps and both.gain.reference == "compile"
+    assert both.loss_max_abs_diff == pytest.approx(0.25)
+    assert oom.speedup is None and oom.gain is None and oom.loss_max_abs_diff is None
+    assert after.gain is None  # the previous variant failed: nothing to compare with
+    assert after.speedup.value == pytest.approx(0.8) and not after.speedup.overlaps
+
+
+def test_contributions_across_environments():
+    stats = [_stats("base", [100, 100], env="stock"), _stats("base", [120, 125]), _stats("compile", [180, 190])]
+    contributions(stats)
+    assert stats[1].speedup.value == pytest.approx(1.225) and stats[1].gain is None  # other env: vs baseline only
+    assert stats[2].speedup.value == pytest.approx(1.85) and stats[2].gain.value == pytest.approx(185 / 122.5)
+
+
+def test_variant_lists():
+    assert [v.name for v in parse_variants(None, [])] == ["base", "compile", "compile+ckpt"]
+    assert parse_variants("base,ckpt-full", [])[1].flags == tuple(BUILTIN["ckpt-full"].split())
+    user = parse_variants(None, ["a=--micro-batch 1", "b=--micro-batch 2 --lr 1e-3"])
+    assert [(v.name, v.flags) for v in user] == [
+        ("a", ("--micro-batch", "1")),
+        ("b", ("--micro-batch", "2", "--lr", "1e-3")),
+    ]
+    assert [v.name for v in parse_variants("b,base", ["b=--micro-batch 2", "c=--micro-batch 4"])] == ["b", "base", "c"]
+    with pytest.raises(UsageError, match=r"unknown variant 'fast'.*base, compile, compile\+ckpt, ckpt-full"):
+        parse_variants("base,fast", [])
+    with pytest.raises(UsageError, match="NAME="):
+        parse_variants(None, ["--micro-batch 2"])
+
+
+def test_usage_errors_exit_2(tmp_path):
+    unknown = run_ljperf("ablation", *SHORT, "--variants", "base,turbo", "--out", str(tmp_path / "a"))
+    assert unknown.returncode == 2 and "unknown variant 'turbo'" in unknown.stderr and "ckpt-full" in unknown.stderr
+    assert not (tmp_path / "a").exists()
+    # Each variant's command is validated before anything runs, naming the variant.
+    with pytest.raises(UsageError, match=r"variant x \(--micro-batch 0\): --micro-batch must be larger"):
+        check_variant(list(SHORT), *parse_variants(None, ["x=--micro-batch 0"]))
+    with pytest.raises(UsageError, match="unrecognized arguments: --no-such-flag"):
+        check_variant(list(SHORT), *parse_variants(None, ["x=--no-such-flag"]))
+    with pytest.raises(UsageError, match="no such interpreter"):
+        parse_environments(["x=/nonexistent/python"], default_python=sys.executable)
+    with pytest.raises(UsageError, match="cannot import ljperf"):
+        parse_environments([f"bare={_venv(tmp_path / 'bare')}"], default_python=sys.executable)
+    assert split_argv(["ablation", *SHORT, "--repeat", "2", "--variant", "a=--lr 1", "--out", "d"], "ablation") == list(
+        SHORT
+    )
+
+
+@pytest.mark.slow
+def test_ablation_report_failure_and_resume(tmp_path):
+    out = tmp_path / "abl"
+    first = run_ljperf("ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out))
+    assert first.returncode == 1, first.stderr
+    assert "2 of 6 runs failed" in first.stderr
+    # Interleaved: every variant once per repeat, in order.
+    order = [line.split()[1].rstrip(":") for line in first.stdout.splitlines() if line.startswith("[")]
+    assert order == [f"local/{v}.r{k}" for k in (1, 2) for v in ("mb1", "mb2", "broken")]
+
+    runs = {p.name: read_record(p) for p in (out / "runs" / "local").glob("*.json")}
+    assert sorted(runs) == sorted(f"{v}.r{k}.json" for v in ("mb1", "mb2", "broken") for k in (1, 2))
+    for name, rec in runs.items():
+        want = "error" if name.startswith("broken") else "ok"
+        assert rec["results"]["status"] == want, (name, rec["results"])
+        assert rec["ablation"]["environment"]["versions"]["torch"] == rec["env"]["versions"]["torch"]
+    assert "FlashAttention2" in runs["broken.r1.json"]["results"]["reason"]
+    # Same seed and data: mb1's repeats train identically.
+    assert runs["mb1.r1.json"]["results"]["losses"] == runs["mb1.r2.json"]["results"]["losses"]
+
+    summary = read_record(out / "summary.json")
+    assert summary["kind"] == "ablation" and summary["args"][0] == "ablation"
+    by_name = {v["variant"]: v for v in summary["variants"]}
+    assert [v["variant"] for v in summary["variants"]] == ["mb1", "mb2", "broken"]
+    mb1, mb2 = by_name["mb1"], by_name["mb2"]
+    assert mb1["statuses"] == {"ok": 2} and by_name["broken"]["statuses"] == {"error": 2}
+    ratio = mb2["tokens_per_s"]["median"] / mb1["tokens_per_s"]["median"]
+    assert mb2["speedup"]["value"] == pytest.approx(ratio) and mb2["gain"]["value"] == pytest.approx(ratio)
+    assert by_name["broken"]["speedup"] is None
+    report_md = (out / "report.md").read_text()
+    assert "| mb2 | --micro-batch 2 | ok ×2 |" in report_md and "## Failed runs" in report_md
+    assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Resume: nothing runs again, no record is rewritten.
+    mtimes = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")}
+    again = run_ljperf("ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out))
+    assert again.returncode == 1 and "6 of 6 runs already finished" in again.stdout
+    assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")} == mtimes
+    # A missing run (as if killed before it finished) is the only one that runs.
+    (out / "runs" / "local" / "mb2.r2.json").unlink()
+    third = run_ljperf("ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out))
+    assert "5 of 6 runs already finished" in third.stdout and "[1/1] local/mb2.r2: ok" in third.stdout
+    assert read_record(out / "runs" / "local" / "mb2.r2.json")["results"]["status"] == "ok"
+    # Other flags with the same folder: refused rather than mixed.
+    other = run_ljperf("ablation", *SHORT, "--lr", "1e-3", *VARIANTS, "--repeat", "2", "--out", str(out))
+    assert other.returncode == 2 and "--force" in other.stderr
+
+    # ljperf report rebuilds everything from the JSON.
+    for name in ("summary.json", "report.md", "ablation.png"):
+        (out / name).unlink()
+    rebuilt = run_ljperf("report", str(out))
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert (out / "ablation.png").exists() and "| mb2 |" in (out / "report.md").read_text()
+    assert read_record(out / "summary.json")["args"] is None
+
+
+@pytest.mark.slow
+def test_timeout_is_recorded_and_force_reruns(tmp_path):
+    out = tmp_path / "t"
+    args = ("ablation", *SHORT, "--variants", "base", "--repeat", "1", "--timeout", "0.5", "--out", str(out))
+    first = run_ljperf(*args)
+    assert first.returncode == 1 and "1 of 1 runs failed" in first.stderr
+    path = out / "runs" / "local" / "base.r1.json"
+    rec = read_record(path)
+    assert rec["results"]["status"] == "timeout" and "--timeout 0.5 s" in rec["results"]["reason"]
+    assert rec["ablation"]["wall_s"] < 20
+    assert not list(out.glob("runs/local/.*"))  # no pending file left behind
+    before = path.stat().st_mtime_ns
+    forced = run_ljperf(*args, "--force")
+    assert forced.returncode == 1 and "already finished" not in forced.stdout
+    assert path.stat().st_mtime_ns > before
+
+
+def _venv(root: Path) -> Path:
+    """A bare venv (no pip, no packages); returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    return root / "bin" / "python"
+
+
+def _second_environment(root: Path) -> Path:
+    """A venv of its own whose site-packages points at this one's (a different installation, same packages)."""
+    python = _venv(root)
+    site = subprocess.check_output([python, "-c", "import site; print(site.getsitepackages()[0])"], text=True)
+    (Path(site.strip()) / "ljperf_parent.pth").write_text(
+        f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n"
+    )
+    return python
+
+
+@pytest.mark.slow
+def test_env_runs_under_another_interpreter(tmp_path):
+    python = _second_environment(tmp_path / "venv2")
+    out = tmp_path / "e"
+    result = run_ljperf(
+        "ablation", *SHORT, "--variants", "base", "--repeat", "1", "--env", f"other={python}", "--out", str(out)
+    )
+    assert result.returncode == 0, result.stderr
+    rec = read_record(out / "runs" / "other" / "base.r1.json")
+    env = rec["ablation"]["environment"]
+    assert env["name"] == "other" and env["python"] == str(python)
+    assert Path(env["prefix"]) == tmp_path / "venv2" and Path(env["prefix"]) != Path(sys.prefix)
+    assert rec["results"]["status"] == "ok" and rec["env"]["versions"] == env["versions"]
+    assert env["versions"]["torch"] and env["versions"]["ljperf"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["environments"][0]["prefix"] == env["prefix"]
+    assert "| other |" in (out / "report.md").read_text()
