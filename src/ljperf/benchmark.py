@@ -299,7 +299,9 @@ def measured_memory_step(run: RunContext, engine: Any, batches: list[torch.Tenso
         memory.reset_cuda_peak(device)
         state.memory_method = memory.CUDA_METHOD
         return engine.train_step(batches)
-    alive = memory.training_state_tensors(engine.model, engine.optimizer) + batches
+    # An engine whose state lies outside model/optimizer.state (DeepSpeed's flat partitions) lists its own.
+    own = getattr(engine, "state_tensors", None)
+    alive = (own() if own else memory.training_state_tensors(engine.model, engine.optimizer)) + batches
     with memory.LiveTensorBytes(alive) as tracker:
         loss = engine.train_step(batches)
     state.peak_allocated = tracker.peak

@@ -38,6 +38,9 @@ class Engine(Protocol):
     def describe(self) -> dict:
         """The resolved engine configuration, recorded in the result."""
 
+    # Optional: ``state_tensors() -> list[torch.Tensor]``, the tensors kept between steps on this rank, for an
+    # engine whose state ``memory.training_state_tensors(model, optimizer)`` does not see (DeepSpeed).
+
 
 def make_engine(run: RunContext) -> Engine:
     module = importlib.import_module(_MODULES[run.engine])

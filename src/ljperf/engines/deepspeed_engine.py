@@ -61,15 +61,55 @@ class DeepSpeedEngine:
             total += loss.detach().float() / len(micro_batches)
         return total
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor DeepSpeed keeps between steps on this rank: parameters (ZeRO-3: their partitions),
+        gradients, the flat fp32 partitions and the optimizer states (``optimizer.state`` misses the flat ones)."""
+        found: list[torch.Tensor] = []
+        _collect_tensors(self.optimizer, found, seen=set(), depth=0)
+        for param in self.model.module.parameters():
+            found += [t for t in (param, getattr(param, "ds_tensor", None), param.grad) if t is not None]
+        return found + list(self.model.module.buffers())
+
+    def local_params(self) -> int:
+        """Parameter elements this rank holds (ZeRO-3: its partitions, plus the small persistent parameters)."""
+        total = 0
+        for param in self.model.module.parameters():
+            part = getattr(param, "ds_tensor", None)
+            total += part.numel() if part is not None else param.numel()
+        return total
+
     def describe(self) -> dict:
         return {
             "name": "deepspeed",
             "zero_stage": self.config["zero_optimization"]["stage"],
+            "local_params": self.local_params(),
             "config_source": self.run.engine_opts.deepspeed_config or "ljperf",
             "deepspeed_config": self.config,
             "warnings": [f"{f.message}; fix: {f.fix}" for f in self.warnings],
             "optimizer": "torch.optim.AdamW (DeepSpeed torch_adam)",
         }
+
+
+def _collect_tensors(obj: Any, found: list[torch.Tensor], *, seen: set[int], depth: int) -> None:
+    """Tensors reachable from a DeepSpeed optimizer through its attributes, lists and dicts."""
+    if id(obj) in seen or depth > 6:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+        if obj.grad is not None:
+            found.append(obj.grad)
+        return
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, list | tuple | set):
+        children = list(obj)
+    elif type(obj).__module__.startswith(("deepspeed.", "torch.optim")) and hasattr(obj, "__dict__"):
+        children = list(vars(obj).values())
+    else:
+        return
+    for child in children:
+        _collect_tensors(child, found, seen=seen, depth=depth + 1)
 
 
 def resolved_config(run: RunContext) -> tuple[dict, list[deepspeed_config.Finding]]:

@@ -59,12 +59,17 @@ class FSDPEngine:
     def describe(self) -> dict:
         return {
             "name": "fsdp",
+            "local_params": sum(_local(p).numel() for p in self.model.parameters()),
             "wrapper": "FSDP2 fully_shard (each decoder block, then the root)",
             "world": self.run.world,
             "reshard_after_forward": self.run.engine_opts.reshard_after_forward,
             "mixed_precision": "bf16 params, fp32 reduce" if self.run.bf16 else None,
             "optimizer": "AdamW",
         }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _parameter_names(model: torch.nn.Module) -> dict[tuple[int, str], str]:
