@@ -300,3 +300,10 @@ def test_compile_without_a_compiler_fails(tmp_path):
     row = record["results"]["checks"][0]
     assert code == 1 and row["status"] == FAIL
     assert "C++ compiler" in row["finding"] and "COMPILE_OPTIMIZATION=false" in row["fix"]
+
+
+def test_a_crashing_check_is_a_fail_row():
+    from ljperf.doctor.cli import guarded
+
+    row = guarded("nccl-ifname", lambda: checks.socket_ifname("eth0", gpus=8, names=None))
+    assert row.status == FAIL and row.check == "nccl-ifname" and "TypeError" in row.finding

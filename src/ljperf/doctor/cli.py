@@ -53,7 +53,20 @@ def skipped(text: str) -> set[str]:
 
 def run_checks(*, deepspeed: str | None, world_size: int | None, skip: set[str]) -> list[CheckResult]:
     rows = checks.check_deepspeed_config(deepspeed, world_size=world_size) if deepspeed else []
-    return rows + [check() for name, check in CHECKS.items() if name not in skip]
+    return rows + [guarded(name, check) for name, check in CHECKS.items() if name not in skip]
+
+
+def guarded(name: str, check: Callable[[], CheckResult]) -> CheckResult:
+    """Run one check; a check that crashes is a FAIL row, not a traceback (the other checks still run)."""
+    try:
+        return check()
+    except Exception as exc:
+        return CheckResult(
+            check=name,
+            status=FAIL,
+            finding=f"the check itself failed: {type(exc).__name__}: {str(exc).strip()[:300]}",
+            fix="report it with the output of `ljperf doctor --json`",
+        )
 
 
 def overall(rows: list[CheckResult]) -> str:
