@@ -197,8 +197,18 @@ def _second_environment(root: Path) -> Path:
 def test_env_runs_under_another_interpreter(tmp_path):
     python = _second_environment(tmp_path / "venv2")
     out = tmp_path / "e"
+    # The built-in ckpt-full variant too: checkpointing must not change the losses (bitwise on CPU).
     result = run_ljperf(
-        "ablation", *SHORT, "--variants", "base", "--repeat", "1", "--env", f"other={python}", "--out", str(out)
+        "ablation",
+        *SHORT,
+        "--variants",
+        "base,ckpt-full",
+        "--repeat",
+        "1",
+        "--env",
+        f"other={python}",
+        "--out",
+        str(out),
     )
     assert result.returncode == 0, result.stderr
     rec = read_record(out / "runs" / "other" / "base.r1.json")
@@ -210,3 +220,12 @@ def test_env_runs_under_another_interpreter(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["environments"][0]["prefix"] == env["prefix"]
     assert "| other |" in (out / "report.md").read_text()
+    ckpt = summary["variants"][1]
+    assert ckpt["variant"] == "ckpt-full" and ckpt["statuses"] == {"ok": 1} and ckpt["loss_max_abs_diff"] == 0.0
+    assert read_record(out / "runs" / "other" / "ckpt-full.r1.json")["config"]["optimizations"]["recompute"] == "full"
+
+
+def test_builtin_variants_are_benchmark_flags():
+    for variant in parse_variants(",".join(BUILTIN), []):
+        cfg = check_variant(list(SHORT), variant)
+        assert (cfg.optim.compile_mode != "off") == ("compile" in variant.name), variant
