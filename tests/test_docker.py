@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 from dockerfile_parse import DockerfileParser
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -22,6 +21,7 @@ from ljperf.doctor import manifest
 from ljperf.doctor.cli import CHECKS, skipped
 from ljperf.doctor.tables import DRIVER_RULES
 
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 
