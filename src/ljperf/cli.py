@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from dataclasses import dataclass
 
 from ljperf import __version__
-from ljperf.errors import EXIT_SIGINT, EXIT_USAGE, RunFailed, UsageError
+from ljperf.errors import EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed, UsageError
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(EXIT_SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM before a command installs its own handler (e.g. while torch imports): exit 143, no traceback.
+    signal.signal(signal.SIGTERM, _terminated)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(command)

@@ -84,7 +84,7 @@ def check_writable(path: str | os.PathLike) -> None:
         raise UsageError(f"--output {str(path)!r}: folder {str(folder)!r} does not exist")
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".ljperf-probe-", delete=True) as f:
-            f.write(b"x" * 4096)
+            f.write(b"x" * 65536)  # about the size of a long run's record
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:

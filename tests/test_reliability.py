@@ -1,0 +1,216 @@
+"""Fault injection with real processes and real signals: ljperf fails loudly, cleanly, and keeps its record.
+
+Each guarantee is listed in docs/reliability.md with the test that proves it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ljperf.result import write_json
+
+from conftest import cli_env, read_record, run_ljperf
+
+TINY = ["benchmark", "--model", "torch/llama-tiny", "--seq-len", "64", "--warmup", "1"]
+
+
+def children(pid: int) -> list[int]:
+    """All descendants of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    for pid in children(launcher):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"LOCAL_RANK=" + str(rank).encode() in environ:
+            return pid
+    return None
+
+
+def start(args: list[str], tmp_path: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ljperf", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(TMPDIR=str(tmp_path), **env),
+        start_new_session=True,
+    )
+
+
+def wait_for_steps(tmp_path: Path, n: int, timeout: float = 240) -> None:
+    """Wait until rank 0 has reported ``n`` steps in its run folder's progress file."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for progress in tmp_path.glob("ljperf-run-*/progress.jsonl"):
+            if sum(1 for line in progress.read_text().splitlines() if '"step"' in line) >= n:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {n} steps within {timeout} s")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_and_the_record_kept(tmp_path):
+    out = tmp_path / "r.json"
+    proc = start([*TINY, "--nproc-per-node", "2", "--steps", "400", "--output", str(out)], tmp_path)
+    wait_for_steps(tmp_path, 4)
+    victim = rank_pid(proc.pid, 1)
+    assert victim is not None
+    workers = children(proc.pid)
+    os.kill(victim, signal.SIGKILL)
+    started = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    assert time.monotonic() - started < 60  # the survivor does not hang
+    assert proc.returncode == 1
+    last = stderr.strip().splitlines()[-1]
+    assert "rank 1 was killed by SIGKILL" in last
+    res = read_record(out)["results"]
+    assert res["status"] == "error" and "rank 1" in res["reason"]
+    assert 1 <= res["steps_completed"] < 400
+    assert len(res["losses"]) == res["steps_completed"]
+    assert not [p for p in workers if alive(p)]
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_run_after_the_timeout(tmp_path):
+    out = tmp_path / "r.json"
+    proc = start(
+        [*TINY, "--nproc-per-node", "2", "--steps", "50", "--timeout", "15", "--output", str(out)],
+        tmp_path,
+        LJPERF_FAULT="sleep,step=3,rank=1,seconds=3600",
+    )
+    wait_for_steps(tmp_path, 2)
+    workers = children(proc.pid)
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 1
+    assert "rank" in stderr.strip().splitlines()[-1]
+    res = read_record(out)["results"]
+    assert res["status"] == "error" and res["steps_completed"] >= 1
+    time.sleep(1)
+    assert not [p for p in workers if alive(p)], "orphan worker processes"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signals_keep_a_partial_record_and_end_the_children(tmp_path, sig, code):
+    out = tmp_path / "r.json"
+    proc = start([*TINY, "--nproc-per-node", "2", "--steps", "400", "--output", str(out)], tmp_path)
+    wait_for_steps(tmp_path, 3)
+    workers = children(proc.pid)
+    os.kill(proc.pid, sig)
+    proc.communicate(timeout=120)
+    assert proc.returncode == code
+    res = read_record(out)["results"]
+    assert res["status"] == "error" and res["steps_completed"] >= 1
+    assert signal.Signals(sig).name in res["reason"]
+    time.sleep(1)
+    assert not [p for p in workers if alive(p)]
+
+
+def test_single_process_sigterm_keeps_the_record(tmp_path):
+    out, run_dir = tmp_path / "r.json", tmp_path / "ljperf-run-single"
+    run_dir.mkdir()
+    proc = start(
+        [*TINY, "--steps", "400", "--output", str(out)],
+        tmp_path,
+        LJPERF_FAULT="sleep,step=3,rank=0,seconds=3600",
+        LJPERF_RUN_DIR=str(run_dir),
+    )
+    wait_for_steps(tmp_path, 3)  # now inside the injected stall at step 3
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    res = read_record(out)["results"]
+    assert res["status"] == "error" and "SIGTERM" in res["reason"] and res["steps_completed"] == 2
+
+
+def test_sigterm_during_start_up_exits_143(tmp_path):
+    proc = start([*TINY, "--steps", "5"], tmp_path)
+    time.sleep(0.5)  # still importing torch
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    assert "Traceback" not in stderr
+
+
+def test_unwritable_output_fails_before_the_run(tmp_path):
+    proc = run_ljperf(*TINY, "--steps", "1", "--output", "/sys/ljperf-result.json")
+    assert proc.returncode == 2
+    assert "not writable" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_full_disk_fails_before_the_run(tmp_path):
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=False).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        (mnt / "filler").write_bytes(b"\0" * 60_000)
+        proc = run_ljperf(*TINY, "--steps", "1", "--output", str(mnt / "r.json"))
+        assert proc.returncode == 2
+        assert "No space left" in proc.stderr
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_killed_writer_never_leaves_half_a_file(tmp_path):
+    target = tmp_path / "record.json"
+    write_json(target, {"version": "old"})
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from ljperf.result import write_json; "
+            "write_json(sys.argv[1], {'version': 'new', 'payload': list(range(8_000_000))})",
+            str(target),
+        ]
+    )
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".record.json.*")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    assert json.loads(target.read_text()) == {"version": "old"}
+
+
+def test_secrets_never_reach_records_or_logs(tmp_path):
+    secrets = {"HF_TOKEN": "hf_s3cr3tvalue", "AWS_SECRET_ACCESS_KEY": "aws-s3cr3t-key", "MY_TEAM_TOKEN": "tok-777"}
+    out = tmp_path / "r.json"
+    proc = run_ljperf(*TINY, "--steps", "2", "--output", str(out), env=cli_env(**secrets))
+    assert proc.returncode == 0, proc.stderr
+    written = out.read_text() + proc.stdout + proc.stderr
+    for name, value in secrets.items():
+        assert value not in written and name not in written
