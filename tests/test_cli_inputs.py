@@ -1,0 +1,123 @@
+"""Bad input across every subcommand: exit 2 and one line that names the problem, never a traceback.
+
+A table of bad inputs runs through the real ``ljperf.cli.main`` (in-process: no training starts, since
+each input must be refused before anything runs), plus a property-based test over the argument parser.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ljperf import cli
+
+BAD_JSON = "{not: json"
+WRONG_BATCH = json.dumps({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
+MISSING_FIELDS = json.dumps({"model_type": "llama", "hidden_size": 64})
+
+TINY = ["--model", "torch/llama-tiny"]
+
+# (argv, environment, text the one line must contain). "{bad}", "{wrong_batch}", "{missing}" are files.
+CASES = [
+    (["no-such-command"], {}, "invalid choice"),
+    (["benchmark", "--model", "torch/llama-tinyy"], {}, "closest: llama-tiny"),
+    (["benchmark", "--model", "tpu/llama-tiny"], {}, "unknown engine"),
+    (["benchmark", "--model-config", "{bad}"], {}, "not valid JSON"),
+    (["benchmark", "--model-config", "{missing}"], {}, "missing"),
+    (["benchmark", *TINY, "--micro-batch", "-1"], {}, "--micro-batch"),
+    (["benchmark", *TINY, "--seq-len", "0"], {}, "--seq-len"),
+    (["benchmark", *TINY, "--grad-accum", "0"], {}, "--grad-accum"),
+    (["benchmark", *TINY, "--steps", "0"], {}, "--steps"),
+    (["benchmark", *TINY, "--warmup", "-1"], {}, "--warmup"),
+    (["benchmark", *TINY, "--seq-len", "10000000"], {}, "max positions"),
+    (["benchmark", *TINY, "--lr", "-1"], {}, "--lr"),
+    (["benchmark", *TINY, "--timeout", "0"], {}, "--timeout"),
+    (["benchmark", *TINY, "--nproc-per-node", "100000"], {}, "--nproc-per-node"),
+    (["benchmark", *TINY, "--nnodes", "2"], {}, "--rdzv-endpoint"),
+    (["benchmark", *TINY, "--nnodes", "2", "--node-rank", "5", "--rdzv-endpoint", "h:1"], {}, "--node-rank"),
+    (["benchmark", *TINY, "--engine", "fsdp"], {}, "contradicts"),
+    (["benchmark", "--model", "deepspeed/llama-tiny", "--zero-stage", "4"], {}, "--zero-stage"),
+    (["benchmark", "--model", "deepspeed/llama-tiny", "--deepspeed-config", "{bad}"], {}, "JSON"),
+    (["benchmark", "--model", "deepspeed/llama-tiny", "--deepspeed-config", "{wrong_batch}"], {}, "7"),
+    (["benchmark", *TINY, "--recompute", "sometimes"], {}, "--recompute"),
+    (["benchmark", *TINY, "--compile-mode", "fast"], {}, "fast"),
+    (["benchmark", *TINY, "--recompute", "auto"], {"LJPERF_MEMORY_BUDGET": "abc"}, "LJPERF_MEMORY_BUDGET"),
+    (["benchmark", *TINY, "--micro-batch", "1e9"], {}, "invalid int"),
+    (["plan", "--model", "torch/nope"], {}, "unknown model"),
+    (["plan", "--model", "torch/llama-tiny", "--gpu-memory", "80XB"], {}, "80XB"),
+    (["plan", "--model", "torch/llama-tiny", "--gpus", "0"], {}, "--gpus"),
+    (["plan", "--model", "torch/llama-tiny", "--micro-batch", "0"], {}, "--micro-batch"),
+    (["plan", "--model", "torch/llama-tiny", "--gpu", "NOPE-GPU"], {}, "NOPE-GPU"),
+    (["plan", "--calibrate", "/nonexistent/results.json"], {}, "results.json"),
+    (["plan", "--calibrate", "{bad}"], {}, "JSON"),
+    (["doctor", "--deepspeed-config", "/nonexistent/ds.json"], {}, "ds.json"),
+    (["doctor", "--deepspeed-config", "{bad}"], {}, "JSON"),
+    (["comm", "--ops", "all_nothing"], {}, "all_nothing"),
+    (["comm", "--min-bytes", "1G", "--max-bytes", "1K"], {}, "--min-bytes"),
+    (["comm", "--min-bytes", "abc"], {}, "abc"),
+    (["ablation", *TINY, "--variants", "base,nope"], {}, "nope"),
+    (["ablation", *TINY, "--variant", "novalue"], {}, "--variant"),
+    (["ablation", *TINY, "--repeat", "0"], {}, "--repeat"),
+    (["ablation", *TINY, "--env", "noequals"], {}, "--env"),
+    (["report", "/nonexistent/run-dir"], {}, "run-dir"),
+    (["compile-report", *TINY, "--seq-lens", "12,abc"], {}, "abc"),
+    (["models", "--bogus-flag"], {}, "--bogus-flag"),
+]
+
+
+@pytest.fixture
+def files(tmp_path):
+    paths = {"bad": tmp_path / "bad.json", "wrong_batch": tmp_path / "ds.json", "missing": tmp_path / "cfg.json"}
+    paths["bad"].write_text(BAD_JSON)
+    paths["wrong_batch"].write_text(WRONG_BATCH)
+    paths["missing"].write_text(MISSING_FIELDS)
+    return {k: str(v) for k, v in paths.items()}
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_the_table_covers_every_subcommand():
+    assert len(CASES) >= 30
+    assert set(cli.COMMANDS) <= {argv[0] for argv, _, _ in CASES}
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), CASES, ids=[" ".join(c[0])[:60] for c in CASES])
+def test_bad_input_exits_2_with_one_line(argv, env, expected, files, monkeypatch, capsys):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    argv = [a.format(**files) for a in argv]
+    code, err = run_main(argv, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and expected in lines[0], err
+
+
+FLAGS = ["--micro-batch", "--seq-len", "--grad-accum", "--steps", "--warmup", "--precision", "--lr", "--zero-stage"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    flags=st.lists(
+        st.tuples(st.sampled_from(FLAGS), st.one_of(st.integers(-5, 0), st.text(min_size=1, max_size=6))),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_parser_never_tracebacks_on_invalid_values(flags, capsys):
+    """Any mix of non-positive or arbitrary text values is refused with exit 2 and one line (or accepted)."""
+    argv = ["benchmark", "--model", "torch/llama-tiny", "--device", "meta-never-valid"]
+    for flag, value in flags:
+        argv += [flag, str(value)]
+    code, err = run_main(argv, capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
