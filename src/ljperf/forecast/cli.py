@@ -71,6 +71,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def recipe_from_args(args: argparse.Namespace, *, engine: str, spec: ModelSpec) -> Recipe:
+    if args.gpus <= 0:
+        raise UsageError(f"--gpus must be larger than zero (got {args.gpus})")
     seq_len = args.seq_len or min(4096, spec.max_positions or 4096)
     if spec.max_positions and seq_len > spec.max_positions:
         raise UsageError(f"--seq-len {seq_len} is longer than {spec.name}'s {spec.max_positions} max positions")
