@@ -10,6 +10,7 @@ resolved one is recorded. The weights start equal to the torch engine's, and the
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ class DeepSpeedEngine:
 
         run = self.run
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        # DeepSpeed's comm layer calls these on every collective; the warning says nothing about the run.
+        warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
         if run.is_main:
             for finding in self.warnings:
                 console.print(f"[yellow]warning:[/] {finding.message}; fix: {finding.fix}")

@@ -1,0 +1,32 @@
+"""Several ``ljperf benchmark`` runs in one torchrun launch (one process start and import for all engines).
+
+Run: ``torchrun --nproc-per-node 2 tests/scripts/engines_worker.py OUT_DIR NAME=ARGS...``, e.g.
+``ddp="--model torch/llama-tiny --seq-len 32"``; each run writes ``OUT_DIR/NAME.json`` through the real CLI
+path (parse, ``config_from_args``, ``run_worker``). The process group is kept between runs.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from ljperf import benchmark
+from ljperf.cli import build_parser
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    benchmark.shutdown_process = lambda: None  # the next run reuses the group
+    for spec in sys.argv[2:]:
+        name, _, args = spec.partition("=")
+        argv = ["benchmark", *shlex.split(args), "--output", str(out / f"{name}.json")]
+        args_ns = build_parser("benchmark").parse_args(argv)
+        code = benchmark.run_worker(benchmark.config_from_args(args_ns, argv))
+        if code:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

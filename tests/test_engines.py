@@ -1,0 +1,220 @@
+"""FSDP2 and DeepSpeed ZeRO engines: the DeepSpeed config rules, and real 2-process runs on CPU (gloo).
+
+Run: ``.venv/bin/python -m pytest tests/test_engines.py`` (the slow part: one torchrun of all engines, ~1-2 min).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ljperf import deepspeed_config as dsc
+from ljperf.errors import UsageError
+from ljperf.runtime import free_port
+
+from conftest import cli_env, read_record, run_ljperf
+
+WORKER = Path(__file__).parent / "scripts" / "engines_worker.py"
+COMMON = "--seq-len 32 --micro-batch 1 --grad-accum 2 --steps 5 --warmup 1 --device cpu"
+ENGINES = {
+    "ddp": "--model torch/llama-tiny",
+    "fsdp": "--model fsdp/llama-tiny",
+    "zero1": "--model deepspeed/llama-tiny --zero-stage 1",
+    "zero2": "--model deepspeed/llama-tiny --zero-stage 2",
+    "zero3": "--model deepspeed/llama-tiny --zero-stage 3 --deepspeed-config {prefetch}",
+}
+PARAMS = 1_262_720  # llama-tiny
+
+
+def opts(**overrides) -> dsc.Options:
+    base = dict(
+        micro_batch=1, grad_accum=2, world=2, bf16=False, zero_stage=3, lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
+        weight_decay=0.1, hidden=128,
+    )  # fmt: skip
+    return dsc.Options(**{**base, **overrides})
+
+
+def levels(findings: list[dsc.Finding]) -> list[str]:
+    return [f.level for f in findings]
+
+
+# --- the lint and the config rules (no processes) ---
+
+
+def test_lint_clean_config_is_all_ok():
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+    assert levels(dsc.lint(config, world_size=2)) == ["ok"] * 4
+
+
+def test_lint_batch_identity_fails_with_the_numbers():
+    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+    (finding,) = [f for f in dsc.lint(config, world_size=2) if f.level == "fail"]
+    assert finding.message == "train_batch_size 16 ≠ 2 (micro) × 2 (accumulation) × 2 (world) = 8"
+    assert "8" in finding.fix
+    # Without a world size: only a multiple of micro × accumulation can be asked for.
+    assert "fail" not in levels(dsc.lint(config))
+    assert "fail" in levels(dsc.lint({**config, "train_batch_size": 6}))
+
+
+def test_lint_warns_numeric_prefetch_and_unknown_keys_and_fails_two_precisions():
+    config = {
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7},
+        "train_micro_batch_size": 1,
+        "bf16": {"enabled": True},
+        "fp16": {"enabled": True},
+    }
+    unknown, batch, precision, prefetch = dsc.lint(config)
+    assert unknown.level == "warn" and "train_micro_batch_size_per_gpu" in unknown.message  # the close match
+    assert batch.level == "ok"
+    assert precision.level == "fail" and "bf16 and fp16" in precision.message
+    assert prefetch.level == "warn" and '"auto"' in prefetch.fix
+    auto = {"zero_optimization": {"stage3_prefetch_bucket_size": "auto"}}
+    assert dsc.lint(auto)[3].level == "ok"
+
+
+def test_generated_config_resolves_every_auto_and_keeps_prefetch_auto():
+    config, warnings = dsc.resolve(dsc.merge({}), opts(), source="ljperf")
+    assert warnings == []
+    assert config["train_batch_size"] == 4 and config["gradient_accumulation_steps"] == 2
+    assert config["optimizer"]["params"] == {
+        "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True
+    }  # fmt: skip
+    assert config["gradient_clipping"] == 0.0
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == "auto"
+    assert config["zero_optimization"]["stage3_param_persistence_threshold"] == 1280
+    assert config["bf16"] == {"enabled": False} and config["fp16"] == {"enabled": False}
+
+
+def test_user_config_merges_and_contradictions_are_usage_errors():
+    user = {"zero_optimization": {"overlap_comm": True}, "train_micro_batch_size_per_gpu": "auto"}
+    config, _ = dsc.resolve(dsc.merge(user), opts(), source="my.json")
+    assert config["zero_optimization"]["overlap_comm"] is True and config["zero_optimization"]["stage"] == 3
+    with pytest.raises(UsageError, match=r"zero_optimization.stage is 2 but ljperf runs --zero-stage 3"):
+        dsc.resolve(dsc.merge({"zero_optimization": {"stage": 2}}), opts(), source="my.json")
+    with pytest.raises(UsageError, match=r"train_batch_size 16 ≠ 1 \(micro\) × 2 \(accumulation\) × 2 \(world\) = 4"):
+        dsc.resolve(dsc.merge({"train_batch_size": 16}), opts(), source="my.json")
+
+
+def test_cli_wrong_batch_identity_exits_2_before_any_process_starts(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1}))
+    proc = run_ljperf(
+        "benchmark", "--model", "deepspeed/llama-tiny", "--nproc-per-node", "2", "--device", "cpu",
+        "--deepspeed-config", str(bad), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "train_batch_size 16 ≠ 1 (micro) × 1 (accumulation) × 2 (world) = 2" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+# --- real runs: every engine once, 2 processes, gloo ---
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One torchrun launch that runs every engine through the benchmark path; the records and rank 0's output."""
+    out = tmp_path_factory.mktemp("engines")
+    prefetch = out / "prefetch.json"
+    prefetch.write_text(json.dumps({"zero_optimization": {"stage3_prefetch_bucket_size": 50_000_000}}))
+    specs = [f"{name}={args.format(prefetch=prefetch)} {COMMON}" for name, args in ENGINES.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER), str(out), *specs]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cli_env(), check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {name: read_record(out / f"{name}.json") for name in ENGINES}, proc.stdout
+
+
+@pytest.mark.slow
+def test_losses_of_all_engines_agree(runs):
+    records, _ = runs
+    reference = records["ddp"]["results"]["losses"]
+    assert len(reference) == 5
+    for name, record in records.items():
+        assert record["results"]["status"] == "ok", (name, record["results"]["reason"])
+        losses = record["results"]["losses"]
+        assert losses == pytest.approx(reference, rel=1e-4), name
+
+
+@pytest.mark.slow
+def test_fsdp_and_zero3_hold_half_of_the_parameters_per_rank(runs):
+    records, _ = runs
+    for name in ("fsdp", "zero3"):
+        assert records[name]["config"]["engine"]["local_params"] == pytest.approx(PARAMS / 2, rel=0.01), name
+    for name in ("zero1", "zero2"):  # parameters replicated; only optimizer states (and gradients) partitioned
+        assert records[name]["config"]["engine"]["local_params"] == PARAMS
+
+
+@pytest.mark.slow
+def test_memory_is_recorded_for_every_rank(runs):
+    records, _ = runs
+    for name, record in records.items():
+        res = record["results"]
+        per_rank = res["peak_allocated_bytes_per_rank"]
+        assert len(per_rank) == 2 and all(x > 0 for x in per_rank), name
+        assert res["peak_allocated_bytes"] == max(per_rank)
+    ddp = records["ddp"]["results"]["peak_allocated_bytes"]
+    # fp32 state of llama-tiny is ~20 MB under DDP (params, grads, Adam, DDP buckets); sharding saves several MB.
+    assert records["fsdp"]["results"]["peak_allocated_bytes"] < ddp - 4e6
+    assert records["zero1"]["results"]["peak_allocated_bytes"] < ddp - 4e6
+
+
+@pytest.mark.slow
+def test_resolved_deepspeed_config_and_prefetch_warning_are_recorded(runs):
+    records, stdout = runs
+    generated = records["zero1"]["config"]["engine"]["deepspeed_config"]
+    assert generated["zero_optimization"]["stage"] == 1
+    assert generated["zero_optimization"]["stage3_prefetch_bucket_size"] == "auto"
+    assert generated["train_batch_size"] == 1 * 2 * 2
+    user = records["zero3"]["config"]["engine"]
+    assert user["deepspeed_config"]["zero_optimization"]["stage3_prefetch_bucket_size"] == 50_000_000
+    assert any("stage3_prefetch_bucket_size" in w for w in user["warnings"])
+    assert "warning: zero_optimization.stage3_prefetch_bucket_size is a fixed number (50000000)" in stdout
+    assert 'fix: leave it out or set it to "auto"' in stdout
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost(tmp_path):
+    """Two launches of one process each, c10d rendezvous on 127.0.0.1: one FSDP run over two "nodes"."""
+    port = free_port()
+    env = cli_env(LJPERF_RDZV_ID=f"ljperf-test-{port}")
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ljperf",
+                "benchmark",
+                "--model",
+                "fsdp/llama-tiny",
+                *COMMON.split(),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--nproc-per-node",
+                "1",
+                "--output",
+                str(tmp_path / f"node{rank}.json"),
+                "--timeout",
+                "120",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    record = read_record(tmp_path / "node0.json")
+    assert record["results"]["status"] == "ok"
+    assert record["config"]["launch"]["world_size"] == 2
+    assert len(record["results"]["peak_allocated_bytes_per_rank"]) == 2
+    assert record["config"]["engine"]["local_params"] == pytest.approx(PARAMS / 2, rel=0.01)
