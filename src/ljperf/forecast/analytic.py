@@ -5,7 +5,8 @@ Used when tracing fails and as a cross-check of the traced coefficients (tests c
 Per token and layer, with ``a`` the matmul activation width (2 bytes under bf16 autocast, 4 in fp32):
 two RMSNorms keep input and output in fp32 (2·4h each); Q/K/V outputs and their rotated copies 2a(h + 2·kv·d);
 attention output a·h plus the fp32 log-sum-exp per head; SwiGLU keeps gate, up, SiLU(gate) and their
-product (4a·ffn); under autocast the bf16 casts of both norm outputs (2a·h). Eager attention adds the
+product (4a·ffn); under autocast the bf16 casts of both norm outputs (2a·h) and, per layer, the bf16 weight
+copies its matmuls save (2 bytes per parameter, not per token). Eager attention adds the
 score and fp32 softmax matrices, heads·s·(a + 4). Full recompute keeps only the layer input (4h).
 """
 
@@ -26,11 +27,13 @@ def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
     per_token = 2 * 2 * 4 * h
     per_token += 2 * a * (heads * d + 2 * kv * d) + a * heads * d + 4 * heads
     per_token += 4 * a * ffn
+    weights = 0
     if a == 2:
         per_token += 2 * a * h
+        weights = 2 * (h * heads * d * 2 + 2 * h * kv * d + 3 * h * ffn)
     if recipe.attn_implementation == "eager":
         per_token += heads * recipe.seq_len * (a + 4)
-    return per_token * tokens
+    return per_token * tokens + weights
 
 
 def head_bytes(spec: ModelSpec, recipe: Recipe) -> int:

@@ -1,0 +1,172 @@
+"""Memory forecast vs real CPU training steps (the benchmark's own live-tensor measurement), and ``ljperf plan``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ljperf import benchmark, models
+from ljperf.cli import main
+from ljperf.config import LaunchConfig, OptimConfig, TrainConfig
+from ljperf.engines.torch_engine import TorchEngine
+from ljperf.forecast import Recipe, analytic, calibrate, forecast, layer_costs, timeline
+from ljperf.forecast.trace import LiveBytesTimeline, fake_model
+from ljperf.runtime import RunContext
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LJPERF_CACHE_DIR", str(tmp_path_factory.mktemp("ljperf-cache")))
+        yield
+
+
+def measured_peak(name: str, *, micro_batch: int, seq_len: int, recompute: str) -> int:
+    """Peak live bytes of step 2 of a real torch-engine run, measured as ``ljperf benchmark`` does."""
+    spec = models.resolve(name=name)
+    train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision="fp32", device="cpu", warmup=1, steps=1)
+    run = RunContext(
+        engine="torch", model=spec, train=train, launch=LaunchConfig(), optim=OptimConfig(recompute=recompute)
+    )
+    engine = TorchEngine(run)
+    engine.setup(models.build_meta(spec, attn_implementation="sdpa"))
+    tokens = [torch.randint(0, spec.vocab, (micro_batch, seq_len))]
+    engine.train_step(tokens)
+    state = benchmark.LoopState()
+    benchmark.measured_memory_step(run, engine, tokens, state)
+    return state.peak_allocated
+
+
+CONFIGS = [
+    (name, recompute, b, s)
+    for name in ("llama-tiny", "qwen3-tiny", "mistral-tiny")
+    for recompute in ("none", "full")
+    for b, s in ((2, 64), (3, 160))
+] + [("llama-tiny", "none", 1, 256), ("llama-tiny", "full,none,full,none", 2, 128)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "recompute", "micro_batch", "seq_len"), CONFIGS)
+def test_forecast_within_5_percent_of_a_real_step(name, recompute, micro_batch, seq_len):
+    spec = models.resolve(name=name)
+    modes = tuple(recompute.split(",")) if "," in recompute else (recompute,) * spec.layers
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=micro_batch, seq_len=seq_len, recompute=modes)
+    predicted = forecast(spec, recipe).peak_allocated_bytes
+    measured = measured_peak(name, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute)
+    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+
+
+def test_breakdown_adds_up_and_recompute_saves_activations():
+    spec = models.resolve(name="llama-tiny")
+    none = forecast(spec, Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64))
+    full = forecast(spec, Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64, recompute=("full",) * 4))
+    assert sum(none.breakdown.values()) == none.peak_allocated_bytes
+    assert full.peak_allocated_bytes < none.peak_allocated_bytes
+    costs = layer_costs(spec, Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64))
+    assert costs["full"].saved_bytes < costs["none"].saved_bytes
+    # Full recompute keeps the layer input (fp32 hidden state) and nothing else.
+    assert costs["full"].saved_bytes == 2 * 64 * spec.hidden * 4
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_analytic_formula_cross_checks_the_trace(precision):
+    spec = models.resolve(name="llama-tiny")
+    recipe = Recipe(device="cpu", precision=precision, micro_batch=2, seq_len=128)
+    traced = layer_costs(spec, recipe)["none"].saved_bytes
+    formula = analytic.layer_bytes(spec, recipe, "none")
+    assert abs(formula - traced) / traced < 0.15, (formula, traced)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_optimizer_temporaries_match_a_traced_adamw_step(foreach):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = models.resolve(name="llama-tiny")
+    fake_mode = FakeTensorMode()
+    model = fake_model(spec, attn="sdpa", fake_mode=fake_mode)
+    tracker = LiveBytesTimeline()
+    with fake_mode:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=foreach)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()  # creates the states
+        for t in [*model.parameters(), *(p.grad for p in model.parameters())]:
+            tracker.track(t)
+        for state in opt.state.values():
+            for v in state.values():
+                tracker.track(v)
+        before = tracker.current
+        with tracker:
+            opt.step()
+    blocks = timeline.block_params(spec)
+    recipe = Recipe(device="cpu", optimizer="foreach" if foreach else "single")
+    expected = timeline.optimizer_transient(blocks, recipe, local_params=blocks.total * 4)
+    assert max(tracker.points) - before == pytest.approx(expected, rel=1e-3)
+
+
+def test_plan_json_fits_and_max_micro_batch(capsys):
+    argv = ["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--micro-batch", "2", "--seq-len", "64"]
+    assert main([*argv, "--gpu-memory", "40MiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "breakdown", "fits", "max_micro_batch"):
+        assert key in out
+    assert out["fits"] is (out["peak_allocated_bytes"] <= 40 * 1024**2)
+    spec = models.resolve(name="llama-tiny")
+    best = out["max_micro_batch"]
+    assert best >= 1
+    recipe = Recipe(device="cpu", precision="fp32", seq_len=64)
+    assert forecast(spec, recipe.with_(micro_batch=best)).device_bytes <= 40 * 1024**2
+    assert forecast(spec, recipe.with_(micro_batch=best + 1)).device_bytes > 40 * 1024**2
+
+
+def test_plan_table_for_a_gpu_recipe(capsys):
+    argv = ["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--gpu", "H100-80GB", "--seq-len", "64"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "peak allocated per rank" in out and "fits in 80.00 GiB" in out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--gpu", "Z999"],
+        ["--recompute", "9"],
+        ["--recompute", "sometimes"],
+        ["--seq-len", "100000"],
+        ["--gpu-memory", "lots"],
+        ["--micro-batch", "0"],
+    ],
+)
+def test_plan_bad_input_is_exit_2(extra, capsys):
+    argv = ["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--gpu-memory", "1GiB"]
+    if "--gpu" in extra or "--gpu-memory" in extra:
+        argv = argv[:-2]
+    assert main(argv + extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error" in err[0]
+
+
+def test_calibration_fits_scale_and_offset(tmp_path):
+    def record(predicted: int, measured: int) -> dict:
+        return {
+            "env": {"devices": ["NVIDIA H200"]},
+            "config": {"train": {"device": "cuda"}},
+            "results": {
+                "status": "ok",
+                "peak_allocated_bytes": measured,
+                "peak_reserved_bytes": int(measured * 1.1),
+                "forecast": {"traced_peak_allocated_bytes": predicted},
+            },
+        }
+
+    paths = []
+    for i, (p, m) in enumerate([(10_000, 11_000 + 500), (20_000, 22_000 + 500)]):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps(record(p, m)))
+        paths.append(str(path))
+    fitted = calibrate.calibrate(paths, out=tmp_path / "calibration.json")["NVIDIA H200"]
+    assert fitted.scale == pytest.approx(1.1) and fitted.offset == 500
+    assert fitted.reserved_scale == pytest.approx(1.1, rel=1e-3)
+    assert calibrate.load(tmp_path / "calibration.json")["NVIDIA H200"].samples == 2
