@@ -87,15 +87,24 @@ def run_all(runs: list[PlannedRun], *, out: Path, timeout: float, force: bool) -
     if len(todo) < len(runs):
         console.print(f"resuming {out}: {len(runs) - len(todo)} of {len(runs)} runs already finished")
     records = []
-    for i, run in enumerate(runs):
-        record = done[i]
-        if record is None:
-            step = f"[{todo.index(i) + 1}/{len(todo)}] {run.name}"
-            with console.status(escape(f"{step}: {shlex.join(run.command)}")):
-                record = execute(run, out=out, timeout=timeout)
-            console.print(f"{escape(step)}: {_one_line(record)}")
-        records.append(record)
+    # SIGTERM (a scheduler ending the job) unwinds like Ctrl-C: the running benchmark is stopped, not orphaned.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for i, run in enumerate(runs):
+            record = done[i]
+            if record is None:
+                step = f"[{todo.index(i) + 1}/{len(todo)}] {run.name}"
+                with console.status(escape(f"{step}: {shlex.join(run.command)}")):
+                    record = execute(run, out=out, timeout=timeout)
+                console.print(f"{escape(step)}: {_one_line(record)}")
+            records.append(record)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return records
+
+
+def _interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def finished(run: PlannedRun, out: Path) -> dict[str, Any] | None:

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# bash benchmarks/ablation-llama3.2-1b-gpu.sh [OUT]   (one CUDA GPU; about 12 runs of a few minutes each)
+# The GPU ablation: Base → +compile → +compile+ckpt, and full recompute, 3 interleaved repeats.
+# Not yet run by the project: no GPU figures are claimed for it. Re-render with: ljperf report OUT
+set -euo pipefail
+out="${1:-benchmarks/ablation-llama3.2-1b-gpu}"
+exec ljperf ablation --model torch/llama3.2-1b --device cuda \
+    --variants base,compile,compile+ckpt,ckpt-full --repeat 3 \
+    --micro-batch 2 --seq-len 4096 --steps 20 --warmup 5 --timeout 1800 --out "$out"
