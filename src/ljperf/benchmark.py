@@ -194,11 +194,18 @@ def run_worker(cfg: BenchmarkConfig) -> int:
     record["results"] = results_section(cfg, run, state, status=status, reason=reason, recompute_flops_per_token=rflops)
     if recompute is not None:
         record["results"]["recompute"] = recompute.record()
+    if run.is_main and status == "ok":
+        from ljperf.forecast.bench import benchmark_forecast, forecast_line
+
+        plan = recompute.plan if recompute is not None else None
+        record["results"]["forecast"] = benchmark_forecast(run, record["results"], plan)
     if run.is_main:
         if cfg.output:
             write_json(cfg.output, record)
         reporter.finished(record)
         print_result_table(record)
+        if record["results"].get("forecast"):
+            print(forecast_line(record["results"]))
     if status == "ok":
         shutdown_process()
     return exit_code

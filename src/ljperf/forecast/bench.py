@@ -1,0 +1,69 @@
+"""The forecast a benchmark records beside its measured peak (``results.forecast``), and its printed line.
+
+Run: any ``ljperf benchmark ...``; the record then feeds ``ljperf plan --calibrate``. A failure only warns.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ljperf.memory import CPU_METHOD
+
+
+def benchmark_forecast(run, results: dict[str, Any], plan: tuple[str, ...] | None) -> dict[str, Any] | None:
+    """Forecast the run's recipe and compare with ``results.peak_allocated_bytes``; None (and a warning) on failure."""
+    from ljperf.forecast.api import forecast
+    from ljperf.forecast.recipe import Recipe
+
+    train = run.train
+    try:
+        recipe = Recipe(
+            engine=run.engine,
+            zero_stage=run.engine_opts.zero_stage,
+            world=run.world,
+            device=run.device.type,
+            precision=train.precision,
+            micro_batch=train.micro_batch,
+            seq_len=train.seq_len,
+            grad_accum=train.grad_accum,
+            attn_implementation=train.attn_implementation,
+            reshard_after_forward=run.engine_opts.reshard_after_forward,
+            recompute=tuple(plan or ()),
+        )
+        result = forecast(run.model, recipe, device_name=run.device.name if run.device.type == "cuda" else None)
+    except Exception as exc:  # a forecast must never fail a benchmark
+        warnings.warn(f"ljperf: no memory forecast for this run ({type(exc).__name__}: {exc})", stacklevel=2)
+        return None
+    out: dict[str, Any] = {
+        "peak_allocated_bytes": result.peak_allocated_bytes,
+        "traced_peak_allocated_bytes": result.traced_peak_bytes,
+        "peak_reserved_bytes": result.peak_reserved_bytes,
+        "breakdown": result.breakdown,
+        "phase": result.phase,
+        "source": result.source,
+        "error_pct": None,
+    }
+    measured = results.get("peak_allocated_bytes")
+    if measured:
+        predicted = result.peak_allocated_bytes
+        if results.get("memory_method") == CPU_METHOD:
+            # Live-tensor tracking on CPU sees no buffers created outside the step (DDP's gradient buckets).
+            predicted -= result.breakdown.get("comm_buffers", 0)
+            out["compared_bytes"] = predicted
+        out["error_pct"] = round(100 * (predicted - measured) / measured, 2)
+    return out
+
+
+def forecast_line(results: dict[str, Any]) -> str | None:
+    """``memory forecast 30.9 MiB vs measured 30.9 MiB (+0.0%)``, or None without a forecast."""
+    from ljperf.units import format_bytes
+
+    fc = results.get("forecast")
+    if not fc:
+        return None
+    shown = fc.get("compared_bytes", fc["peak_allocated_bytes"])
+    text = f"memory forecast {format_bytes(shown)} (peak at {fc['phase']})"
+    if fc["error_pct"] is not None:
+        text += f" vs measured {format_bytes(results['peak_allocated_bytes'])} ({fc['error_pct']:+.1f}%)"
+    return text
