@@ -139,11 +139,14 @@ def resolved_config(run: RunContext) -> tuple[dict, list[deepspeed_config.Findin
 def _comm_op_built() -> bool:
     """Whether DeepSpeed's CPU shared-memory comm op is already in torch's extension cache."""
     from deepspeed.accelerator import get_accelerator
-    from torch.utils.cpp_extension import _get_build_directory
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None:
         return True
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: where torch caches built ops
+    except ImportError:
+        return False  # cannot tell: say it may build
     return any(Path(_get_build_directory(builder.name, verbose=False)).glob("*.so"))
 
 
