@@ -153,6 +153,8 @@ def _forward_resolver(module: torch.nn.Module) -> Callable[[], Callable]:
 
 
 def _compile_module(module: torch.nn.Module, name: str, group: _Group, sess: CompileSession) -> None:
+    if isinstance(module.__dict__.get("forward"), Region):
+        raise ValueError(f"{name} is compiled already: compile a model once")
     module.forward = Region(name, _forward_resolver(module), group, sess)
     sess.regions.append(name)
 

@@ -27,6 +27,8 @@ def register() -> None:
 def _patch_trainer(module: ModuleType) -> None:
     cls = module.Trainer
     original = cls.__init__
+    if getattr(original, "_ljperf_compile", False):  # already patched (the hook was registered twice)
+        return
 
     @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -37,6 +39,7 @@ def _patch_trainer(module: ModuleType) -> None:
             except Exception as exc:  # the Trainer goes on with its own whole-model compile
                 warnings.warn(f"{PREFIX} COMPILE_OPTIMIZATION: regional compile not applied ({exc!r})", stacklevel=2)
 
+    __init__._ljperf_compile = True
     cls.__init__ = __init__
 
 
