@@ -4,6 +4,7 @@ the planned layers checkpointed; any failure warns and leaves training unchanged
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,35 @@ def test_failing_plan_warns_once_and_training_is_unchanged(tmp_path):
     assert stderr.count("CHECKPOINT_OPTIMIZATION left training unchanged") == 1
     assert hooked["losses"] == plain["losses"]
     assert hooked["checkpointed"] == plain["checkpointed"] == [False] * 6
+
+
+def budget_between_none_and_full() -> tuple[int, list[str]]:
+    """Half-way between the forecasts of no and of full recompute for the script's model, and the plan the
+    solver picks there (what the hook must apply)."""
+    import torch
+    from tests.scripts.hf_trainer import CONFIG, MICRO_BATCH, SEQ_LEN
+
+    from ljperf.checkpoint.solver import Rates, solve_recipe
+    from ljperf.forecast import Recipe, forecast
+    from ljperf.models import ModelSpec, hf_config
+
+    spec = ModelSpec(name="script", config=hf_config(CONFIG, source="test"))
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+    layers = spec.layers
+    none, full = (forecast(spec, recipe.with_(recompute=(m,) * layers)).device_bytes for m in ("none", "full"))
+    budget = (none + full) // 2
+    return budget, list(solve_recipe(spec, recipe, budget=budget, rates=Rates.measure(torch.device("cpu"))).plan)
+
+
+@pytest.mark.slow
+def test_trainer_script_gets_the_planned_layers_and_logs_one_line(tmp_path):
+    budget, plan = budget_between_none_and_full()
+    assert "none" in plan and plan.count("none") < len(plan)  # a partial plan: the test means something
+    plain, _ = run_script(tmp_path)
+    hooked, stderr = run_script(tmp_path, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET=str(budget))
+    lines = re.findall(r"\[ljperf\] recomputing [^\n]*", stderr)  # tqdm's progress may share the line
+    assert len(lines) == 1, stderr[-2000:]
+    recomputed = len(plan) - plan.count("none")
+    assert f"recomputing {recomputed}/{len(plan)} layers" in lines[0]
+    assert hooked["checkpointed"] == [mode != "none" for mode in plan]
+    assert hooked["losses"] == plain["losses"]  # recompute changes no number

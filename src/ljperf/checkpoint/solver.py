@@ -54,8 +54,9 @@ class Decision:
         """``recomputing 12/32 layers (selective 4, full 8): forecast 71.2 of 72.0 GiB``."""
         if self.budget_bytes is None or self.forecast_bytes is None:
             return f"recomputing {summary(self.plan)}"
-        head = f"recomputing {summary(self.plan)}: forecast {self.forecast_bytes / GiB:.1f} of "
-        text = head + f"{self.budget_bytes / GiB:.1f} GiB"
+        unit, scale = ("GiB", GiB) if self.budget_bytes >= GiB else ("MiB", 1024**2)
+        forecast, budget = self.forecast_bytes / scale, self.budget_bytes / scale
+        text = f"recomputing {summary(self.plan)}: forecast {forecast:.1f} of {budget:.1f} {unit}"
         return text if self.fits else f"{text} (does not fit: {'; '.join(self.advice)})"
 
     def record(self) -> dict:

@@ -1,0 +1,120 @@
+"""Run: ``OMP_NUM_THREADS=1 python benchmarks/recompute.py --model llama-tiny --micro-batch 4 --seq-len 1024``
+(GPU: ``python benchmarks/recompute.py --device cuda --model llama3.2-1b --micro-batch 4 --seq-len 4096``).
+
+The auto recompute plan against every "first K layers full" plan (K = 0..L), side by side, under a budget
+where no recompute does not fit (default: half-way between the forecasts of no and of full recompute).
+Every plan is a real ``ljperf benchmark`` run in its own process; rounds are interleaved and each plan keeps
+its best median step time. Prints the table, auto's ratio to the best fitting K and to full recompute, and
+writes it to ``benchmarks/results/recompute_<model>_<device>_<date>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ljperf import hardware, models
+from ljperf.checkpoint.apply import summary
+from ljperf.checkpoint.solver import Rates, solve_recipe
+from ljperf.forecast import Recipe, forecast
+from ljperf.units import format_bytes, parse_size
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-tiny")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--budget", help="memory budget, e.g. 60MiB (default: half-way between none and full)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved repeats of every plan")
+    args = parser.parse_args()
+
+    spec = models.resolve(name=args.model)
+    layers = spec.layers
+    precision = "bf16-mixed" if args.device == "cuda" else "fp32"
+    recipe = Recipe(device=args.device, precision=precision, micro_batch=args.micro_batch, seq_len=args.seq_len)
+
+    def peak(plan: tuple[str, ...]) -> int:
+        return forecast(spec, recipe.with_(recompute=plan)).device_bytes
+
+    none_peak, full_peak = peak(("none",) * layers), peak(("full",) * layers)
+    budget = parse_size(args.budget) if args.budget else (none_peak + full_peak) // 2
+    device = torch.device(args.device)
+    decision = solve_recipe(spec, recipe, budget=budget, rates=Rates.measure(device))
+    print(
+        f"budget {format_bytes(budget)} (forecast without recompute {format_bytes(none_peak)}, "
+        f"with full {format_bytes(full_peak)})"
+    )
+    print(f"auto: {decision.line()}")
+
+    variants = {f"K={k}": str(k) for k in range(layers + 1)} | {"auto": ",".join(decision.plan)}
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.rounds):
+            for name, flag in variants.items():
+                record = run_benchmark(args, flag, Path(tmp) / "r.json")
+                best = results.get(name)
+                if best is None or record["step_time_s_p50"] < best["step_time_s_p50"]:
+                    results[name] = record
+    rows = []
+    for name, flag in variants.items():
+        plan = tuple(flag.split(",")) if "," in flag else ("full",) * int(flag) + ("none",) * (layers - int(flag))
+        r = results[name]
+        rows.append((name, summary(plan), peak(plan), r["peak_allocated_bytes"], r["step_time_s_p50"]))
+    fitting = [row for row in rows if row[0] != "auto" and row[3] <= budget]
+    best_k = min(fitting, key=lambda row: row[4]) if fitting else None
+    auto = rows[-1]
+    full = rows[layers]
+    lines = [
+        f"# recompute: {args.model}, micro batch {args.micro_batch}, seq {args.seq_len}, {device_name(device)}",
+        "",
+        f"budget {format_bytes(budget)}; {time.strftime('%Y-%m-%d')}; torch {torch.__version__}",
+        "",
+        "| plan | layers recomputed | forecast peak | measured peak | fits | step time p50 (ms) | vs auto |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, text, fc, measured, step in rows:
+        fits = "yes" if measured <= budget else "no"
+        lines.append(
+            f"| {name} | {text} | {format_bytes(fc)} | {format_bytes(measured)} | {fits} | {step * 1e3:.1f} "
+            f"| {step / auto[4]:.3f} |"
+        )
+    lines.append("")
+    lines.append(f"auto measured peak {format_bytes(auto[3])} ≤ budget: {auto[3] <= budget}")
+    if best_k:
+        lines.append(f"auto step time / best fitting {best_k[0]}: {auto[4] / best_k[4]:.3f} (target ≤ 1.03)")
+    lines.append(f"full recompute step time / auto: {full[4] / auto[4]:.3f} (auto faster when > 1)")
+    text = "\n".join(lines)
+    print(text)
+    out = Path(__file__).parent / "results" / f"recompute_{args.model}_{args.device}_{time.strftime('%Y%m%d')}.md"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(text + "\n")
+    print(f"written {out}")
+    return 0
+
+
+def run_benchmark(args: argparse.Namespace, recompute: str, output: Path) -> dict:
+    cmd = [sys.executable, "-m", "ljperf", "benchmark", "--model", f"torch/{args.model}", "--device", args.device]
+    cmd += ["--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+    cmd += ["--warmup", "2", "--recompute", recompute, "--output", str(output)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+    return json.loads(output.read_text())["results"]
+
+
+def device_name(device: torch.device) -> str:
+    return hardware.local_device(device.type, 0).name
+
+
+if __name__ == "__main__":
+    sys.exit(main())
