@@ -140,4 +140,3 @@ def summary(plan: Sequence[str]) -> str:
     """``12/32 layers (selective 4, full 8)``."""
     sel, full = plan.count("selective"), plan.count("full")
     return f"{sel + full}/{len(plan)} layers (selective {sel}, full {full})"
-
