@@ -250,8 +250,18 @@ def solve_recipe(
         peak=peak,
         cost=cost,
         rates=rates,
-        advise=lambda: [text for text, r in alternatives(recipe) if peak(full, r)[0] <= budget],
+        advise=lambda: advice(recipe, budget, lambda r: peak(full, r)[0]),
     )
+
+
+def advice(recipe, budget: int, full_peak: Callable[[object], int]) -> list[str]:
+    """The alternatives whose full-recompute forecast fits, or a line saying none does."""
+    options = alternatives(recipe)
+    fitting = [text for text, r in options if full_peak(r) <= budget]
+    if fitting:
+        return [f"would fit with {text}" for text in fitting]
+    tried = ", ".join(text for text, _ in options)
+    return [f"nothing tried fits ({tried})" if tried else "only a larger memory budget would fit"]
 
 
 def alternatives(recipe) -> list[tuple[str, object]]:
