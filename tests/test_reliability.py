@@ -214,3 +214,28 @@ def test_secrets_never_reach_records_or_logs(tmp_path):
     written = out.read_text() + proc.stdout + proc.stderr
     for name, value in secrets.items():
         assert value not in written and name not in written
+
+
+@pytest.mark.slow
+def test_a_killed_ablation_leaves_nothing_resume_mistakes_for_finished(tmp_path):
+    out = tmp_path / "abl"
+    args = [*TINY, "--steps", "60", "--variants", "base", "--repeat", "1", "--out", str(out)]
+    args[0] = "ablation"
+    proc = start(args, tmp_path, LJPERF_FAULT="sleep,step=2,rank=0,seconds=3600")  # the run stalls mid-way
+    deadline = time.monotonic() + 120
+    while not (runs := [p for p in children(proc.pid) if b"benchmark" in Path(f"/proc/{p}/cmdline").read_bytes()]):
+        assert time.monotonic() < deadline, "the benchmark run never started"
+        time.sleep(0.2)
+    time.sleep(2)
+    proc.kill()  # SIGKILL: the runner gets no chance to clean up
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(alive(p) for p in runs):  # its benchmark child ends too (parent-death signal)
+        assert time.monotonic() < deadline, "the benchmark child outlived the killed ablation"
+        time.sleep(0.2)
+    record = out / "runs" / "local" / "base.r1.json"
+    assert not record.exists()
+    resumed = run_ljperf(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "[1/1] local/base.r1: ok" in resumed.stdout  # re-run, not skipped
+    assert read_record(record)["results"]["status"] == "ok"

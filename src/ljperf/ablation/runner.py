@@ -8,6 +8,7 @@ finished runs. Each run gets its own compile cache folder, so no variant inherit
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shlex
 import signal
@@ -27,6 +28,7 @@ from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_json
 
 # Seconds a timed-out run gets after SIGTERM to write its partial record before SIGKILL.
 STOP_GRACE_S = 15.0
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +143,14 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
         env.pop(PROGRESS_FILE_ENV, None)
         # A session of its own: a timeout or Ctrl-C stops the whole tree (torchrun and its ranks).
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_end_with_parent,
+        )
         try:
             exit_code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -162,6 +171,12 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
     write_json(path, record)
     pending.unlink(missing_ok=True)
     return record
+
+
+def _end_with_parent() -> None:
+    """In the child: get SIGTERM when the runner dies, even by SIGKILL, so no run is left orphaned (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _stop(proc: subprocess.Popen) -> int:
