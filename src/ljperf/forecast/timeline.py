@@ -89,26 +89,39 @@ def _block_params(spec: models.ModelSpec) -> BlockParams:
 
 @dataclass(frozen=True, kw_only=True)
 class Sharding:
-    """How the engine holds the model states on one rank (bytes), and its extra buffers."""
+    """How one rank holds the model states (bytes) and what its engine gathers or buffers around each block."""
 
     params: int
+    """Parameters held between steps (shards, and fp32 master copies where the engine keeps them apart)."""
     grads: int
+    """Gradients held at the optimizer step."""
     optimizer: int
+    """AdamW moments (and step scalars)."""
+    grads_persistent: bool = False
+    """Gradient storage allocated once, alive between steps (DeepSpeed's flat partitions)."""
     comm_buffers: int = 0
     """Persistent communication buffers (DDP gradient buckets)."""
-    gathered_transient: int = 0
-    """Unsharded parameters alive while a block runs (FSDP/ZeRO-3 all-gather), added at every block peak."""
-    grads_in_trace: bool = True
-    """Whether the traced backward's gradient allocations are real on this rank (False: reduce-scattered)."""
+    grad_keep: float = 1.0
+    """Share of each block's traced gradient this rank keeps after backward (1/world when reduce-scattered)."""
+    resident: int = 0
+    """Gathered from the first forward to the end of backward (FSDP2's root: embedding, final norm, head)."""
+    gather_fwd: int = 0
+    """Extra bytes while a decoder layer runs forward (its gathered parameters)."""
+    gather_bwd: int = 0
+    """Extra bytes while a decoder layer runs backward (gathered current and prefetched, reduce buffer)."""
+    held_per_layer: int = 0
+    """Gathered bytes a layer keeps from its forward to its backward (FSDP2 without resharding)."""
 
 
 def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     """Model states per rank as each engine holds them (fp32 master weights, AdamW's two fp32 moments).
 
-    torch: everything replicated, plus DDP's gradient buckets (one gradient-sized buffer). FSDP2 and ZeRO-3:
-    parameters, gradients and moments sharded 1/world, while a block runs its parameters are gathered (in the
-    compute dtype; backward prefetches the next block, so two) and the root's embedding and head stay gathered.
-    ZeRO-1/2: replicated parameters, moments (and for stage 2 gradients) sharded.
+    torch: replicated, plus DDP's gradient buckets (one gradient-sized buffer). FSDP2: parameters, gradients
+    and moments sharded 1/world; a layer's parameters are gathered in the compute dtype while it runs (backward
+    also prefetches the next layer and copies the gradients into a reduce-scatter buffer); the root's embedding
+    and head stay gathered through forward and backward. ZeRO-3 likewise, plus its fp32 master partition and
+    flat gradient partition. ZeRO-1/2: replicated compute-dtype parameters, sharded master weights and moments
+    (ZeRO-2 also gradients).
     """
     blocks = block_params(spec)
     p = blocks.total * FP32
@@ -117,21 +130,37 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     if recipe.engine == "torch":
         return Sharding(params=p, grads=p, optimizer=2 * p + step_scalars, comm_buffers=p if w > 1 else 0)
     compute = 2 if recipe.precision == "bf16-mixed" else FP32
-    if recipe.engine == "fsdp" or recipe.zero_stage == 3:
-        gathered = 2 * blocks.layer * compute + (blocks.pre + blocks.post) * compute
-        if recipe.engine == "fsdp" and not recipe.reshard_after_forward:
-            gathered = blocks.layers * blocks.layer * compute + (blocks.pre + blocks.post) * compute
+    shard = -(-p // w)
+    layer = blocks.layer * compute
+    root = (blocks.pre + blocks.post) * compute
+    moments = 2 * shard + step_scalars
+    if recipe.engine == "fsdp":
+        held = 0 if recipe.reshard_after_forward else layer
         return Sharding(
-            params=-(-p // w),
-            grads=-(-p // w),
-            optimizer=-(-2 * p // w) + step_scalars,
-            gathered_transient=gathered,
-            grads_in_trace=False,
+            params=shard,
+            grads=shard,
+            optimizer=moments,
+            grad_keep=1 / w,
+            resident=root,
+            gather_fwd=layer,
+            gather_bwd=2 * layer + blocks.layer * FP32,
+            held_per_layer=held,
         )
-    grads = -(-p // w) if recipe.zero_stage == 2 else p
-    return Sharding(
-        params=p, grads=grads, optimizer=-(-2 * p // w) + step_scalars, grads_in_trace=recipe.zero_stage == 1
-    )
+    partition = shard * compute // FP32
+    if recipe.zero_stage == 3:
+        return Sharding(
+            params=partition + shard,
+            grads=shard,
+            optimizer=moments,
+            grads_persistent=True,
+            grad_keep=0.0,
+            resident=root,
+            gather_fwd=2 * layer,
+            gather_bwd=2 * layer + blocks.layer * FP32,
+        )
+    if recipe.zero_stage == 2:
+        return Sharding(params=p * compute // FP32 + shard, grads=shard, optimizer=moments, grads_persistent=True)
+    return Sharding(params=p * compute // FP32 + shard, grads=p, optimizer=moments)
 
 
 def optimizer_transient(blocks: BlockParams, recipe: Recipe, *, local_params: int) -> int:
@@ -168,6 +197,21 @@ class _Walk:
             self.parts[name] = self.parts.get(name, 0) + value
 
 
+@dataclass(frozen=True)
+class _Grads:
+    """After a block's backward: the traced full gradient stays (replicated), or only this rank's share."""
+
+    shard: Sharding
+    first: bool
+
+    def settle(self, walk: _Walk, full: int) -> None:
+        replicated = self.shard.grad_keep == 1.0
+        made = full if self.first or not replicated else 0  # replicated: later micro-steps accumulate in place
+        kept = round(made * self.shard.grad_keep) if self.first else 0
+        walk.parts["gradients"] += kept
+        walk.level -= made - kept
+
+
 def compose(
     spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns], *, sharding: Sharding | None = None
 ) -> Forecast:
@@ -178,55 +222,55 @@ def compose(
     values = {mode: pats.evaluate(recipe.micro_batch, recipe.seq_len) for mode, pats in patterns.items()}
     edge = values[modes[0]]
     batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * TOKEN_BYTES
+    held_grads = shard.grads if shard.grads_persistent else 0
     walk = _Walk(
-        level=shard.params + blocks.buffer_bytes + shard.optimizer + shard.comm_buffers + batch,
+        level=shard.params + blocks.buffer_bytes + shard.optimizer + shard.comm_buffers + batch + held_grads,
         parts={
             "parameters": shard.params + blocks.buffer_bytes,
             "optimizer_states": shard.optimizer,
-            "gradients": 0,
+            "gradients": held_grads,
             "activations": 0,
             "logits_and_loss": 0,
             "batch": batch,
             "comm_buffers": shard.comm_buffers,
+            "gathered_parameters": 0,
         },
     )
     n = spec.layers
     position = ["f0"] + ["f1"] * (n - 2) + ["f2"] if n >= 2 else ["f1"]
-    gather = shard.gathered_transient
+    replicated = shard.grad_keep == 1.0
     for micro in range(1, recipe.grad_accum + 1):
-        k = "1" if micro == 1 else "2"
-        grads = micro == 1 and shard.grads_in_trace
+        # Sharded engines make each block's full gradient anew every micro-step, then reduce it away.
+        k = "1" if micro == 1 or not replicated else "2"
         where = f"micro-step {micro}"
+
+        walk.level += shard.resident
+        walk.parts["gathered_parameters"] += shard.resident
         walk.step(edge[f"pre_f@{k}"], f"forward, {where}, embedding", activations=edge[f"pre_f@{k}"][1])
         for i, pos in enumerate(position):
             seg = values[modes[i]][f"{pos}@{k}"]
-            walk.step(seg, f"forward, {where}, layer {i}", extra=gather, activations=seg[1])
+            walk.step(seg, f"forward, {where}, layer {i}", extra=shard.gather_fwd, activations=seg[1])
+            walk.level += shard.held_per_layer
+            walk.parts["gathered_parameters"] += shard.held_per_layer
         walk.step(edge[f"post_f@{k}"], f"forward, {where}, LM head and loss", logits_and_loss=edge[f"post_f@{k}"][1])
-        walk.step(
-            edge[f"post_b@{k}"],
-            f"backward, {where}, LM head and loss",
-            logits_and_loss=-edge[f"post_f@{k}"][1],
-            gradients=blocks.post * FP32 if grads else 0,
-        )
+        post_f = edge[f"post_f@{k}"][1]
+        grads = _Grads(shard, first=micro == 1)
+        walk.step(edge[f"post_b@{k}"], f"backward, {where}, LM head and loss", logits_and_loss=-post_f)
+        grads.settle(walk, blocks.post * FP32)
         for i, pos in reversed(list(enumerate(position))):
-            b = "b" + pos[1]
-            seg = values[modes[i]][f"{b}@{k}"]
-            walk.step(
-                seg,
-                f"backward, {where}, layer {i}",
-                extra=gather,
-                activations=-values[modes[i]][f"{pos}@{k}"][1],
-                gradients=blocks.layer * FP32 if grads else 0,
-            )
-        walk.step(
-            edge[f"pre_b@{k}"],
-            f"backward, {where}, embedding",
-            activations=-edge[f"pre_f@{k}"][1],
-            gradients=blocks.pre * FP32 if grads else 0,
-        )
+            seg = values[modes[i]][f"b{pos[1]}@{k}"]
+            saved = values[modes[i]][f"{pos}@{k}"][1]
+            walk.step(seg, f"backward, {where}, layer {i}", extra=shard.gather_bwd, activations=-saved)
+            walk.level -= shard.held_per_layer
+            walk.parts["gathered_parameters"] -= shard.held_per_layer
+            grads.settle(walk, blocks.layer * FP32)
+        pre_f = edge[f"pre_f@{k}"][1]
+        walk.step(edge[f"pre_b@{k}"], f"backward, {where}, embedding", activations=-pre_f)
+        grads.settle(walk, blocks.pre * FP32)
         walk.step(edge[f"gap@{k}"], f"backward, {where}")
-    if not shard.grads_in_trace:
-        # Sharded gradients: the traced full-size gradients were reduce-scattered away; keep this rank's share.
+        walk.level -= shard.resident
+        walk.parts["gathered_parameters"] -= shard.resident
+    if not replicated and not shard.grads_persistent:
         walk.level += shard.grads - walk.parts["gradients"]
         walk.parts["gradients"] = shard.grads
     transient = optimizer_transient(blocks, recipe, local_params=shard.params)
