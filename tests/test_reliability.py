@@ -239,3 +239,26 @@ def test_a_killed_ablation_leaves_nothing_resume_mistakes_for_finished(tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "[1/1] local/base.r1: ok" in resumed.stdout  # re-run, not skipped
     assert read_record(record)["results"]["status"] == "ok"
+
+
+def test_no_remote_code_and_no_pickle_anywhere_in_ljperf():
+    """Configs never run remote code; records and calibration files are JSON, never unpickled."""
+    import ljperf
+
+    root = Path(ljperf.__file__).parent
+    sources = {p: p.read_text() for p in root.rglob("*.py")}
+    for path, text in sources.items():
+        assert "import pickle" not in text and "torch.load(" not in text, path
+        assert "trust_remote_code=True" not in text, path
+    assert "trust_remote_code=False" in sources[root / "models.py"]
+
+
+def test_auto_map_in_a_config_is_ignored(tmp_path):
+    """A config that asks for remote code still builds the stock transformers class."""
+    from ljperf import models
+
+    data = models.read_config_dict(name="llama-tiny")
+    data["auto_map"] = {"AutoModelForCausalLM": "evil.EvilModel"}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    model = models.build_meta(models.resolve(path=tmp_path))
+    assert type(model).__module__.startswith("transformers.models.llama")
