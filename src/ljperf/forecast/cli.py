@@ -135,14 +135,16 @@ def max_micro_batch(spec: ModelSpec, recipe: Recipe, memory: int, *, device_name
 
 def plan_record(spec: ModelSpec, recipe: Recipe, result: Forecast, *, memory: int, max_micro_batch: int) -> dict:
     """The JSON object of ``ljperf plan --json``."""
+    from ljperf.forecast.timeline import block_params
     from ljperf.result import SCHEMA_VERSION
 
     recipe_dict = asdict(recipe)
     recipe_dict["recompute"] = list(recipe.layer_modes(spec.layers))
+    params = block_params(spec).total  # from a one-layer build: no full-depth model needed
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": "plan",
-        "model": {"name": spec.name, "architecture": spec.architecture, "params": spec.params.total},
+        "model": {"name": spec.name, "architecture": spec.architecture, "params": params},
         "recipe": recipe_dict,
         "peak_allocated_bytes": result.peak_allocated_bytes,
         "peak_reserved_bytes": result.peak_reserved_bytes,
