@@ -40,3 +40,23 @@ def accumulate(
 def adamw(params, *, run: RunContext) -> torch.optim.AdamW:
     """AdamW as every engine uses it; torch picks foreach on CUDA and the single-tensor loop on CPU."""
     return torch.optim.AdamW(params, lr=run.train.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of an HF causal LM (``model.model.layers``): the unit engines shard by."""
+    return list(model.get_decoder().layers)
+
+
+def parameter_names(model: torch.nn.Module) -> dict[tuple[int, str], str]:
+    """(id(module), attribute) → the parameter's name in the plain HF model (a tied weight: its first name).
+
+    Modules keep their identity through checkpoint/compile wrappers and sharding (which replaces the parameter
+    objects), so engines that materialise after wrapping still find each parameter's ``init_value`` name.
+    """
+    first = {id(p): n for n, p in model.named_parameters()}
+    return {
+        (id(module), key): first[id(param)]
+        for module in model.modules()
+        for key, param in module._parameters.items()
+        if param is not None
+    }

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ljperf import deepspeed_config
-from ljperf.engines.common import adamw, causal_lm_loss
-from ljperf.models import materialize
+from ljperf.engines.common import adamw, causal_lm_loss, decoder_blocks, parameter_names
+from ljperf.models import init_value, materialize
 from ljperf.optimize import apply_optimizations
 from ljperf.report import console
 from ljperf.runtime import RunContext
@@ -46,8 +46,13 @@ class DeepSpeedEngine:
         if run.device.type == "cpu" and run.is_main and not _comm_op_built():
             console.print("DeepSpeed is building its CPU comm op (first run only, about 20 s)...")
         deepspeed.init_distributed(dist_backend="gloo" if run.device.type == "cpu" else "nccl")
-        model = materialize(model, device=run.device.torch_device, seed=run.train.seed)
-        model = apply_optimizations(model, run)
+        if self.config["zero_optimization"]["stage"] == 3:
+            names = parameter_names(model)
+            model = apply_optimizations(model, run)
+            _materialize_partitioned(model, names, config=self.config, run=run)
+        else:
+            model = materialize(model, device=run.device.torch_device, seed=run.train.seed)
+            model = apply_optimizations(model, run)
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.config
         )
@@ -91,6 +96,36 @@ class DeepSpeedEngine:
             "warnings": [f"{f.message}; fix: {f.fix}" for f in self.warnings],
             "optimizer": "torch.optim.AdamW (DeepSpeed torch_adam)",
         }
+
+
+def _materialize_partitioned(
+    model: torch.nn.Module, names: dict[tuple[int, str], str], *, config: dict, run: RunContext
+) -> None:
+    """ZeRO-3 from the meta device: materialise one decoder block at a time (then the embeddings, norm and
+    head) with the torch engine's initial values, and partition it at once (``deepspeed.zero.Init(module=)``),
+    so a rank never holds more than one block in full."""
+    import deepspeed
+
+    device = run.device.torch_device
+    dtype = torch.bfloat16 if config["bf16"]["enabled"] else torch.float32
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    new: dict[int, torch.nn.Parameter] = {}  # meta parameter → its replacement (keeps tied weights tied)
+    for piece in [*decoder_blocks(model), model]:
+        with torch.no_grad():
+            for module in piece.modules():
+                for key, param in module._parameters.items():
+                    if param is None or not param.is_meta:
+                        continue
+                    if id(param) not in new:
+                        value = init_value(
+                            names[(id(module), key)], param.shape, std=std, seed=run.train.seed, device=device
+                        )
+                        new[id(param)] = torch.nn.Parameter(value.to(dtype), requires_grad=param.requires_grad)
+                    module._parameters[key] = new[id(param)]
+                for key, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[key] = buf.to(device)
+        deepspeed.zero.Init(module=piece, config_dict_or_path=config, dtype=dtype)
 
 
 def _collect_tensors(obj: Any, found: list[torch.Tensor], *, seen: set[int], depth: int) -> None:

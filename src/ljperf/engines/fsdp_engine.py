@@ -14,15 +14,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ljperf.engines.common import accumulate, adamw
+from ljperf.engines.common import accumulate, adamw, decoder_blocks, parameter_names
 from ljperf.models import init_value
 from ljperf.optimize import apply_optimizations
 from ljperf.runtime import RunContext
-
-
-def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of an HF causal LM (``model.model.layers``)."""
-    return list(model.get_decoder().layers)
 
 
 class FSDPEngine:
@@ -36,7 +31,7 @@ class FSDPEngine:
     def setup(self, model: torch.nn.Module) -> None:
         run = self.run
         device = run.device.torch_device
-        names = _parameter_names(model)
+        names = parameter_names(model)
         model = apply_optimizations(model, run)
         mesh = init_device_mesh(device.type, (run.world,))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if run.bf16 else None
@@ -70,21 +65,6 @@ class FSDPEngine:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _parameter_names(model: torch.nn.Module) -> dict[tuple[int, str], str]:
-    """(id(module), attribute) → the parameter's name in the plain HF model (a tied weight: its first name).
-
-    Modules keep their identity through checkpoint/compile wrappers and ``fully_shard`` (which replaces the
-    parameter objects), so this finds every parameter's ``init_value`` name afterwards.
-    """
-    first = {id(p): n for n, p in model.named_parameters()}
-    return {
-        (id(module), key): first[id(param)]
-        for module in model.modules()
-        for key, param in module._parameters.items()
-        if param is not None
-    }
 
 
 def _materialize_shards(
