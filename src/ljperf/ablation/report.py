@@ -182,10 +182,13 @@ def markdown(records: list[dict], stats: list[VariantStats], *, command: list[st
     lines = [
         f"# Ablation: {title(records)}",
         "",
-        f"{now_iso()} · ljperf {__version__} · host {env.get('host', '-')} · "
+        f"runs {_time_span(records)} · rendered by ljperf {__version__} · host {env.get('host', '-')} · "
         f"devices {', '.join(env.get('devices', []))}",
         "",
     ]
+    variables = env.get("variables") or {}
+    if variables:
+        lines += ["Variables: " + ", ".join(f"`{k}={v}`" for k, v in variables.items()), ""]
     if command:
         lines += ["```", "ljperf " + " ".join(_quote(a) for a in command), "```", ""]
     lines += ["## Results", "", _md_row(header), _md_row(["---"] * len(header)), *map(_md_row, body), ""]
@@ -217,6 +220,11 @@ def markdown(records: list[dict], stats: list[VariantStats], *, command: list[st
     for e in envs.values():
         lines.append(_md_row([e["name"], f"`{e['python']}`", *(str(e["versions"].get(p) or "-") for p in packages)]))
     return "\n".join(lines) + "\n"
+
+
+def _time_span(records: list[dict]) -> str:
+    starts = sorted(r["start_time"] for r in records if r.get("start_time"))
+    return f"{starts[0]} – {starts[-1]}" if starts else "-"
 
 
 def _md_row(cells: list[str]) -> str:
@@ -255,7 +263,9 @@ def chart(stats: list[VariantStats], path: Path) -> None:
             for ax in (left, right):
                 ax.text(i, 0, _status(s), ha="center", va="bottom", color="tab:red")
         elif s.speedup is not None:
-            left.text(i, s.tokens_per_s.high, _ratio(s.speedup), ha="center", va="bottom")
+            left.annotate(
+                _ratio(s.speedup), (i, s.tokens_per_s.high), xytext=(0, 4), textcoords="offset points", ha="center"
+            )
     for ax in (left, right):
         ax.set_xticks(x, labels, rotation=20 if len(stats) > 3 else 0, ha="right" if len(stats) > 3 else "center")
         ax.grid(axis="y", alpha=0.3)
