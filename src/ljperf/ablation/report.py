@@ -170,6 +170,9 @@ def print_table(records: list[dict], stats: list[VariantStats]) -> None:
     for row in body:
         table.add_row(*(escape(cell) for name, cell in zip(header, row, strict=True) if name != "flags"))
     console.print(table)
+    revisions = _revisions(records)
+    if len(revisions) > 1:
+        console.print(f"[yellow]warning[/yellow]: the runs span git revisions {', '.join(revisions)}")
     for s in stats:
         if s.reason:
             console.print(f"[red]{escape(s.label)}[/red]: {escape(_status(s))}: {escape(s.reason)}")
@@ -213,6 +216,12 @@ def markdown(records: list[dict], stats: list[VariantStats], *, command: list[st
                 f"{meta['log']}`)"
             )
         lines.append("")
+    revisions = _revisions(records)
+    if len(revisions) > 1:
+        lines += [
+            f"**Warning**: the runs span git revisions {', '.join(revisions)}: the code changed during the ablation.",
+            "",
+        ]
     envs = {r["ablation"]["environment"]["name"]: r["ablation"]["environment"] for r in records}
     packages = ["python", "torch", "transformers", "deepspeed", "triton", "ljperf"]
     lines += ["## Environments", "", _md_row(["name", "interpreter", *packages])]
@@ -220,6 +229,12 @@ def markdown(records: list[dict], stats: list[VariantStats], *, command: list[st
     for e in envs.values():
         lines.append(_md_row([e["name"], f"`{e['python']}`", *(str(e["versions"].get(p) or "-") for p in packages)]))
     return "\n".join(lines) + "\n"
+
+
+def _revisions(records: list[dict]) -> list[str]:
+    """The checkouts' git revisions in the order the runs saw them."""
+    ordered = sorted((r.get("start_time") or "", r.get("env", {}).get("git_revision")) for r in records)
+    return list(dict.fromkeys(rev for _, rev in ordered if rev))
 
 
 def _time_span(records: list[dict]) -> str:
