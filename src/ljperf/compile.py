@@ -29,12 +29,6 @@ from ljperf.checkpoint.apply import find_blocks
 from ljperf.config import COMPILE_MODES
 from ljperf.errors import UsageError
 
-# Every compile also lowers the backward at once (not lazily at the first backward), so a failing
-# backward compile is caught where the region can still fall back; hitting the recompile limit raises
-# instead of silently running eager, so it is reported too.
-_COMPILE_CONFIG = {"force_non_lazy_backward_lowering": True}
-_DYNAMO_CONFIG = {"fail_on_recompile_limit_hit": True}
-
 
 @dataclass
 class CompileSession:
@@ -53,7 +47,7 @@ class CompileSession:
     _seen_us: int = 0
 
     def collect(self, region: str) -> None:
-        """Book the compilations that finished since the last call to ``region``."""
+        """Book to ``region`` the compilations dynamo recorded since the last ones booked."""
         for m in get_compilation_metrics():
             begin = m.start_time_us or 0
             if begin < self.start_us or begin <= self._seen_us:
@@ -62,6 +56,9 @@ class CompileSession:
             self.region_time_s[region] = self.region_time_s.get(region, 0.0) + (m.duration_us or 0) / 1e6
             if m.recompile_reason:
                 self.recompile_reasons.append(f"{region}: {m.recompile_reason}")
+            if m.fail_reason and "recompile limit" in m.fail_reason.lower():
+                # dynamo runs these inputs eager from now on (no exception reaches the region)
+                self.fallback(region, RuntimeError(f"recompile_limit hit; last guard failure: {m.recompile_reason}"))
 
     def fallback(self, region: str, exc: BaseException) -> None:
         reason = one_line(exc)
@@ -132,8 +129,7 @@ class Region:
             return self._eager(*args, **kwargs)
         frames = counters["frames"]["total"]
         try:
-            with torch._functorch.config.patch(_COMPILE_CONFIG), torch._dynamo.config.patch(_DYNAMO_CONFIG):
-                out = self._compiled(*args, **kwargs)
+            out = self._compiled(*args, **kwargs)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
@@ -171,6 +167,9 @@ def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True, **
         return None
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False  # a KV cache in the forward's guards would recompile every layer
+    # Process-wide: the backward is compiled with the forward, not at the first backward, so a failing backward
+    # compile raises inside the region's call, where it can still fall back. (Patching per call costs ~0.2 ms.)
+    torch._functorch.config.force_non_lazy_backward_lowering = True
     sess = _session = CompileSession(mode=mode, options=options, verbose=verbose)
     names = {id(m): n for n, m in model.named_modules()}
     if mode == "whole":
