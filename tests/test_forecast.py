@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -175,10 +178,6 @@ def test_calibration_fits_scale_and_offset(tmp_path):
 @pytest.mark.slow
 def test_zero3_forecast_within_10_percent_of_two_processes(tmp_path):
     """ZeRO-3 on 2 CPU ranks. (FSDP2 is -14% on the same run: its all-gather copy-out buffers are not modelled.)"""
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "result.json"
     argv = [sys.executable, "-m", "ljperf", "benchmark", "--model", "deepspeed/llama-tiny", "--nproc-per-node", "2"]
     argv += ["--micro-batch", "2", "--seq-len", "128", "--steps", "1", "--warmup", "2", "--output", str(out)]
