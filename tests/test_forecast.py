@@ -47,7 +47,11 @@ CONFIGS = [
     for name in ("llama-tiny", "qwen3-tiny", "mistral-tiny")
     for recompute in ("none", "full")
     for b, s in ((2, 64), (3, 160))
-] + [("llama-tiny", "none", 1, 256), ("llama-tiny", "full,none,full,none", 2, 128)]
+] + [
+    ("llama-tiny", "none", 1, 256),
+    ("llama-tiny", "full,none,full,none", 2, 128),
+    ("llama-tiny", "selective,selective,none,full", 2, 128),
+]
 
 
 @pytest.mark.slow
