@@ -28,6 +28,24 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     (r"MI300X", 1307.4),
 )
 
+# Peak memory bandwidth (TB/s) from the same datasheets, same matching; the recompute solver ranks plans by
+# FLOPs / peak FLOPS against memory-bound bytes / this bandwidth when it plans for a GPU it cannot measure.
+PEAK_MEMORY_TBPS: tuple[tuple[str, float], ...] = (
+    (r"H100.*PCIe", 2.0),
+    (r"H100.*NVL", 3.9),
+    (r"GH200", 4.0),
+    (r"H100|H800", 3.35),
+    (r"H200", 4.8),
+    (r"\bH20\b", 4.0),
+    (r"A100|A800", 2.039),
+    (r"\bL40S\b", 0.864),
+    (r"\bL20\b", 0.864),
+    (r"\bL4\b", 0.3),
+    (r"B200", 8.0),
+    (r"B100", 8.0),
+    (r"MI300X", 5.3),
+)
+
 # Known accelerators by memory, for ``--gpu NAME`` in ``ljperf plan`` (bytes as the driver reports them).
 GPU_MEMORY_BYTES: dict[str, int] = {
     "A100-40GB": 40 * 1024**3,
@@ -47,6 +65,14 @@ def peak_tflops(device_name: str) -> float | None:
     for pattern, tflops in PEAK_BF16_TFLOPS:
         if re.search(pattern, device_name):
             return tflops
+    return None
+
+
+def peak_memory_tbps(device_name: str) -> float | None:
+    """Peak memory bandwidth (TB/s) of a device by name, or None when unknown."""
+    for pattern, tbps in PEAK_MEMORY_TBPS:
+        if re.search(pattern, device_name):
+            return tbps
     return None
 
 

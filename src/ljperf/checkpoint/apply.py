@@ -140,3 +140,15 @@ def summary(plan: Sequence[str]) -> str:
     """``12/32 layers (selective 4, full 8)``."""
     sel, full = plan.count("selective"), plan.count("full")
     return f"{sel + full}/{len(plan)} layers (selective {sel}, full {full})"
+
+
+def describe(plan: Sequence[str]) -> str:
+    """``full 0-31, selective 32-79`` (layers by mode, in order); ``no layer`` when nothing recomputes."""
+    runs: list[list] = []  # [mode, first, last]
+    for i, mode in enumerate(plan):
+        if runs and runs[-1][0] == mode:
+            runs[-1][2] = i
+        else:
+            runs.append([mode, i, i])
+    text = ", ".join(f"{m} {a}" if a == b else f"{m} {a}-{b}" for m, a, b in runs if m != "none")
+    return text or "no layer"

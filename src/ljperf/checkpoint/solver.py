@@ -73,15 +73,18 @@ class Decision:
 
 
 # --- budget ---------------------------------------------------------------------------------------------------
-def budget_bytes(device: torch.device, *, given: str | None = None, local_world: int = 1) -> int:
-    """The budget: ``given``, else ``$LJPERF_MEMORY_BUDGET``, else the GPU's memory minus ``GPU_MARGIN``,
-    else (CPU) the available RAM shared by the node's ``local_world`` processes."""
+def budget_bytes(
+    device: torch.device, *, given: str | None = None, local_world: int = 1, memory: int | None = None
+) -> int:
+    """The budget: ``given``, else ``$LJPERF_MEMORY_BUDGET``, else the GPU's memory (``memory``, or this
+    machine's) minus ``GPU_MARGIN``, else (CPU) ``memory`` or the available RAM shared by the node's
+    ``local_world`` processes."""
     text = given or os.environ.get(BUDGET_ENV)
     if text:
         return parse_size(text, what="memory budget" if given else f"${BUDGET_ENV}")
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory * (1 - GPU_MARGIN))
-    return available_ram() // max(local_world, 1)
+        return int((memory or torch.cuda.get_device_properties(device).total_memory) * (1 - GPU_MARGIN))
+    return memory or available_ram() // max(local_world, 1)
 
 
 def available_ram() -> int:
@@ -110,6 +113,20 @@ class Rates:
         mm = _best_time(lambda: a @ a, device)
         add = _best_time(lambda: x + x, device)
         return cls(flops_per_s=2 * n**3 / mm, bytes_per_s=3 * x.numel() * x.element_size() / add)
+
+    @classmethod
+    def datasheet(cls, device_name: str) -> Rates | None:
+        """Peak dense BF16 FLOP/s and memory bandwidth of a known GPU (``ljperf.hardware``), else None."""
+        from ljperf.hardware import peak_memory_tbps, peak_tflops
+
+        tflops, tbps = peak_tflops(device_name), peak_memory_tbps(device_name)
+        if tflops is None or tbps is None:
+            return None
+        return cls(flops_per_s=tflops * 1e12, bytes_per_s=tbps * 1e12)
+
+
+REFERENCE_GPU = "H100"
+"""Whose datasheet rates rank plans for a GPU that is neither known by name nor here to measure."""
 
 
 def _best_time(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
@@ -194,29 +211,54 @@ def ordered_plan(layers: int, full: int, selective: int) -> Plan:
 def solve(
     *, layers: int, budget: int, peak: PeakFn, cost: LayerCost, rates: Rates, advise: Callable[[], list[str]]
 ) -> Decision:
-    """The cheapest ``full… selective… none…`` plan whose forecast fits ``budget``."""
-    candidates = sorted(
-        ((f, s) for f in range(layers + 1) for s in range(layers + 1 - f)),
-        key=lambda fs: (fs[0] * cost.seconds("full", rates) + fs[1] * cost.seconds("selective", rates), sum(fs)),
-    )
-    # Recomputing more never raises the peak: a plan whose every layer saves no more than in a plan that
-    # missed (no more full layers, no more recomputed layers) misses too, so it is not forecast.
-    misses: list[tuple[int, int]] = []
-    for f, s in candidates:
-        if any(f <= mf and f + s <= mf + ms for mf, ms in misses):
-            continue
-        plan = ordered_plan(layers, f, s)
-        bytes_, _phase = peak(plan)
-        if bytes_ <= budget:
-            return _decision(plan, budget, bytes_, cost, rates, fits=True)
-        misses.append((f, s))
-    plan = ordered_plan(layers, layers, 0)
-    bytes_, phase = peak(plan)
-    none_bytes, _ = peak(ordered_plan(layers, 0, 0))
-    advice = advise()
-    if phase.startswith("optimizer") or none_bytes - bytes_ < 0.02 * none_bytes:
-        advice.insert(0, f"the {phase} step, not activations, sets the peak: checkpointing cannot help")
-    return _decision(plan, budget, bytes_, cost, rates, fits=False, advice=advice)
+    """The cheapest ``full… selective… none…`` plan whose forecast fits ``budget``.
+
+    Recomputing more never raises the peak, so with ``f`` layers full the fewest selective layers that fit,
+    ``s(f)``, falls by at least one per extra full layer (one selective layer turned full still fits). The
+    search walks that staircase from the first ``f`` where anything fits, and stops once ``f`` full layers
+    alone cost more than the best plan: about ``L`` forecasts instead of ``L²/2``.
+    """
+    memo: dict[tuple[int, int], tuple[int, str]] = {}
+
+    def forecast_of(f: int, s: int) -> tuple[int, str]:
+        if (f, s) not in memo:
+            memo[f, s] = peak(ordered_plan(layers, f, s))
+        return memo[f, s]
+
+    def fits(f: int, s: int) -> bool:
+        return forecast_of(f, s)[0] <= budget
+
+    full_s, sel_s = cost.seconds("full", rates), cost.seconds("selective", rates)
+    if not fits(layers, 0):
+        bytes_, phase = forecast_of(layers, 0)
+        none_bytes, _ = forecast_of(0, 0)
+        advice = advise()
+        if phase.startswith("optimizer"):
+            advice.insert(0, "the optimizer step, not activations, sets the peak: checkpointing cannot help")
+        elif none_bytes - bytes_ < 0.02 * none_bytes:
+            advice.insert(0, f"activations are under 2% of the peak ({phase}): checkpointing cannot help")
+        return _decision(ordered_plan(layers, layers, 0), budget, bytes_, cost, rates, fits=False, advice=advice)
+    if fits(0, 0):
+        return _decision(ordered_plan(layers, 0, 0), budget, forecast_of(0, 0)[0], cost, rates, fits=True)
+    lo, hi = -1, layers  # the first f with every layer recomputed (f full, the rest selective) that fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid, layers - mid) else (mid, hi)
+    best: tuple[float, int, int, int] | None = None  # (seconds, layers recomputed, f, s)
+    s = layers - hi
+    for f in range(hi, layers + 1):
+        if best is not None and f * full_s > best[0]:
+            break
+        s = min(s, layers - f)
+        while s > 0 and fits(f, s - 1):
+            s -= 1
+        candidate = (f * full_s + s * sel_s, f + s, f, s)
+        best = min(best, candidate) if best is not None else candidate
+        if s == 0:
+            break
+        s -= 1
+    _, _, f, s = best
+    return _decision(ordered_plan(layers, f, s), budget, forecast_of(f, s)[0], cost, rates, fits=True)
 
 
 def _decision(plan: Plan, budget: int | None, bytes_: int | None, cost: LayerCost, rates: Rates, **kw) -> Decision:
@@ -232,13 +274,20 @@ def _decision(plan: Plan, budget: int | None, bytes_: int | None, cost: LayerCos
 
 # --- from a recipe ---------------------------------------------------------------------------------------------
 def solve_recipe(
-    spec: models.ModelSpec, recipe, *, budget: int, rates: Rates, cost: LayerCost | None = None
+    spec: models.ModelSpec,
+    recipe,
+    *,
+    budget: int,
+    rates: Rates,
+    cost: LayerCost | None = None,
+    device_name: str | None = None,
 ) -> Decision:
-    """The fastest plan for ``recipe`` (an ``ljperf.forecast.Recipe``) under ``budget`` bytes per device."""
+    """The fastest plan for ``recipe`` (an ``ljperf.forecast.Recipe``) under ``budget`` bytes per device;
+    ``device_name`` picks the forecast's calibrated overheads."""
     from ljperf.forecast import forecast
 
     def peak(plan: Plan, r=recipe) -> tuple[int, str]:
-        result = forecast(spec, r.with_(recompute=plan))
+        result = forecast(spec, r.with_(recompute=plan), device_name=device_name)
         return result.device_bytes, result.phase
 
     if cost is None:
@@ -252,6 +301,27 @@ def solve_recipe(
         rates=rates,
         advise=lambda: advice(recipe, budget, lambda r: peak(full, r)[0]),
     )
+
+
+def solve_for_plan(
+    spec: models.ModelSpec, recipe, *, memory: int, device_name: str | None, given: str | None = None
+) -> tuple[Decision, str]:
+    """``ljperf plan --recompute auto``: the decision for ``recipe`` on a device of ``memory`` bytes (budget as
+    ``budget_bytes``), and where the recompute rates came from. Nothing runs on a GPU: a GPU is ranked by its
+    datasheet (only the ratio of FLOP/s to bandwidth matters for the choice)."""
+    device = torch.device(recipe.device)
+    budget = budget_bytes(device, given=given, memory=memory)
+    if recipe.device == "cpu":
+        rates, source = Rates.measure(device), "measured on this CPU"
+    else:
+        name = device_name or REFERENCE_GPU
+        rates = Rates.datasheet(name)
+        source = f"{name} datasheet"
+        if rates is None:
+            rates, source = Rates.datasheet(REFERENCE_GPU), f"{REFERENCE_GPU} datasheet ({name} is not in the table)"
+        elif device_name is None:
+            source += " (give --gpu NAME for another GPU's)"
+    return solve_recipe(spec, recipe, budget=budget, rates=rates, device_name=device_name), source
 
 
 def advice(recipe, budget: int, full_peak: Callable[[object], int]) -> list[str]:

@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-step (default: 1)")
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default: min(4096, the model's max positions))")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default: 1)")
-    g.add_argument("--recompute", default="none", help="none, full, selective, or K: the first K layers full")
+    g.add_argument(
+        "--recompute", default="none", help="none, full, selective, K (the first K layers full) or auto (fastest fit)"
+    )
     g.add_argument("--attn-implementation", choices=("sdpa", "eager"), default="sdpa", help="default: sdpa")
     g.add_argument(
         "--reshard-after-forward",
@@ -45,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("memory")
     m.add_argument("--gpu-memory", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's)")
     m.add_argument("--gpu", metavar="NAME", help=f"a known GPU instead: {', '.join(hardware.GPU_MEMORY_BYTES)}")
+    m.add_argument("--memory-budget", metavar="SIZE", help="budget of --recompute auto (docs/checkpoint.md)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     out.add_argument("--calibrate", nargs="+", metavar="RECORD", help="fit device overheads from benchmark records")
@@ -60,13 +63,25 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     engine, spec = model_from_args(args)
     recipe = recipe_from_args(args, engine=engine, spec=spec)
     memory, device_name = device_memory(args)
+    decision = None
+    if args.recompute == "auto":
+        from ljperf.checkpoint.solver import solve_for_plan
+
+        decision, rates = solve_for_plan(spec, recipe, memory=memory, device_name=device_name, given=args.memory_budget)
+        recipe = recipe.with_(recompute=decision.plan)
     result = forecast(spec, recipe, device_name=device_name)
-    best = max_micro_batch(spec, recipe, memory, device_name=device_name)
+    most = recipe.with_(recompute=("full",) * spec.layers) if decision else recipe  # the most auto can save
+    best = max_micro_batch(spec, most, memory, device_name=device_name)
     report = plan_record(spec, recipe, result, memory=memory, max_micro_batch=best)
+    if decision is not None:
+        report["recompute"] = decision.record() | {"rates": rates}
+        report["notes"].append("largest micro batch counted with full recompute, the most --recompute auto saves")
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_plan(report)
+    if decision is not None and not decision.fits:
+        raise UsageError(decision.line())
     return 0
 
 
@@ -76,8 +91,8 @@ def recipe_from_args(args: argparse.Namespace, *, engine: str, spec: ModelSpec) 
     seq_len = args.seq_len or min(4096, spec.max_positions or 4096)
     if spec.max_positions and seq_len > spec.max_positions:
         raise UsageError(f"--seq-len {seq_len} is longer than {spec.name}'s {spec.max_positions} max positions")
-    if args.recompute == "auto":
-        raise UsageError("--recompute auto needs the checkpoint solver; give none, full, selective or K")
+    if args.memory_budget and args.recompute != "auto":
+        raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
     return Recipe(
         engine=engine,
         zero_stage=args.zero_stage,
@@ -89,7 +104,7 @@ def recipe_from_args(args: argparse.Namespace, *, engine: str, spec: ModelSpec) 
         grad_accum=args.grad_accum,
         attn_implementation=args.attn_implementation,
         reshard_after_forward=args.reshard_after_forward,
-        recompute=parse_recompute(args.recompute, spec.layers),
+        recompute=() if args.recompute == "auto" else parse_recompute(args.recompute, spec.layers),
         optimizer=args.optimizer,
     )
 
@@ -182,6 +197,13 @@ def print_plan(report: dict) -> None:
     table.add_row("peak allocated per rank", f"{peak / 1024**3:.2f}", "100.0%")
     console.print(table)
     lines = [f"peak at: {report['phase']} ({report['source']})"]
+    if "recompute" in report:
+        from ljperf.checkpoint.apply import describe
+
+        r = report["recompute"]
+        lines.insert(
+            0, f"recompute auto: {describe(r['plan'])} (budget {format_bytes(r['budget_bytes'])}; {r['rates']})"
+        )
     if report["peak_reserved_bytes"] is not None:
         lines.append(
             f"reserved {format_bytes(report['peak_reserved_bytes'])} + context {format_bytes(report['context_bytes'])}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -310,9 +311,14 @@ def cache_dir() -> Path:
 def family_key(spec: models.ModelSpec, *, precision: str, attn: str, mode: str) -> str:
     """Architecture family: the config without its depth, plus what changes the traced code path."""
     config = {k: v for k, v in spec.config.to_dict().items() if k not in ("num_hidden_layers", "layer_types")}
-    versions = {p: metadata.version(p) for p in ("torch", "transformers")}
-    blob = json.dumps([config, precision, attn, mode, versions, TRACE_VERSION], sort_keys=True, default=str)
+    blob = json.dumps([config, precision, attn, mode, _versions(), TRACE_VERSION], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
+    # Reading package metadata costs ~7 ms a call: most of a warm forecast, which solvers call hundreds of times.
+    return {p: metadata.version(p) for p in ("torch", "transformers")}
 
 
 def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: str, micro_batch: int) -> Patterns:

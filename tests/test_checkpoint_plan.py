@@ -1,0 +1,122 @@
+"""The recompute solver's search and ``ljperf plan --recompute auto``: the plan it prints is the cheapest that
+fits, an impossible budget exits 2 with what would fit, and an optimizer-bound peak says checkpointing cannot
+help."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import pytest
+
+from ljperf import models
+from ljperf.checkpoint.solver import LayerCost, Rates, ordered_plan, solve
+from ljperf.cli import main
+from ljperf.forecast import Recipe, forecast
+from ljperf.units import format_bytes
+
+RATES = Rates(flops_per_s=1e12, bytes_per_s=1e11)
+COST = LayerCost(tokens=1, saved_flops=3e9, pointwise_bytes=1e9)  # full 13 ms, selective 10 ms per layer
+
+
+def synthetic_peak(saved: dict[str, int], base: int):
+    """A monotone forecast: the base plus every layer's kept activations, or the last backward's recompute."""
+    return lambda plan: (base + max(sum(saved[m] for m in plan), saved["none"] + saved["full"]), "backward")
+
+
+@pytest.mark.parametrize("layers", [1, 4, 9, 32])
+def test_solver_finds_the_exhaustive_optimum_with_few_forecasts(layers):
+    saved = {"none": 100, "selective": 45, "full": 10}
+    peak = synthetic_peak(saved, base=50)
+    for budget in range(0, 50 + layers * saved["none"] + 200, 37):
+        calls: list = []
+        decision = solve(
+            layers=layers,
+            budget=budget,
+            peak=lambda plan, calls=calls: calls.append(plan) or peak(plan),
+            cost=COST,
+            rates=RATES,
+            advise=lambda: ["more"],
+        )
+        fitting = [
+            (f * COST.seconds("full", RATES) + s * COST.seconds("selective", RATES), f + s, ordered_plan(layers, f, s))
+            for f, s in itertools.product(range(layers + 1), repeat=2)
+            if f + s <= layers and peak(ordered_plan(layers, f, s))[0] <= budget
+        ]
+        if not fitting:
+            assert decision.fits is False and decision.plan == ("full",) * layers and decision.advice[-1] == "more"
+            continue
+        assert decision.fits and decision.plan == min(fitting)[2], budget
+        assert decision.forecast_bytes == peak(decision.plan)[0] <= budget
+        assert len(calls) == len(set(calls)) <= 2 * layers + 4  # a walk, not the (L+1)(L+2)/2 pairs
+
+
+def plan_json(capsys, *argv: str) -> tuple[int, dict, str]:
+    rc = main(["plan", *argv, "--recompute", "auto", "--json"])
+    captured = capsys.readouterr()
+    return rc, json.loads(captured.out), captured.err
+
+
+TINY = ("--model", "torch/llama-tiny", "--device", "cpu", "--micro-batch", "2", "--seq-len", "512")
+
+
+def test_plan_auto_prints_the_cheapest_plan_that_fits(capsys):
+    spec = models.resolve(name="llama-tiny")
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=512)
+    none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
+    budget = (none + full) // 2
+    rc, out, _ = plan_json(capsys, *TINY, "--gpu-memory", str(budget))
+    assert rc == 0
+    plan = out["recompute"]["plan"]
+    assert out["recompute"]["fits"] and out["recompute"]["budget_bytes"] == budget  # CPU: no margin
+    assert set(plan) not in ({"none"}, {"full"})  # a partial plan: the test means something
+    assert out["recipe"]["recompute"] == plan
+    assert out["device_bytes"] == out["recompute"]["forecast_peak_bytes"] <= budget
+    # Any cheaper plan of the same order (the last recomputed layer one step lighter) does not fit.
+    last = max(i for i, m in enumerate(plan) if m != "none")
+    lighter = [*plan[:last], {"full": "selective", "selective": "none"}[plan[last]], *plan[last + 1 :]]
+    assert forecast(spec, recipe.with_(recompute=tuple(lighter))).device_bytes > budget
+    # The same through the budget variable and the table output.
+    assert main(["plan", *TINY, "--gpu-memory", "1GiB", "--recompute", "auto", "--memory-budget", str(budget)]) == 0
+    out = capsys.readouterr().out
+    assert "recompute auto: " in out and f"(budget {format_bytes(budget)}; measured on this CPU)" in out, out
+
+
+def test_plan_auto_nothing_fits_exits_2_with_what_would(capsys):
+    spec = models.resolve(name="llama-tiny")
+    half = Recipe(device="cpu", precision="fp32", micro_batch=1, seq_len=512, recompute=("full",) * spec.layers)
+    rc, out, err = plan_json(capsys, *TINY, "--gpu-memory", str(forecast(spec, half).device_bytes))
+    assert rc == 2
+    assert out["recompute"]["fits"] is False and out["recompute"]["plan"] == ["full"] * 4
+    assert "would fit with --micro-batch 1" in err and err.count("\n") == 1
+
+
+def test_plan_auto_optimizer_bound_says_checkpointing_cannot_help(capsys):
+    rc, out, err = plan_json(capsys, "--model", "torch/llama-tiny", "--device", "cpu", "--seq-len", "16",
+                             "--gpu-memory", "16MiB")  # fmt: skip
+    assert rc == 2
+    assert (
+        out["recompute"]["advice"][0] == "the optimizer step, not activations, sets the peak: checkpointing cannot help"
+    )
+    assert "checkpointing cannot help" in err
+
+
+def test_plan_auto_without_recompute_needed_and_bad_budget(capsys):
+    rc, out, _ = plan_json(capsys, *TINY, "--gpu-memory", "1GiB")
+    assert rc == 0 and set(out["recompute"]["plan"]) == {"none"}
+    assert main(["plan", *TINY, "--gpu-memory", "1GiB", "--memory-budget", "10GiB"]) == 2  # not without auto
+    assert "--memory-budget is the budget of --recompute auto" in capsys.readouterr().err
+
+
+def test_plan_auto_70b_on_64_gpus_answers_in_seconds(capsys):
+    argv = ("--model", "deepspeed/llama3.1-70b", "--gpus", "64", "--gpu-memory", "80GiB")
+    plan_json(capsys, *argv)  # traces the architecture once (cached on disk for later runs)
+    start = time.perf_counter()
+    rc, out, _ = plan_json(capsys, *argv)
+    elapsed = time.perf_counter() - start
+    assert rc == 0 and elapsed < 5, elapsed
+    r = out["recompute"]
+    assert r["budget_bytes"] == int(80 * 1024**3 * 0.9) and r["fits"] and r["forecast_peak_bytes"] <= r["budget_bytes"]
+    assert "none" not in r["plan"] and "selective" in r["plan"]  # the example needs every layer, mostly selective
+    assert r["rates"].startswith("H100 datasheet")
