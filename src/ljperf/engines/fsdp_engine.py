@@ -34,10 +34,9 @@ class FSDPEngine:
         names = parameter_names(model)
         model = apply_optimizations(model, run)
         mesh = init_device_mesh(device.type, (run.world,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if run.bf16 else None
         options = {"mesh": mesh, "reshard_after_forward": run.engine_opts.reshard_after_forward}
-        if mp is not None:
-            options["mp_policy"] = mp
+        if run.bf16:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in decoder_blocks(model):
             fully_shard(block, **options)
         fully_shard(model, **options)
