@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from importlib import resources
 
 import jsonschema
@@ -139,3 +141,20 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_runs_under_a_users_own_torchrun(tmp_path):
+    out = tmp_path / "r.json"
+    args = ["benchmark", *TINY, "--steps", "3", "--warmup", "1", "--output", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ljperf", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=cli_env(),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = read_record(out)
+    assert record["env"]["world_size"] == 2 and record["results"]["status"] == "ok"
