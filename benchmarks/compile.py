@@ -57,7 +57,7 @@ def summarize(records: list[dict]) -> dict:
 
 
 def table(rows: dict[str, dict], header: str) -> str:
-    eager = rows["off"]["step_s"] if "off" in rows else None
+    eager = rows["off"]["tokens_per_s"] if "off" in rows else None
     lines = [
         header,
         "",
@@ -67,7 +67,7 @@ def table(rows: dict[str, dict], header: str) -> str:
         "| | ms | tokens/s | × | s | | | | nats |",
     ]
     for mode, s in rows.items():
-        ratio = f"{eager / s['step_s']:.2f}" if eager else "-"
+        ratio = f"{s['tokens_per_s'] / eager:.2f}" if eager else "-"
         lines.append(
             f"| {'eager' if mode == 'off' else mode} | {s['step_s'] * 1e3:.1f} | {s['tokens_per_s']:,.0f} | {ratio} "
             f"| {s['compile_s']:.1f} | {s['graph_breaks']} | {s['recompiles']} | {s['fallbacks']} "
@@ -96,7 +96,12 @@ def main() -> None:
         for i in range(args.repeat):
             for mode in modes:
                 records[mode].append(run_mode(mode, args, Path(tmp), i))
-                print(f"round {i + 1}/{args.repeat} {mode}: done", file=sys.stderr)
+                res = records[mode][-1]["results"]
+                print(
+                    f"round {i + 1}/{args.repeat} {mode}: step p50 {res['step_time_s_p50'] * 1e3:.1f} ms, "
+                    f"{res['tokens_per_s']:,.0f} tokens/s, compile {(res.get('compile') or {}).get('time_s', 0):.1f} s",
+                    file=sys.stderr,
+                )
     rows = {m: summarize(r) for m, r in records.items()}
     env = records[modes[0]][0]["env"]
     ver = versions()
