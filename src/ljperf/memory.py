@@ -20,7 +20,14 @@ CUDA_METHOD = "torch.cuda.max_memory_allocated / max_memory_reserved"
 
 
 class LiveTensorBytes(TorchDispatchMode):
-    """Track the bytes of live tensor storages; ``peak`` is the maximum seen while active."""
+    """Track the bytes of live tensor storages; ``peak`` is the maximum seen while active.
+
+    Two things happen below the dispatcher, so they are caught another way: storages resized in place
+    (FSDP2 frees and re-allocates its gathered parameters with ``untyped_storage().resize_``: followed
+    through ``UntypedStorage.resize_`` while active), and storages that existed before the step but were not
+    listed as alive (DDP's gradient buckets, which its reducer first writes mid-backward with an ``out=`` op):
+    they were alive all along, so when first written they count from the start (baseline and peak both rise).
+    """
 
     def __init__(self, alive: Iterable[torch.Tensor] = ()):
         super().__init__()
@@ -31,32 +38,77 @@ class LiveTensorBytes(TorchDispatchMode):
             self._track(tensor)
         self.baseline = self.current
         self.peak = self.current
+        self._resize = None
 
-    def _track(self, tensor: torch.Tensor) -> None:
-        if isinstance(tensor, DTensor):
-            # A DTensor is a wrapper: this rank holds its local shard (ops on it run below this mode).
-            tensor = tensor._local_tensor
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-            return
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+    def _track(self, tensor: torch.Tensor, *, existed: bool = False) -> None:
+        storage = _storage(tensor)
+        if storage is not None:
+            self._add(storage, existed=existed)
+
+    def _add(self, storage: torch.UntypedStorage, *, existed: bool) -> None:
+        key = storage._cdata
         if key in self._seen or storage.nbytes() == 0:
             return
         nbytes = storage.nbytes()
         self._seen[key] = nbytes
         self.current += nbytes
+        if existed:
+            self.baseline += nbytes
+            self.peak += nbytes
         self.peak = max(self.peak, self.current)
         weakref.finalize(storage, self._release, key)
 
     def _release(self, key: int) -> None:
         self.current -= self._seen.pop(key, 0)
 
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key not in self._seen:
+            self._add(storage, existed=False)
+            return
+        self.current += storage.nbytes() - self._seen[key]
+        self._seen[key] = storage.nbytes()
+        self.peak = max(self.peak, self.current)
+
+    def __enter__(self):
+        resize = torch.UntypedStorage.resize_
+
+        def tracked_resize(storage, size):
+            out = resize(storage, size)
+            self._resized(storage)
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = tracked_resize
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        written = None
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._track(leaf)
+            storage = _storage(leaf)
+            if storage is None or storage._cdata in self._seen:
+                continue
+            if written is None:
+                # An untracked storage an op writes into (``out=``, in-place) existed before the step. (A view
+                # of one does not tell: gloo makes temporaries on its own threads, unseen until viewed here.)
+                inputs = tree_leaves((args, kwargs)) if func._schema.is_mutable else []
+                written = {s._cdata for s in map(_storage, inputs) if s is not None}
+            self._track(leaf, existed=storage._cdata in written)
         return out
+
+
+def _storage(tensor: object) -> torch.UntypedStorage | None:
+    """The storage this rank holds for ``tensor`` (a DTensor's local shard), None for non-tensors and meta."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+        return None
+    return tensor.untyped_storage()
 
 
 def training_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ljperf.memory import CPU_METHOD
-
 
 def benchmark_forecast(run, results: dict[str, Any], plan: tuple[str, ...] | None) -> dict[str, Any] | None:
     """Forecast the run's recipe and compare with ``results.peak_allocated_bytes``; None (and a warning) on failure."""
@@ -46,12 +44,7 @@ def benchmark_forecast(run, results: dict[str, Any], plan: tuple[str, ...] | Non
     }
     measured = results.get("peak_allocated_bytes")
     if measured:
-        predicted = result.peak_allocated_bytes
-        if results.get("memory_method") == CPU_METHOD:
-            # Live-tensor tracking on CPU sees no buffers created outside the step (DDP's gradient buckets).
-            predicted -= result.breakdown.get("comm_buffers", 0)
-            out["compared_bytes"] = predicted
-        out["error_pct"] = round(100 * (predicted - measured) / measured, 2)
+        out["error_pct"] = round(100 * (result.peak_allocated_bytes - measured) / measured, 2)
     return out
 
 
@@ -62,8 +55,7 @@ def forecast_line(results: dict[str, Any]) -> str | None:
     fc = results.get("forecast")
     if not fc:
         return None
-    shown = fc.get("compared_bytes", fc["peak_allocated_bytes"])
-    text = f"memory forecast {format_bytes(shown)} (peak at {fc['phase']})"
+    text = f"memory forecast {format_bytes(fc['peak_allocated_bytes'])} (peak at {fc['phase']})"
     if fc["error_pct"] is not None:
         text += f" vs measured {format_bytes(results['peak_allocated_bytes'])} ({fc['error_pct']:+.1f}%)"
     return text

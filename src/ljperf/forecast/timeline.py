@@ -8,7 +8,7 @@ communication buffers) is the base level, computed from the parameter counts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ljperf import models
 from ljperf.forecast.recipe import Forecast, Recipe
@@ -106,9 +106,11 @@ class Sharding:
     resident: int = 0
     """Gathered from the first forward to the end of backward (FSDP2's root: embedding, final norm, head)."""
     gather_fwd: int = 0
-    """Extra bytes while a decoder layer runs forward (its gathered parameters)."""
+    """Extra bytes while a decoder layer runs forward (its gathered parameters, all-gather buffers)."""
     gather_bwd: int = 0
     """Extra bytes while a decoder layer runs backward (gathered current and prefetched, reduce buffer)."""
+    gather_edges: dict[str, int] = field(default_factory=dict)
+    """Extra bytes in the embedding and head segments: ``pre_f``, ``post_f``, ``post_b``, ``pre_b``."""
     held_per_layer: int = 0
     """Gathered bytes a layer keeps from its forward to its backward (FSDP2 without resharding)."""
 
@@ -116,12 +118,15 @@ class Sharding:
 def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     """Model states per rank as each engine holds them (fp32 master weights, AdamW's two fp32 moments).
 
-    torch: replicated, plus DDP's gradient buckets (one gradient-sized buffer). FSDP2: parameters, gradients
-    and moments sharded 1/world; a layer's parameters are gathered in the compute dtype while it runs (backward
-    also prefetches the next layer and copies the gradients into a reduce-scatter buffer); the root's embedding
-    and head stay gathered through forward and backward. ZeRO-3 likewise, plus its fp32 master partition and
-    flat gradient partition. ZeRO-1/2: replicated compute-dtype parameters, sharded master weights and moments
-    (ZeRO-2 also gradients).
+    torch: replicated, plus DDP's gradient buckets (one gradient-sized buffer, alive from construction).
+    FSDP2 (``_fsdp_param_group.py``): parameters, gradients and moments sharded 1/world. A group's all-gather
+    lands in a flat buffer, then is copied out into the per-parameter tensors; in forward the flat buffer is
+    kept until the next group's copy-out (overlap), so a running layer costs two gathered copies, and the last
+    layer's buffer lives on through the head and loss. Backward prefetches the next layer (its flat buffer)
+    and keeps the previous layer's reduce-scatter input (fp32 gradients) until the next reduce. The root
+    (embedding, norm, head) is gathered from its forward to the end of backward. ZeRO-3 likewise, plus its fp32
+    master partition and flat gradient partition. ZeRO-1/2: replicated compute-dtype parameters, sharded
+    master weights and moments (ZeRO-2 also gradients).
     """
     blocks = block_params(spec)
     p = blocks.total * FP32
@@ -135,16 +140,28 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     root = (blocks.pre + blocks.post) * compute
     moments = 2 * shard + step_scalars
     if recipe.engine == "fsdp":
-        held = 0 if recipe.reshard_after_forward else layer
+        reduce_input = blocks.layer * FP32
+        if not recipe.reshard_after_forward:  # layers stay gathered until their backward: no re-gather
+            return Sharding(
+                params=shard,
+                grads=shard,
+                optimizer=moments,
+                grad_keep=1 / w,
+                resident=root,
+                gather_fwd=layer,
+                gather_bwd=reduce_input,
+                gather_edges={"pre_f": root, "post_f": layer, "pre_b": reduce_input},
+                held_per_layer=layer,
+            )
         return Sharding(
             params=shard,
             grads=shard,
             optimizer=moments,
             grad_keep=1 / w,
             resident=root,
-            gather_fwd=layer,
-            gather_bwd=2 * layer + blocks.layer * FP32,
-            held_per_layer=held,
+            gather_fwd=2 * layer,
+            gather_bwd=2 * layer + reduce_input,
+            gather_edges={"pre_f": root, "post_f": layer, "post_b": layer, "pre_b": reduce_input},
         )
     partition = shard * compute // FP32
     if recipe.zero_stage == 3:
@@ -246,16 +263,23 @@ def compose(
 
         walk.level += shard.resident
         walk.parts["gathered_parameters"] += shard.resident
-        walk.step(edge[f"pre_f@{k}"], f"forward, {where}, embedding", activations=edge[f"pre_f@{k}"][1])
+        extra = shard.gather_edges
+        walk.step(
+            edge[f"pre_f@{k}"],
+            f"forward, {where}, embedding",
+            extra=extra.get("pre_f", 0),
+            activations=edge[f"pre_f@{k}"][1],
+        )
         for i, pos in enumerate(position):
             seg = values[modes[i]][f"{pos}@{k}"]
             walk.step(seg, f"forward, {where}, layer {i}", extra=shard.gather_fwd, activations=seg[1])
             walk.level += shard.held_per_layer
             walk.parts["gathered_parameters"] += shard.held_per_layer
-        walk.step(edge[f"post_f@{k}"], f"forward, {where}, LM head and loss", logits_and_loss=edge[f"post_f@{k}"][1])
         post_f = edge[f"post_f@{k}"][1]
+        head = f"{where}, LM head and loss"
+        walk.step(edge[f"post_f@{k}"], f"forward, {head}", extra=extra.get("post_f", 0), logits_and_loss=post_f)
         grads = _Grads(shard, first=micro == 1)
-        walk.step(edge[f"post_b@{k}"], f"backward, {where}, LM head and loss", logits_and_loss=-post_f)
+        walk.step(edge[f"post_b@{k}"], f"backward, {head}", extra=extra.get("post_b", 0), logits_and_loss=-post_f)
         grads.settle(walk, blocks.post * FP32)
         for i, pos in reversed(list(enumerate(position))):
             seg = values[modes[i]][f"b{pos[1]}@{k}"]
@@ -265,7 +289,7 @@ def compose(
             walk.parts["gathered_parameters"] -= shard.held_per_layer
             grads.settle(walk, blocks.layer * FP32)
         pre_f = edge[f"pre_f@{k}"][1]
-        walk.step(edge[f"pre_b@{k}"], f"backward, {where}, embedding", activations=-pre_f)
+        walk.step(edge[f"pre_b@{k}"], f"backward, {where}, embedding", extra=extra.get("pre_b", 0), activations=-pre_f)
         grads.settle(walk, blocks.pre * FP32)
         walk.step(edge[f"gap@{k}"], f"backward, {where}")
         walk.level -= shard.resident
