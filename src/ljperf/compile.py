@@ -54,11 +54,13 @@ class CompileSession:
                 continue
             self._seen_us = max(self._seen_us, begin)
             self.region_time_s[region] = self.region_time_s.get(region, 0.0) + (m.duration_us or 0) / 1e6
-            if m.recompile_reason:
-                self.recompile_reasons.append(f"{region}: {m.recompile_reason}")
+            lines = (m.recompile_reason or "").strip().splitlines()
+            guard = lines[0] if lines else None
+            if guard:
+                self.recompile_reasons.append(f"{region}: {guard}")
             if m.fail_reason and "recompile limit" in m.fail_reason.lower():
                 # dynamo runs these inputs eager from now on (no exception reaches the region)
-                self.fallback(region, RuntimeError(f"recompile_limit hit; last guard failure: {m.recompile_reason}"))
+                self.fallback(region, RuntimeError(f"recompile_limit hit; last guard failure: {guard}"))
 
     def fallback(self, region: str, exc: BaseException) -> None:
         reason = one_line(exc)
