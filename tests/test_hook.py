@@ -1,5 +1,6 @@
-"""The startup hook: inert unless CHECKPOINT_OPTIMIZATION is set; with it, an unchanged HF Trainer script gets
-the planned layers checkpointed; any failure warns and leaves training unchanged."""
+"""The startup hook: inert unless CHECKPOINT_OPTIMIZATION is set; with it, an unchanged HF Trainer, FSDP2 or
+DeepSpeed ZeRO-3 script gets the planned layers checkpointed (they run their MLP twice), same losses; a budget
+nothing fits recomputes every layer and warns; any failure warns and leaves training unchanged."""
 
 from __future__ import annotations
 
@@ -12,16 +13,21 @@ from pathlib import Path
 import pytest
 from tests.conftest import cli_env
 
-SCRIPT = Path(__file__).parent / "scripts" / "hf_trainer.py"
+SCRIPTS = Path(__file__).parent / "scripts"
+LINE = re.compile(r"\[ljperf\] recomputing (\d+)/(\d+) layers \(selective (\d+), full (\d+)\)[^\n]*")
 
 
-def run_script(tmp_path: Path, **env: str) -> tuple[dict, str]:
+def run_script(tmp_path: Path, script: str = "hf_trainer.py", *, nproc: int = 1, **env: str) -> tuple[dict, str]:
+    """Run a test script (under torchrun with ``nproc`` > 1); its JSON line and its stderr."""
     base = cli_env(**env)
     for name in ("CHECKPOINT_OPTIMIZATION", "LJPERF_MEMORY_BUDGET"):
         if name not in env:
             base.pop(name, None)
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path / "out")],
+        [*launcher, str(SCRIPTS / script), str(tmp_path / "out")],
         capture_output=True,
         text=True,
         timeout=300,
@@ -53,42 +59,74 @@ def test_set_patches_trainer_only_when_imported():
 
 
 @pytest.mark.slow
-def test_failing_plan_warns_once_and_training_is_unchanged(tmp_path):
-    plain, _ = run_script(tmp_path)
+def test_failing_plan_warns_once_and_training_is_unchanged(tmp_path, plain_trainer):
+    plain = plain_trainer
     assert plain["ljperf_imported"] is False
     hooked, stderr = run_script(tmp_path, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET="banana")
     assert stderr.count("CHECKPOINT_OPTIMIZATION left training unchanged") == 1
     assert hooked["losses"] == plain["losses"]
     assert hooked["checkpointed"] == plain["checkpointed"] == [False] * 6
+    assert hooked["mlp_calls_per_step"] == plain["mlp_calls_per_step"]
 
 
-def budget_between_none_and_full() -> tuple[int, list[str]]:
-    """Half-way between the forecasts of no and of full recompute for the script's model, and the plan the
-    solver picks there (what the hook must apply)."""
-    import torch
-    from tests.scripts.hf_trainer import CONFIG, MICRO_BATCH, SEQ_LEN
+def budget_between_none_and_full(engine: str = "torch", world: int = 1) -> int:
+    """Half-way between the forecasts of no and of full recompute for the scripts' model."""
+    from tests.scripts.tiny_llama import CONFIG, MICRO_BATCH, SEQ_LEN
 
-    from ljperf.checkpoint.solver import Rates, solve_recipe
     from ljperf.forecast import Recipe, forecast
     from ljperf.models import ModelSpec, hf_config
 
     spec = ModelSpec(name="script", config=hf_config(CONFIG, source="test"))
-    recipe = Recipe(device="cpu", precision="fp32", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
-    layers = spec.layers
-    none, full = (forecast(spec, recipe.with_(recompute=(m,) * layers)).device_bytes for m in ("none", "full"))
-    budget = (none + full) // 2
-    return budget, list(solve_recipe(spec, recipe, budget=budget, rates=Rates.measure(torch.device("cpu"))).plan)
+    recipe = Recipe(
+        engine=engine, world=world, device="cpu", precision="fp32", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN
+    )
+    none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
+    return (none + full) // 2
+
+
+def assert_planned(hooked: dict, plain: dict, stderr: str) -> int:
+    """One plan line; its recomputed layers (the first ones) checkpoint and run their MLP twice per step; the
+    losses are the plain run's. Returns the layers recomputed."""
+    lines = LINE.findall(stderr)  # tqdm's progress may share the line
+    assert len(lines) == 1, stderr[-2000:]
+    recomputed, layers, selective, full = map(int, lines[0])
+    assert recomputed == selective + full
+    assert hooked["checkpointed"] == [True] * recomputed + [False] * (layers - recomputed)
+    assert hooked["mlp_calls_per_step"] == [2.0] * recomputed + [1.0] * (layers - recomputed)
+    assert plain["checkpointed"] == [False] * layers and plain["mlp_calls_per_step"] == [1.0] * layers
+    assert hooked["losses"] == plain["losses"]  # recompute changes no number
+    return recomputed
+
+
+@pytest.fixture(scope="module")
+def plain_trainer(tmp_path_factory) -> dict:
+    return run_script(tmp_path_factory.mktemp("plain"))[0]
 
 
 @pytest.mark.slow
-def test_trainer_script_gets_the_planned_layers_and_logs_one_line(tmp_path):
-    budget, plan = budget_between_none_and_full()
-    assert "none" in plan and plan.count("none") < len(plan)  # a partial plan: the test means something
-    plain, _ = run_script(tmp_path)
+def test_trainer_script_gets_the_planned_layers_and_logs_one_line(tmp_path, plain_trainer):
+    budget = budget_between_none_and_full()
     hooked, stderr = run_script(tmp_path, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET=str(budget))
-    lines = re.findall(r"\[ljperf\] recomputing [^\n]*", stderr)  # tqdm's progress may share the line
-    assert len(lines) == 1, stderr[-2000:]
-    recomputed = len(plan) - plan.count("none")
-    assert f"recomputing {recomputed}/{len(plan)} layers" in lines[0]
-    assert hooked["checkpointed"] == [mode != "none" for mode in plan]
-    assert hooked["losses"] == plain["losses"]  # recompute changes no number
+    assert 0 < assert_planned(hooked, plain_trainer, stderr) < 6  # a partial plan: the test means something
+    assert "does not fit" not in stderr
+
+
+@pytest.mark.slow
+def test_budget_nothing_fits_recomputes_every_layer_and_warns(tmp_path, plain_trainer):
+    hooked, stderr = run_script(tmp_path, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET="1MiB")
+    assert assert_planned(hooked, plain_trainer, stderr) == 6
+    warning = [line for line in stderr.splitlines() if "UserWarning: [ljperf] recomputing 6/6" in line]
+    assert len(warning) == 1 and "(does not fit: " in warning[0], stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "engine"), [("fsdp_train.py", "fsdp"), ("deepspeed_train.py", "deepspeed")])
+def test_distributed_script_gets_the_planned_layers(tmp_path, script, engine):
+    """An unchanged FSDP2 (``fully_shard``) or DeepSpeed ZeRO-3 script, 2 processes: both ranks apply rank 0's plan."""
+    budget = budget_between_none_and_full(engine, world=2)
+    plain, _ = run_script(tmp_path, script, nproc=2)
+    hooked, stderr = run_script(
+        tmp_path, script, nproc=2, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET=str(budget)
+    )
+    assert hooked["ljperf_imported"] and not plain["ljperf_imported"]
+    assert 0 < assert_planned(hooked, plain, stderr) < 6

@@ -349,6 +349,18 @@ def alternatives(recipe) -> list[tuple[str, object]]:
     return out
 
 
+def shared_from_rank0(value):
+    """``value`` as rank 0 has it, on every rank of the default process group (as is without one): plans made
+    from measured rates or free memory must agree across ranks, or sharded engines would diverge."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 # --- for a benchmark run ----------------------------------------------------------------------------------------
 def decide_for_run(run) -> Decision | None:
     """The plan of ``run.optim.recompute`` (a ``RunContext``): None for ``none``, solved for ``auto``."""
@@ -388,7 +400,7 @@ def prepare_run(run) -> Decision | None:
     concrete per-layer plan, rank 0 prints the plan's line; a plan that cannot fit is a usage error (exit 2)."""
     import dataclasses
 
-    decision = decide_for_run(run)
+    decision = shared_from_rank0(decide_for_run(run))
     if decision is None:
         return None
     if decision.fits is False:

@@ -1,11 +1,13 @@
 """``CHECKPOINT_OPTIMIZATION=true``: the fastest recompute plan under the memory budget, in an unchanged
-HF Trainer or DeepSpeed script.
+HF Trainer, DeepSpeed or FSDP2 script.
 
 Run: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=70GiB python train.py`` (docs/checkpoint.md).
-``Trainer.__init__`` and ``deepspeed.initialize`` are patched when imported; they attach a forward pre-hook
-to the model that plans from the first training batch's shape (and again when a batch is larger), applies
-the plan before that forward and logs one line. Any failure warns once and removes the hook: training goes
-on exactly as without the variable.
+``Trainer.__init__``, ``deepspeed.initialize`` and FSDP2's ``fully_shard`` (when called on an HF model, the
+root) are patched when imported; they attach a forward pre-hook to the model that plans from the first
+training batch's shape (and again when a batch is larger), applies the plan before that forward and logs one
+line. Ranks plan with rank 0's budget and device rates, so they agree. When even full recompute cannot fit,
+every layer recomputes and one warning says what would fit. Any failure warns once and removes the hook:
+training goes on exactly as without the variable.
 """
 
 from __future__ import annotations
@@ -26,18 +28,28 @@ PREFIX = "[ljperf]"
 def register() -> None:
     when_imported("transformers.trainer", _patch_trainer)
     when_imported("deepspeed", _patch_deepspeed)
+    when_imported("torch.distributed.fsdp", _patch_fsdp)
+
+
+def _patch(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.name`` by ``wrap(original)``, once (the hook may be registered twice)."""
+    original = getattr(owner, name)
+    if getattr(original, "_ljperf_checkpoint", False):
+        return
+    wrapper = functools.wraps(original)(wrap(original))
+    wrapper._ljperf_checkpoint = True
+    setattr(owner, name, wrapper)
 
 
 def _patch_trainer(module: ModuleType) -> None:
-    cls = module.Trainer
-    original = cls.__init__
+    def wrap(original):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            _guarded(lambda: attach(self.model, lambda: _trainer_setup(self)))
 
-    @functools.wraps(original)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        _guarded(lambda: attach(self.model, lambda: _trainer_setup(self)))
+        return __init__
 
-    cls.__init__ = __init__
+    _patch(module.Trainer, "__init__", wrap)
 
 
 def _trainer_setup(trainer) -> dict[str, Any]:
@@ -55,16 +67,16 @@ def _trainer_setup(trainer) -> dict[str, Any]:
 
 
 def _patch_deepspeed(module: ModuleType) -> None:
-    original = module.initialize
+    def wrap(original):
+        def initialize(*args: Any, **kwargs: Any):
+            result = original(*args, **kwargs)
+            engine = result[0]
+            _guarded(lambda: attach(engine.module, lambda: _deepspeed_setup(engine)))
+            return result
 
-    @functools.wraps(original)
-    def initialize(*args: Any, **kwargs: Any):
-        result = original(*args, **kwargs)
-        engine = result[0]
-        _guarded(lambda: attach(engine.module, lambda: _deepspeed_setup(engine)))
-        return result
+        return initialize
 
-    module.initialize = initialize
+    _patch(module, "initialize", wrap)
 
 
 def _deepspeed_setup(engine) -> dict[str, Any]:
@@ -77,13 +89,48 @@ def _deepspeed_setup(engine) -> dict[str, Any]:
     }
 
 
+def _patch_fsdp(module: ModuleType) -> None:
+    # The root call: the user shards the decoder layers first, then the whole model, then trains.
+    def wrap(original):
+        def fully_shard(target, *args: Any, **kwargs: Any):
+            result = original(target, *args, **kwargs)
+            if _is_hf_model(target):
+                _guarded(lambda: attach(target, lambda: _fsdp_setup(kwargs)))
+            return result
+
+        return fully_shard
+
+    _patch(module, "fully_shard", wrap)
+
+
+def _is_hf_model(obj: Any) -> bool:
+    modeling = sys.modules.get("transformers.modeling_utils")  # not imported: not an HF model
+    return modeling is not None and isinstance(obj, modeling.PreTrainedModel)
+
+
+def _fsdp_setup(kwargs: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    mesh = kwargs.get("mesh")
+    policy = kwargs.get("mp_policy")
+    reshard = kwargs.get("reshard_after_forward", True)
+    return {
+        "engine": "fsdp",
+        "world": mesh.size() if mesh is not None else dist.get_world_size(),
+        "precision": "bf16-mixed" if getattr(policy, "param_dtype", None) == torch.bfloat16 else "fp32",
+        "reshard_after_forward": reshard if isinstance(reshard, bool) else True,
+        "grad_accum": 1,  # a plain loop's accumulation is invisible here
+    }
+
+
 def attach(model, setup: Callable[[], dict[str, Any]]) -> None:
     """Plan at the model's first training forward (and when a batch is larger); once per model."""
     import torch
 
     if getattr(model, "_ljperf_checkpoint_hook", None) is not None:
-        return  # a Trainer running DeepSpeed attaches once, from Trainer.__init__
-    planned = {"tokens": 0}
+        return  # a Trainer running DeepSpeed or FSDP2 attaches once, from Trainer.__init__
+    planned: dict[str, Any] = {"tokens": 0, "measures": None}
 
     @torch._dynamo.disable
     def pre_forward(module, args, kwargs):
@@ -91,12 +138,18 @@ def attach(model, setup: Callable[[], dict[str, Any]]) -> None:
         if shape is None or not module.training or shape[0] * shape[1] <= planned["tokens"]:
             return
         try:
-            decision = plan_model(module, micro_batch=shape[0], seq_len=shape[1], **setup())
+            decision, planned["measures"] = plan_model(
+                module, micro_batch=shape[0], seq_len=shape[1], measures=planned["measures"], **setup()
+            )
             from ljperf.checkpoint.apply import apply_plan
 
             apply_plan(module, decision.plan)
             planned["tokens"] = shape[0] * shape[1]
-            log(decision.line())
+            if decision.fits is False:
+                if _is_main():
+                    warnings.warn(f"{PREFIX} {decision.line()}", stacklevel=2)
+            else:
+                log(decision.line())
         except Exception as exc:
             handle.remove()
             model._ljperf_checkpoint_hook = None
@@ -115,11 +168,21 @@ def _batch_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
     return None
 
 
-def plan_model(model, *, micro_batch: int, seq_len: int, world: int, precision: str, **recipe: Any):
-    """The solver's decision for this HF model at this batch shape (budget: ``LJPERF_MEMORY_BUDGET`` or device)."""
+def plan_model(
+    model,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    world: int,
+    precision: str,
+    measures: tuple | None = None,
+    **recipe: Any,
+):
+    """The solver's decision for this HF model at this batch shape (budget: ``LJPERF_MEMORY_BUDGET`` or device),
+    and the (budget, rates) it used: rank 0's, measured on the first call and passed back in on later ones."""
     import torch
 
-    from ljperf.checkpoint.solver import Rates, budget_bytes, solve_recipe
+    from ljperf.checkpoint.solver import Rates, budget_bytes, shared_from_rank0, solve_recipe
     from ljperf.forecast import Recipe
     from ljperf.models import ModelSpec
 
@@ -139,16 +202,20 @@ def plan_model(model, *, micro_batch: int, seq_len: int, world: int, precision: 
         attn_implementation=attn if attn in ("sdpa", "eager") else "sdpa",
         **recipe,
     )
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    budget = budget_bytes(
-        torch.device(device_type, device.index) if device_type == "cuda" else device, local_world=local_world
-    )
-    rates = Rates.measure(torch.device(device_type, device.index) if device_type == "cuda" else torch.device("cpu"))
-    return solve_recipe(spec, full, budget=budget, rates=rates)
+    if measures is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        here = torch.device(device_type, device.index) if device_type == "cuda" else torch.device("cpu")
+        measures = shared_from_rank0((budget_bytes(here, local_world=local_world), Rates.measure(here)))
+    budget, rates = measures
+    return solve_recipe(spec, full, budget=budget, rates=rates), measures
+
+
+def _is_main() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def log(line: str) -> None:
-    if os.environ.get("RANK", "0") == "0":
+    if _is_main():
         print(f"{PREFIX} {line}", file=sys.stderr, flush=True)
 
 

@@ -1,0 +1,52 @@
+"""A plain DeepSpeed ZeRO-3 training script that knows nothing of ljperf (the startup hook's test subject).
+
+Run: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=20MiB torchrun --nproc-per-node 2
+tests/scripts/deepspeed_train.py``. Rank 0 prints its losses, each layer's checkpointing flag and MLP calls per
+step, and whether ljperf was imported, as one JSON line.
+"""
+
+import json
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from tiny_llama import MICRO_BATCH, batch, build, count_mlp_calls
+
+STEPS = 3
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    model = build()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    calls = count_mlp_calls(model)
+    losses = []
+    for step in range(STEPS):
+        ids = batch(step, rank)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    if rank == 0:
+        report = {
+            "losses": losses,
+            "checkpointed": [bool(layer.gradient_checkpointing) for layer in model.model.layers],
+            "mlp_calls_per_step": [c / STEPS for c in calls],
+            "ljperf_imported": "ljperf" in sys.modules,
+        }
+        print(json.dumps(report), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

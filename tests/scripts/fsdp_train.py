@@ -1,0 +1,49 @@
+"""A plain FSDP2 training script that knows nothing of ljperf (the startup hook's test subject).
+
+Run: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=20MiB torchrun --nproc-per-node 2
+tests/scripts/fsdp_train.py``. Rank 0 prints its losses, each layer's checkpointing flag and MLP calls per step,
+and whether ljperf was imported, as one JSON line.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from tiny_llama import batch, build, count_mlp_calls
+from torch.distributed.fsdp import fully_shard
+
+STEPS = 3
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    calls = count_mlp_calls(model)
+    losses = []
+    for step in range(STEPS):
+        ids = batch(step, rank)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    if rank == 0:
+        report = {
+            "losses": losses,
+            "checkpointed": [bool(layer.gradient_checkpointing) for layer in model.model.layers],
+            "mlp_calls_per_step": [c / STEPS for c in calls],
+            "ljperf_imported": "ljperf" in sys.modules,
+        }
+        print(json.dumps(report), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

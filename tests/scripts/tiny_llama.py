@@ -1,0 +1,38 @@
+"""The tiny Llama of the startup-hook test scripts: its config, shape, data, and a count of each layer's MLP
+calls (a checkpointed layer runs its MLP again in backward)."""
+
+import torch
+
+CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+MICRO_BATCH, SEQ_LEN = 4, 256
+
+
+def build():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**CONFIG))
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s token ids of training step ``step``."""
+    return torch.randint(
+        0, CONFIG["vocab_size"], (MICRO_BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(step * 100 + rank)
+    )
+
+
+def count_mlp_calls(model) -> list[int]:
+    """One counter per decoder layer, incremented by every call of its MLP."""
+    counts = [0] * len(model.model.layers)
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_pre_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
+    return counts
