@@ -158,3 +158,22 @@ def test_bad_compile_flags_exit_2(args, message):
     proc = run_ljperf("benchmark", "--model", "torch/llama-tiny", "--steps", "1", *args)
     assert proc.returncode == 2
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_compile_report_explains_times_and_names_the_recompile(tmp_path):
+    config = tmp_path / "tiny2.json"
+    config.write_text(json.dumps({**models.read_config_dict(name="llama-tiny"), "num_hidden_layers": 2}))
+    out = tmp_path / "report.json"
+    lens = f"{SEQ_LENS[0]},{SEQ_LENS[1]}"
+    proc = run_ljperf("compile-report", "--model-config", str(config), "--seq-lens", lens, "--steps", "1",
+                      "--output", str(out), timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = read_record(out)
+    assert report["kind"] == "compile-report"
+    assert report["graph_breaks"] == {"count": 0, "graphs": 1, "reasons": []}
+    first, second = report["lengths"]
+    assert first["recompiles"] == [] and first["eager_step_s"] > 0 and first["compiled_step_s"] > 0
+    assert any("size mismatch at index 1. expected 64, actual 96" in r for r in second["recompiles"])
+    assert set(report["compile"]["time_s_per_region"]) == {"model.layers.0", "loss"}
+    assert "recompile at seq 96" in proc.stdout
