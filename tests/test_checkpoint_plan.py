@@ -11,7 +11,15 @@ import time
 import pytest
 
 from ljperf import models
-from ljperf.checkpoint.solver import LayerCost, Rates, ordered_plan, solve
+from ljperf.checkpoint.solver import (
+    LayerCost,
+    Rates,
+    activation_bytes,
+    corrected_scale,
+    ordered_plan,
+    solve,
+    solve_recipe,
+)
 from ljperf.cli import main
 from ljperf.forecast import Recipe, forecast
 from ljperf.units import format_bytes
@@ -120,3 +128,30 @@ def test_plan_auto_70b_on_64_gpus_answers_in_seconds(capsys):
     assert r["budget_bytes"] == int(80 * 1024**3 * 0.9) and r["fits"] and r["forecast_peak_bytes"] <= r["budget_bytes"]
     assert "none" not in r["plan"] and "selective" in r["plan"]  # the example needs every layer, mostly selective
     assert r["rates"].startswith("H100 datasheet")
+
+
+GiB = 1024**3
+
+
+def test_closed_loop_correction_from_the_measured_peak():
+    at = {"forecast": 60 * GiB, "activations": 30 * GiB, "budget": 64 * GiB}
+    assert corrected_scale(measured=58 * GiB, **at) is None  # within [85% of the forecast, the budget]
+    assert corrected_scale(measured=51 * GiB, **at) is None
+    assert corrected_scale(measured=70 * GiB, **at) == pytest.approx(40 / 30)  # over budget: 10 GiB more activations
+    assert corrected_scale(measured=45 * GiB, **at) == pytest.approx(15 / 30)  # far below the forecast
+    assert corrected_scale(measured=20 * GiB, **at) == pytest.approx(0.1)  # at least a tenth
+    assert corrected_scale(measured=70 * GiB, **at, scale=1.2) == pytest.approx(1.2 * 40 / 30)  # compounds
+    assert corrected_scale(measured=70 * GiB, **(at | {"activations": 0})) is None  # nothing to correct
+
+
+def test_replan_with_a_larger_activation_coefficient_recomputes_more():
+    spec = models.resolve(name="llama-tiny")
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=512)
+    none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
+    budget = (none + full) // 2
+    first = solve_recipe(spec, recipe, budget=budget, rates=RATES)
+    again = solve_recipe(spec, recipe, budget=budget, rates=RATES, activation_scale=1.3)
+    assert first.fits and again.fits and again.forecast_bytes <= budget
+    assert again.recompute_s > first.recompute_s
+    plain = forecast(spec, recipe.with_(recompute=again.plan))
+    assert again.forecast_bytes == plain.device_bytes + round(0.3 * activation_bytes(plain))

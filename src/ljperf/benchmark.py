@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ljperf import config as cfgmod
 from ljperf import hardware, memory, models
-from ljperf.checkpoint.solver import prepare_run
+from ljperf.checkpoint.solver import close_the_loop, prepare_run
 from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.data import SyntheticTokens
 from ljperf.engines import make_engine
@@ -158,6 +158,9 @@ class LoopState:
     peak_allocated: int | None = None
     peak_reserved: int | None = None
     memory_method: str | None = None
+    recompute: Any = None
+    """The recompute plan running (``checkpoint.solver.Decision``; the closed loop may replace it)."""
+    closed_loop: dict | None = None
 
 
 def run_worker(cfg: BenchmarkConfig) -> int:
@@ -169,9 +172,8 @@ def run_worker(cfg: BenchmarkConfig) -> int:
     state = LoopState()
     reporter = ProgressReporter(run)
     status, reason, exit_code = "ok", None, EXIT_OK
-    recompute = None
     try:
-        recompute = prepare_run(run)
+        state.recompute = prepare_run(run)
         engine = make_engine(run)
         engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
         record["config"]["engine"] = engine.describe()
@@ -190,10 +192,12 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         reporter.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    recompute = state.recompute
     rflops = recompute.recompute_flops_per_token if recompute else 0.0
     record["results"] = results_section(cfg, run, state, status=status, reason=reason, recompute_flops_per_token=rflops)
     if recompute is not None:
-        record["results"]["recompute"] = recompute.record()
+        loop = {"closed_loop": state.closed_loop} if state.closed_loop else {}
+        record["results"]["recompute"] = recompute.record() | loop
     if run.is_main and status == "ok":
         from ljperf.forecast.bench import benchmark_forecast, forecast_line
 
@@ -285,6 +289,8 @@ def train_loop(run: RunContext, engine: Any, state: LoopState, reporter: Progres
         elapsed = None
         if step == track_step:
             loss = measured_memory_step(run, engine, batches, state)
+            if state.recompute is not None and (loop := close_the_loop(run, engine.model, state.recompute)):
+                state.recompute, state.closed_loop = loop
         else:
             hardware.synchronize(device)
             start = time.perf_counter()

@@ -281,14 +281,16 @@ def solve_recipe(
     rates: Rates,
     cost: LayerCost | None = None,
     device_name: str | None = None,
+    activation_scale: float = 1.0,
 ) -> Decision:
     """The fastest plan for ``recipe`` (an ``ljperf.forecast.Recipe``) under ``budget`` bytes per device;
-    ``device_name`` picks the forecast's calibrated overheads."""
+    ``device_name`` picks the forecast's calibrated overheads, ``activation_scale`` corrects the forecast's
+    activations (the closed loop's measured ratio)."""
     from ljperf.forecast import forecast
 
     def peak(plan: Plan, r=recipe) -> tuple[int, str]:
         result = forecast(spec, r.with_(recompute=plan), device_name=device_name)
-        return result.device_bytes, result.phase
+        return result.device_bytes + round((activation_scale - 1) * activation_bytes(result)), result.phase
 
     if cost is None:
         cost = layer_cost(spec, micro_batch=recipe.micro_batch, seq_len=recipe.seq_len, attn=recipe.attn_implementation)
@@ -376,9 +378,17 @@ def decide_for_run(run) -> Decision | None:
     if value != "auto":
         plan = fixed_plan(value, spec.layers)
         return _decision(plan, None, None, cost, rates)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", run.launch.nproc_per_node))
+    budget = budget_bytes(run.device.torch_device, given=run.optim.memory_budget, local_world=local_world)
+    return solve_recipe(spec, run_recipe(run), budget=budget, rates=rates, cost=cost)
+
+
+def run_recipe(run):
+    """The forecast recipe of a benchmark run (``RunContext``)."""
     from ljperf.forecast import Recipe
 
-    recipe = Recipe(
+    train = run.train
+    return Recipe(
         engine=run.engine,
         zero_stage=run.engine_opts.zero_stage,
         world=run.world,
@@ -390,9 +400,6 @@ def decide_for_run(run) -> Decision | None:
         attn_implementation=train.attn_implementation,
         reshard_after_forward=run.engine_opts.reshard_after_forward,
     )
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", run.launch.nproc_per_node))
-    budget = budget_bytes(run.device.torch_device, given=run.optim.memory_budget, local_world=local_world)
-    return solve_recipe(spec, recipe, budget=budget, rates=rates, cost=cost)
 
 
 def prepare_run(run) -> Decision | None:
@@ -409,3 +416,80 @@ def prepare_run(run) -> Decision | None:
     if run.is_main:
         print(decision.line(), flush=True)
     return decision
+
+
+# --- the closed loop (CUDA) ------------------------------------------------------------------------------------
+REPLAN_BELOW = 0.85
+"""A measured peak under this share of the forecast re-plans (the forecast was pessimistic: recompute less)."""
+
+
+def activation_bytes(result) -> int:
+    """The part of a forecast's peak that scales with the activation coefficient."""
+    return result.breakdown.get("activations", 0) + result.breakdown.get("logits_and_loss", 0)
+
+
+def corrected_scale(
+    *, measured: int, forecast: int, activations: int, budget: int, scale: float = 1.0, below: float = REPLAN_BELOW
+) -> float | None:
+    """The activation coefficient after a measured steady-state step, or None when the plan stands.
+
+    All bytes are allocated bytes (``budget``: the budget less the forecast's reserve and context). Re-plan when
+    the measured peak is over the budget or under ``below`` × the forecast; the whole miss is put on the
+    activations (model states are counted exactly), so the new coefficient is
+    ``scale × (activations + measured − forecast) / activations``, at least a tenth of ``scale``.
+    """
+    if activations <= 0 or below * forecast <= measured <= budget:
+        return None
+    return scale * max(activations + measured - forecast, activations / 10) / activations
+
+
+def close_the_loop(run, model, decision: Decision) -> tuple[Decision, dict] | None:
+    """After the first steady-state step on CUDA (peak since the last reset): correct the activation coefficient
+    from ``torch.cuda.max_memory_allocated``, re-plan once and apply it to ``model`` (rank 0's plan on every rank).
+    Returns the plan now running and what ``results.recompute.closed_loop`` records; None when there is no
+    solved plan or no CUDA."""
+    from ljperf.checkpoint.apply import apply_plan
+    from ljperf.forecast import forecast
+
+    device = run.device.torch_device
+    if device.type != "cuda" or decision.budget_bytes is None:
+        return None
+    measured = torch.cuda.max_memory_allocated(device)
+    first = forecast(run.model, run_recipe(run).with_(recompute=decision.plan))
+    scale = corrected_scale(
+        measured=measured,
+        forecast=first.peak_allocated_bytes,
+        activations=activation_bytes(first),
+        budget=decision.budget_bytes - (first.device_bytes - first.peak_allocated_bytes),
+    )
+    loop = {
+        "first": {"plan": list(decision.plan), "forecast_peak_bytes": first.peak_allocated_bytes},
+        "first_measured_peak_bytes": measured,
+        "activation_scale": scale,
+        "replanned": scale is not None,
+    }
+    if scale is not None:
+        train = run.train
+        cost = layer_cost(
+            run.model, micro_batch=train.micro_batch, seq_len=train.seq_len, attn=train.attn_implementation
+        )
+        again = solve_recipe(
+            run.model,
+            run_recipe(run),
+            budget=decision.budget_bytes,
+            rates=Rates.measure(device),
+            cost=cost,
+            activation_scale=scale,
+        )
+        again = shared_from_rank0(again)
+        apply_plan(model, again.plan)
+        torch.cuda.reset_peak_memory_stats(device)  # the run's peak is now the second plan's
+        loop["second"] = {"plan": list(again.plan), "forecast_peak_bytes": again.forecast_bytes, "fits": again.fits}
+        decision = again
+        if run.is_main:
+            print(
+                f"closed loop: measured {measured / GiB:.2f} GiB vs forecast {first.peak_allocated_bytes / GiB:.2f};"
+                f" activations × {scale:.3f}; {again.line()}",
+                flush=True,
+            )
+    return decision, shared_from_rank0(loop)
