@@ -179,14 +179,36 @@ def test_calibration_fits_scale_and_offset(tmp_path):
     assert calibrate.load(tmp_path / "calibration.json")["NVIDIA H200"].samples == 2
 
 
-@pytest.mark.slow
-def test_zero3_forecast_within_10_percent_of_two_processes(tmp_path):
-    """ZeRO-3 on 2 CPU ranks. (FSDP2 is -14% on the same run: its all-gather copy-out buffers are not modelled.)"""
-    out = tmp_path / "result.json"
-    argv = [sys.executable, "-m", "ljperf", "benchmark", "--model", "deepspeed/llama-tiny", "--nproc-per-node", "2"]
-    argv += ["--micro-batch", "2", "--seq-len", "128", "--steps", "1", "--warmup", "2", "--output", str(out)]
+WORKER = os.path.join(os.path.dirname(__file__), "scripts", "engines_worker.py")
+SHAPE = "--micro-batch 2 --seq-len 128 --steps 1 --warmup 2 --device cpu"
+DISTRIBUTED = {
+    "ddp": f"--model torch/llama-tiny --grad-accum 2 {SHAPE}",
+    "fsdp": f"--model fsdp/llama-tiny --grad-accum 2 {SHAPE}",
+    "zero3": f"--model deepspeed/llama-tiny {SHAPE}",
+}
+
+
+@pytest.fixture(scope="module")
+def distributed_runs(tmp_path_factory):
+    """One torchrun launch (2 CPU processes, gloo) running each engine through the benchmark; the records."""
+    out = tmp_path_factory.mktemp("distributed")
+    specs = [f"{name}={args}" for name, args in DISTRIBUTED.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", WORKER, str(out), *specs]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(argv, env=env, check=True, capture_output=True, timeout=600)
-    results = json.loads(out.read_text())["results"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {name: json.loads((out / f"{name}.json").read_text())["results"] for name in DISTRIBUTED}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("engine", "tolerance"),
+    # Measured: DDP and FSDP2 -0.01% (a few KiB of scalars), ZeRO-3 -8.6% (its buffers are modelled coarsely).
+    [("ddp", 0.01), ("fsdp", 0.01), ("zero3", 0.10)],
+)
+def test_forecast_of_two_processes_per_rank(distributed_runs, engine, tolerance):
+    """The forecast the benchmark records vs its measured per-rank peak (DDP's buckets, FSDP2's gathers)."""
+    results = distributed_runs[engine]
     measured = max(results["peak_allocated_bytes_per_rank"])
-    assert abs(results["forecast"]["peak_allocated_bytes"] - measured) / measured < 0.10
+    predicted = results["forecast"]["peak_allocated_bytes"]
+    assert abs(predicted - measured) / measured < tolerance, (predicted, measured)

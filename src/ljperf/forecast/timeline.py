@@ -110,9 +110,12 @@ class Sharding:
     gather_bwd: int = 0
     """Extra bytes while a decoder layer runs backward (gathered current and prefetched, reduce buffer)."""
     gather_edges: dict[str, int] = field(default_factory=dict)
-    """Extra bytes in the embedding and head segments: ``pre_f``, ``post_f``, ``post_b``, ``pre_b``."""
+    """Extra bytes in the embedding and head segments (``pre_f``, ``post_f``, ``post_b``, ``pre_b``), and in
+    the last layer's backward where it differs from ``gather_bwd`` (``last_b``)."""
     held_per_layer: int = 0
     """Gathered bytes a layer keeps from its forward to its backward (FSDP2 without resharding)."""
+    root_reduced_last: bool = False
+    """The root's head and norm gradients wait, unreduced, for the embedding's (FSDP2: one root group)."""
 
 
 def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
@@ -124,9 +127,10 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     kept until the next group's copy-out (overlap), so a running layer costs two gathered copies, and the last
     layer's buffer lives on through the head and loss. Backward prefetches the next layer (its flat buffer)
     and keeps the previous layer's reduce-scatter input (fp32 gradients) until the next reduce. The root
-    (embedding, norm, head) is gathered from its forward to the end of backward. ZeRO-3 likewise, plus its fp32
-    master partition and flat gradient partition. ZeRO-1/2: replicated compute-dtype parameters, sharded
-    master weights and moments (ZeRO-2 also gradients).
+    (embedding, norm, head) is gathered from its forward to the end of backward, and its gradients are
+    reduce-scattered together at the end (the head's stays whole through the layers' backward). ZeRO-3
+    likewise, plus its fp32 master partition and flat gradient partition. ZeRO-1/2: replicated compute-dtype
+    parameters, sharded master weights and moments (ZeRO-2 also gradients).
     """
     blocks = block_params(spec)
     p = blocks.total * FP32
@@ -150,8 +154,9 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
                 resident=root,
                 gather_fwd=layer,
                 gather_bwd=reduce_input,
-                gather_edges={"pre_f": root, "post_f": layer, "pre_b": reduce_input},
+                gather_edges={"pre_f": root, "post_f": layer, "last_b": 0, "pre_b": reduce_input},
                 held_per_layer=layer,
+                root_reduced_last=True,
             )
         return Sharding(
             params=shard,
@@ -161,7 +166,8 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
             resident=root,
             gather_fwd=2 * layer,
             gather_bwd=2 * layer + reduce_input,
-            gather_edges={"pre_f": root, "post_f": layer, "post_b": layer, "pre_b": reduce_input},
+            gather_edges={"pre_f": root, "post_f": layer, "post_b": layer, "last_b": 2 * layer, "pre_b": reduce_input},
+            root_reduced_last=True,
         )
     partition = shard * compute // FP32
     if recipe.zero_stage == 3:
@@ -280,17 +286,19 @@ def compose(
         walk.step(edge[f"post_f@{k}"], f"forward, {head}", extra=extra.get("post_f", 0), logits_and_loss=post_f)
         grads = _Grads(shard, first=micro == 1)
         walk.step(edge[f"post_b@{k}"], f"backward, {head}", extra=extra.get("post_b", 0), logits_and_loss=-post_f)
-        grads.settle(walk, blocks.post * FP32)
+        if not shard.root_reduced_last:
+            grads.settle(walk, blocks.post * FP32)
         for i, pos in reversed(list(enumerate(position))):
             seg = values[modes[i]][f"b{pos[1]}@{k}"]
             saved = values[modes[i]][f"{pos}@{k}"][1]
-            walk.step(seg, f"backward, {where}, layer {i}", extra=shard.gather_bwd, activations=-saved)
+            gather = extra.get("last_b", shard.gather_bwd) if i == n - 1 else shard.gather_bwd
+            walk.step(seg, f"backward, {where}, layer {i}", extra=gather, activations=-saved)
             walk.level -= shard.held_per_layer
             walk.parts["gathered_parameters"] -= shard.held_per_layer
             grads.settle(walk, blocks.layer * FP32)
         pre_f = edge[f"pre_f@{k}"][1]
         walk.step(edge[f"pre_b@{k}"], f"backward, {where}, embedding", extra=extra.get("pre_b", 0), activations=-pre_f)
-        grads.settle(walk, blocks.pre * FP32)
+        grads.settle(walk, (blocks.pre + (blocks.post if shard.root_reduced_last else 0)) * FP32)
         walk.step(edge[f"gap@{k}"], f"backward, {where}")
         walk.level -= shard.resident
         walk.parts["gathered_parameters"] -= shard.resident
