@@ -118,20 +118,11 @@ def test_injected_oom_is_recorded_with_exit_3(tmp_path):
     assert res["status"] == "oom" and res["steps_completed"] == 0
 
 
+# End to end in a subprocess (the full matrix runs in-process in test_cli_inputs.py).
 BAD_INPUTS = [
     (["--model", "torch/llama-tinyy"], "closest: llama-tiny"),
-    (["--model", "llama-tiny"], "ENGINE/NAME"),
-    (["--model", "jax/llama-tiny"], "unknown engine"),
-    (["--model", "torch/llama-tiny", "--micro-batch", "0"], "--micro-batch must be larger than zero"),
-    (["--model", "torch/llama-tiny", "--steps", "-3"], "--steps must be larger than zero"),
-    (["--model", "torch/llama-tiny", "--seq-len", "100000"], "longer than"),
     (["--model", "torch/llama-tiny", "--nproc-per-node", "64"], "--nproc-per-node 64"),
-    (["--model", "torch/llama-tiny", "--device", "cuda"], "no CUDA device"),
-    (["--model", "torch/llama-tiny", "--precision", "fp8"], "--precision"),
-    (["--model", "torch/llama-tiny", "--micro-batch", "two"], "invalid int value"),
     (["--model", "torch/llama-tiny", "--output", "/nonexistent/dir/r.json"], "does not exist"),
-    (["--model-config", "/nonexistent/config.json"], "no such file"),
-    ([], "exactly one of --model"),
 ]
 
 
