@@ -8,11 +8,13 @@ communication buffers) is the base level, computed from the parameter counts.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from ljperf import models
 from ljperf.forecast.recipe import Forecast, Recipe
-from ljperf.forecast.trace import Patterns, shallow_spec
+from ljperf.forecast.trace import Patterns, architecture_key, cache_dir, shallow_spec
+from ljperf.result import read_json, write_json
 
 FP32 = 4
 TOKEN_BYTES = 8  # int64 token ids
@@ -46,21 +48,39 @@ _BLOCKS: dict[str, BlockParams] = {}
 
 
 def block_params(spec: models.ModelSpec) -> BlockParams:
-    """Parameter numbers per block, from a one-layer meta build (cached per config)."""
-    key = spec.config.to_json_string()
+    """Parameter numbers per block: from a one-layer meta build, cached per architecture family on disk."""
+    key = architecture_key(spec)
     if key not in _BLOCKS:
-        _BLOCKS[key] = _block_params(spec)
-    return _BLOCKS[key]
+        path = cache_dir() / f"{spec.architecture}-blocks-{key}.json"
+        try:
+            data = read_json(path)
+        except (OSError, ValueError):
+            data = _block_counts(spec)
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_json(path, data)
+        _BLOCKS[key] = data
+    data = _BLOCKS[key]
+    return BlockParams(
+        pre=data["pre"],
+        layer=data["layer"],
+        post=data["post"],
+        layers=spec.layers,
+        tensors=data["other_tensors"] + spec.layers * data["layer_tensors"],
+        largest=data["largest"],
+        buffer_bytes=data["buffer_bytes"],
+    )
 
 
-def _block_params(spec: models.ModelSpec) -> BlockParams:
+def _block_counts(spec: models.ModelSpec) -> dict[str, int]:
+    """What ``BlockParams`` needs that does not depend on the depth (a one-layer build on the meta device)."""
     model = models.build_meta(shallow_spec(spec, 1))
     layer = model.get_decoder().layers[0]
     embed = model.get_input_embeddings().weight
     in_layer = {id(p) for p in layer.parameters()}
     seen: set[int] = set()
     pre = post = 0
-    per_layer_tensors = other_tensors = 0
+    layer_tensors = other_tensors = 0
     largest = 0
     for p in model.parameters():
         if id(p) in seen:
@@ -68,23 +88,22 @@ def _block_params(spec: models.ModelSpec) -> BlockParams:
         seen.add(id(p))
         largest = max(largest, p.numel())
         if id(p) in in_layer:
-            per_layer_tensors += 1
+            layer_tensors += 1
             continue
         other_tensors += 1
         if p is embed:
             pre += p.numel()
         else:
             post += p.numel()
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return BlockParams(
-        pre=pre,
-        layer=sum(p.numel() for p in layer.parameters()),
-        post=post,
-        layers=spec.layers,
-        tensors=other_tensors + spec.layers * per_layer_tensors,
-        largest=largest,
-        buffer_bytes=buffers,
-    )
+    return {
+        "pre": pre,
+        "layer": sum(p.numel() for p in layer.parameters()),
+        "post": post,
+        "layer_tensors": layer_tensors,
+        "other_tensors": other_tensors,
+        "largest": largest,
+        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+    }
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -308,11 +308,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LJPERF_CACHE_DIR") or Path.home() / ".cache" / "ljperf") / "forecast"
 
 
+def architecture_key(spec: models.ModelSpec, *extra: str) -> str:
+    """The config without its depth, plus ``extra`` and the package versions: what traced numbers depend on."""
+    config = {k: v for k, v in spec.config.to_dict().items() if k not in ("num_hidden_layers", "layer_types")}
+    blob = json.dumps([config, *extra, _versions(), TRACE_VERSION], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
 def family_key(spec: models.ModelSpec, *, precision: str, attn: str, mode: str) -> str:
     """Architecture family: the config without its depth, plus what changes the traced code path."""
-    config = {k: v for k, v in spec.config.to_dict().items() if k not in ("num_hidden_layers", "layer_types")}
-    blob = json.dumps([config, precision, attn, mode, _versions(), TRACE_VERSION], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+    return architecture_key(spec, precision, attn, mode)
 
 
 @functools.cache
@@ -321,20 +326,27 @@ def _versions() -> dict[str, str]:
     return {p: metadata.version(p) for p in ("torch", "transformers")}
 
 
+_PATTERNS: dict[Path, Patterns] = {}
+"""Patterns read or traced in this process: a solver calls ``forecast`` hundreds of times."""
+
+
 def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: str, micro_batch: int) -> Patterns:
     """The fitted patterns of one architecture and shape family, from the cache or traced now (and cached)."""
     fam = family(micro_batch)
     key = family_key(spec, precision=precision, attn=attn, mode=mode)
     path = cache_dir() / f"{spec.architecture}-{mode}-{fam}-{key}.json"
+    if path in _PATTERNS:
+        return _PATTERNS[path]
     if path.exists():
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             data = read_json(path)
-            return Patterns(segments=data["segments"], base=data["base"])
+            _PATTERNS[path] = Patterns(segments=data["segments"], base=data["base"])
+            return _PATTERNS[path]
     traces = {
         (b, s): trace_shape(spec, micro_batch=b, seq_len=s, precision=precision, attn=attn, mode=mode)
         for b, s in FAMILIES[fam]
     }
-    patterns = fit_patterns(traces)
+    patterns = _PATTERNS[path] = fit_patterns(traces)
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, {"trace_version": TRACE_VERSION, "segments": patterns.segments, "base": patterns.base})
