@@ -1,15 +1,23 @@
-"""python benchmarks/forecast_gpu.py [--device cuda] [--models llama3.2-1b,llama3.2-3b] [--out FILE.md]
+"""python benchmarks/forecast_gpu.py [--device cuda|cpu] [--models llama3.2-1b,llama3.2-3b] [--out-dir DIR]
 
-Forecast vs measured peak memory of a real training step, side by side: for each model and shape, the torch
+Forecast vs measured peak memory of a real training step, side by side. For each model and shape the torch
 engine (bf16-mixed, AdamW foreach, sdpa) trains three steps and ``torch.cuda.max_memory_allocated`` of step 3
-(the steady state) is compared with ``ljperf.forecast`` (uncalibrated defaults). Writes a markdown table
-(default ``benchmarks/forecast_gpu.md``) and prints it; the target is within 5%. ``--device cpu`` runs the same
-comparison with tiny models and the CPU live-tensor measurement (a smoke test of the script).
+(the steady state) is compared with ``ljperf.forecast``: the traced figure and the one with the uncalibrated
+CUDA defaults (cuBLAS workspace offset). Target: within 5%. One H200: about 2 minutes (2 models × 3 shapes,
+coefficients traced on the CPU once per model and shape family).
+
+Writes to ``--out-dir`` (default ``benchmarks/results``): ``forecast_<device>_<date>.md`` (the table, versions)
+and ``forecast_<device>_<date>/*.json``, one record per run that ``ljperf plan --calibrate DIR/*.json`` fits the
+device overheads from. ``--device cpu`` runs the same comparison with tiny models in fp32 and the CPU
+live-tensor measurement: an end-to-end check of the script on a machine without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
+import re
 import time
 from pathlib import Path
 
@@ -19,86 +27,137 @@ from ljperf import benchmark, hardware, models
 from ljperf.config import LaunchConfig, OptimConfig, TrainConfig
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.forecast import Recipe, forecast
+from ljperf.result import environment, write_json
 from ljperf.runtime import RunContext
 
-SHAPES = ((1, 2048), (2, 2048), (1, 4096))
+SHAPES = {"cuda": ((1, 2048), (2, 2048), (1, 4096)), "cpu": ((1, 128), (2, 256))}
+MODELS = {"cuda": "llama3.2-1b,llama3.2-3b", "cpu": "llama-tiny,qwen3-tiny"}
 GiB = 1024**3
 
 
-def measure(spec: models.ModelSpec, *, device: str, micro_batch: int, seq_len: int, recompute: str) -> int | None:
-    """Peak allocated bytes of step 3 (None when it runs out of memory)."""
-    precision = "bf16-mixed" if device == "cuda" else "fp32"
-    train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device=device)
-    optim = OptimConfig(recompute=recompute)
-    run = RunContext(engine="torch", model=spec, train=train, launch=LaunchConfig(), optim=optim)
-    run.device = hardware.local_device(device, 0)
+def measure(run: RunContext) -> tuple[int, int | None] | None:
+    """(peak allocated, peak reserved) bytes of step 3; None when it runs out of memory."""
+    spec, train = run.model, run.train
+    device = run.device.torch_device
     engine = TorchEngine(run)
     try:
-        engine.setup(models.build_meta(spec, attn_implementation="sdpa"))
-        tokens = [torch.randint(0, spec.vocab, (micro_batch, seq_len), device=run.device.torch_device)]
+        engine.setup(models.build_meta(spec, attn_implementation=train.attn_implementation))
+        tokens = [torch.randint(0, spec.vocab, (train.micro_batch, train.seq_len), device=device)]
         for _ in range(2):
             engine.train_step(tokens)
         state = benchmark.LoopState()
         benchmark.measured_memory_step(run, engine, tokens, state)
-        if device == "cuda":
-            return torch.cuda.max_memory_allocated(run.device.torch_device)
-        return state.peak_allocated
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+        return state.peak_allocated, None
     except torch.OutOfMemoryError:
         return None
     finally:
         del engine
-        if device == "cuda":
+        gc.collect()
+        if device.type == "cuda":
             torch.cuda.empty_cache()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--models", default=None, help="comma-separated catalog names")
-    parser.add_argument("--recompute", default="none", help="none or full")
-    parser.add_argument("--out", default="benchmarks/forecast_gpu.md")
+    parser.add_argument("--models", help=f"comma-separated catalog names (default: {MODELS['cuda']} on cuda)")
+    parser.add_argument("--recompute", choices=("none", "full"), default="none")
+    parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
-    names = (args.models or ("llama3.2-1b,llama3.2-3b" if args.device == "cuda" else "llama-tiny,qwen3-tiny")).split(
-        ","
-    )
-    shapes = SHAPES if args.device == "cuda" else ((1, 128), (2, 256))
-    device_name = hardware.local_device(args.device, 0).name
+    info = hardware.local_device(args.device, 0)
+    precision = "bf16-mixed" if args.device == "cuda" else "fp32"
+    slug = "cpu" if args.device == "cpu" else re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
+    stamp = f"forecast_{slug}_{datetime.date.today():%Y%m%d}"
+    out_dir = Path(args.out_dir)
+    env = environment(devices=[info.name], world_size=1)
+    (out_dir / stamp).mkdir(parents=True, exist_ok=True)
+    title = f"{info.name}, torch {torch.__version__}, {precision}, recompute {args.recompute}"
     rows = []
-    for name in names:
+    for name in (args.models or MODELS[args.device]).split(","):
         spec = models.resolve(name=name)
-        for micro_batch, seq_len in shapes:
+        for micro_batch, seq_len in SHAPES[args.device]:
             recipe = Recipe(
                 device=args.device,
-                precision="bf16-mixed" if args.device == "cuda" else "fp32",
+                precision=precision,
                 micro_batch=micro_batch,
                 seq_len=seq_len,
                 recompute=(args.recompute,) * spec.layers,
             )
             start = time.perf_counter()
-            predicted = forecast(spec, recipe, device_name=device_name)
+            predicted = forecast(spec, recipe, device_name=info.name)
             seconds = time.perf_counter() - start
-            measured = measure(
-                spec, device=args.device, micro_batch=micro_batch, seq_len=seq_len, recompute=args.recompute
+            train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device=args.device)
+            run = RunContext(
+                engine="torch",
+                model=spec,
+                train=train,
+                launch=LaunchConfig(),
+                optim=OptimConfig(recompute=args.recompute),
+                device=info,
             )
-            error = None if measured is None else 100 * (predicted.peak_allocated_bytes - measured) / measured
-            rows.append((name, micro_batch, seq_len, predicted.peak_allocated_bytes, measured, error, seconds))
-            print(rows[-1], flush=True)
+            if args.device == "cuda":
+                leftover = torch.cuda.memory_allocated(info.torch_device)
+                assert leftover < 64 * 1024**2, f"{leftover} bytes still allocated from the previous run"
+            measured = measure(run)
+            row = {
+                "model": name,
+                "micro_batch": micro_batch,
+                "seq_len": seq_len,
+                "traced_bytes": predicted.traced_peak_bytes,
+                "forecast_bytes": predicted.peak_allocated_bytes,
+                "forecast_reserved_bytes": predicted.peak_reserved_bytes,
+                "measured_bytes": measured and measured[0],
+                "measured_reserved_bytes": measured and measured[1],
+                "forecast_seconds": round(seconds, 2),
+            }
+            rows.append(row)
+            print(row, flush=True)
+            if measured is not None:  # a record ljperf plan --calibrate reads
+                record = {
+                    "kind": "forecast_gpu",
+                    "env": env,
+                    "config": {"model": {"name": name}, "train": {"device": args.device}, "recipe": vars(recipe)},
+                    "results": {
+                        "status": "ok",
+                        "peak_allocated_bytes": measured[0],
+                        "peak_reserved_bytes": measured[1],
+                        "forecast": {"traced_peak_allocated_bytes": predicted.traced_peak_bytes},
+                    },
+                }
+                write_json(out_dir / stamp / f"{name}-b{micro_batch}-s{seq_len}.json", record)
+            (out_dir / f"{stamp}.md").write_text(table(rows, title=title))  # after every run: partial results stay
+    print((out_dir / f"{stamp}.md").read_text())
+
+
+def table(rows: list[dict], *, title: str) -> str:
+    """Markdown: traced and default-overhead forecasts beside the measured peak, with the error of each."""
+
+    def pct(pred: int, meas: int | None) -> str:
+        return "-" if meas is None else f"{100 * (pred - meas) / meas:+.1f}"
+
     lines = [
-        f"# Memory forecast vs measured peak ({device_name}, torch {torch.__version__}, recompute {args.recompute})",
+        f"# Memory forecast vs measured peak ({title})",
         "",
-        "| model | micro batch | seq len | forecast GiB | measured GiB | error % | forecast s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| model | micro batch | seq len | traced GiB | error % | forecast GiB | error % | measured GiB | "
+        "reserved GiB (forecast / measured) | forecast s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, b, s, pred, meas, err, sec in rows:
-        shown = "OOM" if meas is None else f"{meas / GiB:.3f}"
-        err_text = "-" if err is None else f"{err:+.1f}"
-        lines.append(f"| {name} | {b} | {s} | {pred / GiB:.3f} | {shown} | {err_text} | {sec:.1f} |")
-    errors = [abs(r[5]) for r in rows if r[5] is not None]
+    for r in rows:
+        meas = r["measured_bytes"]
+        reserved = " / ".join(
+            "-" if v is None else f"{v / GiB:.2f}" for v in (r["forecast_reserved_bytes"], r["measured_reserved_bytes"])
+        )
+        lines.append(
+            f"| {r['model']} | {r['micro_batch']} | {r['seq_len']} | {r['traced_bytes'] / GiB:.3f} | "
+            f"{pct(r['traced_bytes'], meas)} | {r['forecast_bytes'] / GiB:.3f} | {pct(r['forecast_bytes'], meas)} | "
+            f"{'OOM' if meas is None else f'{meas / GiB:.3f}'} | {reserved} | {r['forecast_seconds']:.1f} |"
+        )
+    errors = [abs(r["forecast_bytes"] - r["measured_bytes"]) / r["measured_bytes"] for r in rows if r["measured_bytes"]]
     if errors:
-        lines += ["", f"max |error| {max(errors):.1f}% over {len(errors)} runs (target: within 5%)"]
-    text = "\n".join(lines) + "\n"
-    Path(args.out).write_text(text)
-    print(text)
+        lines += ["", f"max |error| of the forecast {100 * max(errors):.1f}% over {len(errors)} runs (target: 5%)"]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
