@@ -113,6 +113,24 @@ def test_optimizer_temporaries_match_a_traced_adamw_step(foreach):
     assert max(tracker.points) - before == pytest.approx(expected, rel=1e-3)
 
 
+def test_cached_forecast_builds_no_model(monkeypatch):
+    """Once traced, a forecast is config arithmetic over the cached coefficients (what keeps ljperf plan fast)."""
+    from ljperf.forecast import trace
+
+    spec = models.resolve(name="qwen3-tiny")
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64, recompute=("full",) * spec.layers)
+    first = forecast(spec, recipe)
+    monkeypatch.setattr(timeline, "_BLOCKS", {})
+    monkeypatch.setattr(trace, "_PATTERNS", {})
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a cached forecast built a model")
+
+    monkeypatch.setattr(models, "build_meta", no_build)
+    assert forecast(spec, recipe.with_(seq_len=4096)).peak_allocated_bytes > first.peak_allocated_bytes
+    assert forecast(spec, recipe) == first
+
+
 def test_plan_json_fits_and_max_micro_batch(capsys):
     argv = ["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--micro-batch", "2", "--seq-len", "64"]
     assert main([*argv, "--gpu-memory", "40MiB", "--json"]) == 0
