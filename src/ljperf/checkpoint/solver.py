@@ -105,14 +105,16 @@ class Rates:
 
     @classmethod
     def measure(cls, device: torch.device) -> Rates:
-        """A short matmul and a short add on ``device`` (tens of milliseconds)."""
+        """A short matmul and a decoder layer's kind of pointwise ops on ``device`` (tens of milliseconds)."""
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         n = 4096 if device.type == "cuda" else 512
         a = torch.randn(n, n, device=device, dtype=dtype)
-        x = torch.randn(16 * 2**20 // 4, device=device)
+        x = torch.randn(2**22 // 128, 128, device=device)
         mm = _best_time(lambda: a @ a, device)
-        add = _best_time(lambda: x + x, device)
-        return cls(flops_per_s=2 * n**3 / mm, bytes_per_s=3 * x.numel() * x.element_size() / add)
+        pointwise = _best_time(lambda: _norm_silu(x), device)
+        return cls(
+            flops_per_s=2 * n**3 / mm, bytes_per_s=_NORM_SILU_WRITES * 2 * x.numel() * x.element_size() / pointwise
+        )
 
     @classmethod
     def datasheet(cls, device_name: str) -> Rates | None:
@@ -124,6 +126,17 @@ class Rates:
             return None
         return cls(flops_per_s=tflops * 1e12, bytes_per_s=tbps * 1e12)
 
+
+def _norm_silu(x: torch.Tensor) -> torch.Tensor:
+    # RMSNorm, SiLU gate and residual: what selective recompute repeats. ``x + x`` alone ran 4× faster than a
+    # llama layer's pointwise ops on CPU (transcendentals, reductions), and ranked selective far too cheap.
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return torch.nn.functional.silu(h) * h + x
+
+
+_NORM_SILU_WRITES = 5 + 3 / 128
+"""Tensors of x's size that ``_norm_silu`` writes (pow, norm, silu, mul, add; mean, +eps, rsqrt per row); like
+``layer_cost``, each is counted written once and read once."""
 
 REFERENCE_GPU = "H100"
 """Whose datasheet rates rank plans for a GPU that is neither known by name nor here to measure."""
