@@ -43,6 +43,7 @@ class ProgressReporter:
                 TimeElapsedColumn(),
                 console=console,
                 transient=True,
+                refresh_per_second=2,  # a render thread that wakes rarely: it shares the cores with training
             )
             self._task = self._bar.add_task("train", total=total, loss=value, ms="-")
             self._bar.start()
