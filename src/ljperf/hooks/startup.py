@@ -21,10 +21,15 @@ def enabled(variable: str) -> bool:
     return os.environ.get(variable, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+_installed: set[str] = set()
+
+
 def install() -> None:
+    """Register each enabled hook once (a ``.pth`` can run twice, e.g. from two site directories)."""
     for variable, module in HOOKS.items():
-        if not enabled(variable):
+        if variable in _installed or not enabled(variable):
             continue
+        _installed.add(variable)
         try:
             importlib.import_module(module).register()
         except Exception as exc:
