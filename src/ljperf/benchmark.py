@@ -165,8 +165,7 @@ class LoopState:
 
 def run_worker(cfg: BenchmarkConfig) -> int:
     """One rank of a run: build, train, measure, and (on rank 0) print and write the record."""
-    signal.signal(signal.SIGTERM, _raise_interrupted)
-    signal.signal(signal.SIGINT, _raise_interrupted)
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     run = init_process(run_context(cfg), need_group=cfg.engine != "torch")
     record = new_record(cfg, run)
     state = LoopState()
@@ -190,8 +189,9 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         status, reason, exit_code = "error", f"{type(exc).__name__}: {first_line(exc)}", EXIT_ERROR
     finally:
         reporter.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A second Ctrl-C must not interrupt writing the record; the caller's handlers come back after.
+    for sig in previous:
+        signal.signal(sig, signal.SIG_IGN)
     recompute = state.recompute
     rflops = recompute.recompute_flops_per_token if recompute else 0.0
     record["results"] = results_section(cfg, run, state, status=status, reason=reason, recompute_flops_per_token=rflops)
@@ -212,6 +212,8 @@ def run_worker(cfg: BenchmarkConfig) -> int:
             print(forecast_line(record["results"]))
     if status == "ok":
         shutdown_process()
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
     return exit_code
 
 
