@@ -11,9 +11,9 @@ MODES = ("none", "selective", "full")
 
 
 def parse_recompute(value: str) -> str | int | tuple[str, ...]:
-    """``--recompute``: ``none``, ``full``, ``auto``, K (the first K layers full) or one mode per layer
-    (``full,selective,none,...``)."""
-    if value in ("none", "full", "auto"):
+    """``--recompute``: ``none``, ``selective``, ``full`` (every layer), ``auto``, K (the first K layers full)
+    or one mode per layer (``full,selective,none,...``)."""
+    if value in (*MODES, "auto"):
         return value
     if "," in value:
         modes = tuple(m.strip() for m in value.split(","))
@@ -24,7 +24,9 @@ def parse_recompute(value: str) -> str | int | tuple[str, ...]:
     try:
         k = int(value)
     except ValueError:
-        raise UsageError(f"--recompute {value!r}: choose none, full, auto, a layer count K or MODE,MODE,...") from None
+        raise UsageError(
+            f"--recompute {value!r}: choose none, selective, full, auto, a layer count K or MODE,MODE,..."
+        ) from None
     if k < 0:
         raise UsageError(f"--recompute {k}: K must be zero or more")
     return k

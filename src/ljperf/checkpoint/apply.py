@@ -120,11 +120,9 @@ def current_plan(model: torch.nn.Module) -> Plan:
 
 
 def fixed_plan(value: str | int | tuple[str, ...], layers: int) -> Plan:
-    """The plan of ``--recompute none|full|K|MODE,...`` (parsed) for a model of ``layers`` layers."""
-    if value == "none":
-        return ("none",) * layers
-    if value == "full":
-        return ("full",) * layers
+    """The plan of ``--recompute none|selective|full|K|MODE,...`` (parsed) for a model of ``layers`` layers."""
+    if value in ("none", "selective", "full"):
+        return (value,) * layers
     if isinstance(value, tuple):
         if len(value) != layers:
             raise UsageError(f"--recompute lists {len(value)} modes but the model has {layers} layers")

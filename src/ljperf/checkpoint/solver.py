@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ljperf import models
-from ljperf.checkpoint.apply import SAVE_OPS, Plan, summary
+from ljperf.checkpoint import parse_recompute
+from ljperf.checkpoint.apply import SAVE_OPS, Plan, fixed_plan, summary
 from ljperf.errors import UsageError
+from ljperf.forecast.recipe import Recipe
 from ljperf.units import parse_size
 
 BUDGET_ENV = "LJPERF_MEMORY_BUDGET"
@@ -379,9 +381,6 @@ def shared_from_rank0(value):
 # --- for a benchmark run ----------------------------------------------------------------------------------------
 def decide_for_run(run) -> Decision | None:
     """The plan of ``run.optim.recompute`` (a ``RunContext``): None for ``none``, solved for ``auto``."""
-    from ljperf.checkpoint import parse_recompute
-    from ljperf.checkpoint.apply import fixed_plan
-
     value = parse_recompute(run.optim.recompute)
     if value == "none":
         return None
@@ -393,26 +392,7 @@ def decide_for_run(run) -> Decision | None:
         return _decision(plan, None, None, cost, rates)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", run.launch.nproc_per_node))
     budget = budget_bytes(run.device.torch_device, given=run.optim.memory_budget, local_world=local_world)
-    return solve_recipe(spec, run_recipe(run), budget=budget, rates=rates, cost=cost)
-
-
-def run_recipe(run):
-    """The forecast recipe of a benchmark run (``RunContext``)."""
-    from ljperf.forecast import Recipe
-
-    train = run.train
-    return Recipe(
-        engine=run.engine,
-        zero_stage=run.engine_opts.zero_stage,
-        world=run.world,
-        device=run.device.type,
-        precision=train.precision,
-        micro_batch=train.micro_batch,
-        seq_len=train.seq_len,
-        grad_accum=train.grad_accum,
-        attn_implementation=train.attn_implementation,
-        reshard_after_forward=run.engine_opts.reshard_after_forward,
-    )
+    return solve_recipe(spec, Recipe.from_run(run), budget=budget, rates=rates, cost=cost)
 
 
 def prepare_run(run) -> Decision | None:
@@ -468,7 +448,7 @@ def close_the_loop(run, model, decision: Decision) -> tuple[Decision, dict] | No
     if device.type != "cuda" or decision.budget_bytes is None:
         return None
     measured = torch.cuda.max_memory_allocated(device)
-    first = forecast(run.model, run_recipe(run).with_(recompute=decision.plan))
+    first = forecast(run.model, Recipe.from_run(run).with_(recompute=decision.plan))
     scale = corrected_scale(
         measured=measured,
         forecast=first.peak_allocated_bytes,
@@ -488,7 +468,7 @@ def close_the_loop(run, model, decision: Decision) -> tuple[Decision, dict] | No
         )
         again = solve_recipe(
             run.model,
-            run_recipe(run),
+            Recipe.from_run(run),
             budget=decision.budget_bytes,
             rates=Rates.measure(device),
             cost=cost,

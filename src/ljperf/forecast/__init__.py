@@ -16,6 +16,6 @@ API (stable; the checkpoint optimization's solver uses it):
 """
 
 from ljperf.forecast.api import LayerCost, forecast, layer_costs
-from ljperf.forecast.recipe import RECOMPUTE_MODES, Forecast, Recipe, parse_recompute
+from ljperf.forecast.recipe import RECOMPUTE_MODES, Forecast, Recipe
 
-__all__ = ["RECOMPUTE_MODES", "Forecast", "LayerCost", "Recipe", "forecast", "layer_costs", "parse_recompute"]
+__all__ = ["RECOMPUTE_MODES", "Forecast", "LayerCost", "Recipe", "forecast", "layer_costs"]

@@ -14,21 +14,8 @@ def benchmark_forecast(run, results: dict[str, Any], plan: tuple[str, ...] | Non
     from ljperf.forecast.api import forecast
     from ljperf.forecast.recipe import Recipe
 
-    train = run.train
     try:
-        recipe = Recipe(
-            engine=run.engine,
-            zero_stage=run.engine_opts.zero_stage,
-            world=run.world,
-            device=run.device.type,
-            precision=train.precision,
-            micro_batch=train.micro_batch,
-            seq_len=train.seq_len,
-            grad_accum=train.grad_accum,
-            attn_implementation=train.attn_implementation,
-            reshard_after_forward=run.engine_opts.reshard_after_forward,
-            recompute=tuple(plan or ()),
-        )
+        recipe = Recipe.from_run(run, recompute=tuple(plan or ()))
         result = forecast(run.model, recipe, device_name=run.device.name if run.device.type == "cuda" else None)
     except Exception as exc:  # a forecast must never fail a benchmark
         warnings.warn(f"ljperf: no memory forecast for this run ({type(exc).__name__}: {exc})", stacklevel=2)

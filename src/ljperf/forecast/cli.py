@@ -13,8 +13,10 @@ import os
 from dataclasses import asdict
 
 from ljperf import hardware
+from ljperf.checkpoint import parse_recompute
+from ljperf.checkpoint.apply import fixed_plan
 from ljperf.errors import UsageError
-from ljperf.forecast.recipe import Forecast, Recipe, parse_recompute
+from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.models import ModelSpec
 from ljperf.units import format_bytes, parse_size
 
@@ -104,7 +106,7 @@ def recipe_from_args(args: argparse.Namespace, *, engine: str, spec: ModelSpec) 
         grad_accum=args.grad_accum,
         attn_implementation=args.attn_implementation,
         reshard_after_forward=args.reshard_after_forward,
-        recompute=() if args.recompute == "auto" else parse_recompute(args.recompute, spec.layers),
+        recompute=() if args.recompute == "auto" else fixed_plan(parse_recompute(args.recompute), spec.layers),
         optimizer=args.optimizer,
     )
 

@@ -7,10 +7,14 @@ Build one with ``Recipe(engine="torch", micro_batch=2, seq_len=1024, recompute=(
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from ljperf.config import PRECISIONS
 from ljperf.errors import UsageError
 from ljperf.models import ENGINES
+
+if TYPE_CHECKING:
+    from ljperf.runtime import RunContext
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 """Per-layer activation recomputation: keep everything, keep only the layer input, or op-level SAC."""
@@ -83,24 +87,23 @@ class Recipe:
     def with_(self, **changes) -> Recipe:
         return replace(self, **changes)
 
-
-def parse_recompute(text: str, layers: int) -> tuple[str, ...]:
-    """``none`` | ``full`` | ``selective`` | ``K`` (the first K layers full) | ``MODE,MODE,…`` → one mode per layer."""
-    if text in RECOMPUTE_MODES:
-        return (text,) * layers
-    if "," in text:
-        modes = tuple(m.strip() for m in text.split(","))
-        bad = [m for m in modes if m not in RECOMPUTE_MODES]
-        if bad or len(modes) != layers:
-            raise UsageError(f"--recompute {text!r}: give {layers} modes from {', '.join(RECOMPUTE_MODES)}")
-        return modes
-    try:
-        k = int(text)
-    except ValueError:
-        raise UsageError(f"--recompute {text!r}: choose none, full, selective or a layer count K") from None
-    if not 0 <= k <= layers:
-        raise UsageError(f"--recompute {k}: the model has {layers} layers, give 0..{layers}")
-    return ("full",) * k + ("none",) * (layers - k)
+    @classmethod
+    def from_run(cls, run: RunContext, *, recompute: tuple[str, ...] = ()) -> Recipe:
+        """The recipe a benchmark run (``RunContext``) executes, with ``recompute`` per layer."""
+        train = run.train
+        return cls(
+            engine=run.engine,
+            zero_stage=run.engine_opts.zero_stage,
+            world=run.world,
+            device=run.device.type,
+            precision=train.precision,
+            micro_batch=train.micro_batch,
+            seq_len=train.seq_len,
+            grad_accum=train.grad_accum,
+            attn_implementation=train.attn_implementation,
+            reshard_after_forward=run.engine_opts.reshard_after_forward,
+            recompute=recompute,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
