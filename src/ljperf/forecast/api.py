@@ -58,8 +58,13 @@ def analytic_forecast(spec: models.ModelSpec, recipe: Recipe, *, reason: str) ->
     acts = analytic.activation_bytes(spec, recipe)
     logits_grad = recipe.micro_batch * recipe.seq_len * spec.vocab * 4
     grads_seen = shard.grads if recipe.grad_accum > 1 else 0
-    forward = states + grads_seen + acts + logits_grad + shard.resident + shard.gather_bwd
-    optimizer = states + shard.grads + timeline.optimizer_transient(blocks, recipe, local_params=shard.params)
+    gathered = max(max(shard.layer_terms(i)[:2]) for i in range(blocks.layers))
+    forward = states + grads_seen + acts + logits_grad + shard.resident + gathered
+    optimizer = (
+        states
+        + shard.grads
+        + timeline.optimizer_transient(blocks, recipe, local_params=shard.params, flat=shard.optimizer_flat)
+    )
     parts = {
         "parameters": shard.params + blocks.buffer_bytes,
         "optimizer_states": shard.optimizer,

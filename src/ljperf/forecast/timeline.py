@@ -135,6 +135,16 @@ class Sharding:
     """Gathered bytes a layer keeps from its forward to its backward (FSDP2 without resharding)."""
     root_reduced_last: bool = False
     """The root's head and norm gradients wait, unreduced, for the embedding's (FSDP2: one root group)."""
+    optimizer_flat: int = 0
+    """Bytes of the one flat fp32 partition the optimizer steps (DeepSpeed); 0: it steps each parameter."""
+    by_layer: tuple[tuple[int, int, int], ...] = ()
+    """Per decoder layer ``(gather_fwd, gather_bwd, held)`` where they differ by layer (ZeRO-3's prefetch and
+    reuse distance); replaces ``gather_fwd``, ``gather_bwd`` and ``held_per_layer`` when given."""
+
+    def layer_terms(self, i: int) -> tuple[int, int, int]:
+        if self.by_layer:
+            return self.by_layer[i]
+        return self.gather_fwd, self.gather_bwd, self.held_per_layer
 
 
 def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
@@ -147,9 +157,12 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     layer's buffer lives on through the head and loss. Backward prefetches the next layer (its flat buffer)
     and keeps the previous layer's reduce-scatter input (fp32 gradients) until the next reduce. The root
     (embedding, norm, head) is gathered from its forward to the end of backward, and its gradients are
-    reduce-scattered together at the end (the head's stays whole through the layers' backward). ZeRO-3
-    likewise, plus its fp32 master partition and flat gradient partition. ZeRO-1/2: replicated compute-dtype
-    parameters, sharded master weights and moments (ZeRO-2 also gradients).
+    reduce-scattered together at the end (the head's stays whole through the layers' backward). ZeRO-3: see
+    ``zero3_sharding``. ZeRO-1/2 (``stage_1_and_2.py``): replicated compute-dtype parameters, sharded fp32
+    master weights and moments; the optimizer steps the flat partition (its single-tensor temporaries are
+    partition-sized). ZeRO-1 keeps whole gradients through backward and flattens this rank's share for the
+    step; ZeRO-2 reduces each gradient into a partition buffer it makes in the first backward and drops after
+    the step.
     """
     blocks = block_params(spec)
     p = blocks.total * FP32
@@ -188,28 +201,77 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
             gather_edges={"pre_f": root, "post_f": layer, "post_b": layer, "last_b": 2 * layer, "pre_b": reduce_input},
             root_reduced_last=True,
         )
-    partition = shard * compute // FP32
     if recipe.zero_stage == 3:
-        return Sharding(
-            params=partition + shard,
-            grads=shard,
-            optimizer=moments,
-            grads_persistent=True,
-            grad_keep=0.0,
-            resident=root,
-            gather_fwd=2 * layer,
-            gather_bwd=2 * layer + blocks.layer * FP32,
-        )
+        return zero3_sharding(spec, blocks, compute=compute, shard=shard, moments=moments)
     if recipe.zero_stage == 2:
-        return Sharding(params=p * compute // FP32 + shard, grads=shard, optimizer=moments, grads_persistent=True)
-    return Sharding(params=p * compute // FP32 + shard, grads=p, optimizer=moments)
+        return Sharding(
+            params=p * compute // FP32 + shard, grads=shard, optimizer=moments, grad_keep=1 / w, optimizer_flat=shard
+        )
+    return Sharding(params=p * compute // FP32 + shard, grads=shard, optimizer=moments, optimizer_flat=shard)
 
 
-def optimizer_transient(blocks: BlockParams, recipe: Recipe, *, local_params: int) -> int:
-    """Temporaries of one AdamW step: single-tensor makes sqrt and its quotient per tensor; foreach a whole copy."""
+# DeepSpeed's ZeRO-3 defaults (``runtime/zero/config.py``), which ljperf's config keeps: elements, not bytes.
+ZERO3_PREFETCH_BUCKET = 50_000_000
+ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
+ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
+
+
+def zero3_sharding(spec: models.ModelSpec, blocks: BlockParams, *, compute: int, shard: int, moments: int) -> Sharding:
+    """ZeRO-3 as ``stage3.py`` and ``partitioned_param_coordinator.py`` hold it, from step 2 (a recorded trace).
+
+    Persistent: the compute-dtype partition, its fp32 master copy, the flat fp32 gradient partition and the
+    IPG bucket (``reduce_bucket_size``, ljperf: hidden²). Gathering: each fetch prefetches the next
+    ``stage3_prefetch_bucket_size`` elements in one all-gather whose flat buffer lives until its last parameter
+    is fetched, while every parameter gets its own copy when the handle is waited; so a model whose rest fits in
+    the bucket is gathered whole, twice over, from the embedding until the head. After its forward a block is
+    kept gathered if its next use (its backward) is within ``stage3_max_reuse_distance`` elements of the trace,
+    otherwise released and gathered again in backward; each block is released after its backward.
+    """
+    n, pre, layer, post = blocks.layers, blocks.pre, blocks.layer, blocks.post
+    window = min(ZERO3_PREFETCH_BUCKET, ZERO3_MAX_LIVE_PARAMETERS)
+    rest = blocks.total - pre
+    whole = rest <= window  # the embedding's fetch prefetches everything after it
+
+    def ahead(i: int) -> int:
+        """Elements of the forward trace after layer ``i``."""
+        return (n - 1 - i) * layer + post
+
+    terms = []
+    for i in range(n):
+        held = 2 * ahead(i) < ZERO3_MAX_REUSE_DISTANCE  # forward of what follows, then its backward
+        if whole:
+            forward = ahead(i) + layer + rest  # this and later blocks' copies, the bucket's flat buffer
+        else:
+            forward = layer + 2 * min(window, ahead(i))
+        backward = 0 if held else layer + 2 * min(window, i * layer + pre)
+        terms.append((forward * compute, backward * compute, layer * compute if held else 0))
+    pre_held = 2 * (n * layer + post) < ZERO3_MAX_REUSE_DISTANCE
+    bucket = spec.hidden * spec.hidden * compute  # ljperf's reduce_bucket_size
+    return Sharding(
+        params=shard * compute // FP32 + shard,
+        grads=shard,
+        optimizer=moments,
+        grads_persistent=True,
+        comm_buffers=bucket,
+        grad_keep=0.0,
+        optimizer_flat=shard,
+        resident=pre * compute if pre_held else 0,
+        gather_edges={
+            "pre_f": (rest if whole else 2 * min(window, rest) + (0 if pre_held else pre)) * compute,
+            "post_f": post * compute,
+            "post_b": post * compute,
+            "pre_b": 0 if pre_held else pre * compute,
+        },
+        by_layer=tuple(terms),
+    )
+
+
+def optimizer_transient(blocks: BlockParams, recipe: Recipe, *, local_params: int, flat: int = 0) -> int:
+    """Temporaries of one AdamW step: single-tensor makes sqrt and its quotient per tensor (``flat``: bytes of the
+    one flat partition an engine steps instead); foreach a whole copy."""
     impl = recipe.optimizer_impl
     if impl == "single":
-        return 2 * min(blocks.largest * FP32, local_params)
+        return 2 * (flat or min(blocks.largest * FP32, local_params))
     if impl == "foreach":
         return local_params
     return 0
@@ -297,9 +359,10 @@ def compose(
         )
         for i, pos in enumerate(position):
             seg = values[modes[i]][f"{pos}@{k}"]
-            walk.step(seg, f"forward, {where}, layer {i}", extra=shard.gather_fwd, activations=seg[1])
-            walk.level += shard.held_per_layer
-            walk.parts["gathered_parameters"] += shard.held_per_layer
+            gather, _, held = shard.layer_terms(i)
+            walk.step(seg, f"forward, {where}, layer {i}", extra=gather, activations=seg[1])
+            walk.level += held
+            walk.parts["gathered_parameters"] += held
         post_f = edge[f"post_f@{k}"][1]
         head = f"{where}, LM head and loss"
         walk.step(edge[f"post_f@{k}"], f"forward, {head}", extra=extra.get("post_f", 0), logits_and_loss=post_f)
@@ -310,10 +373,11 @@ def compose(
         for i, pos in reversed(list(enumerate(position))):
             seg = values[modes[i]][f"b{pos[1]}@{k}"]
             saved = values[modes[i]][f"{pos}@{k}"][1]
-            gather = extra.get("last_b", shard.gather_bwd) if i == n - 1 else shard.gather_bwd
+            _, gather, held = shard.layer_terms(i)
+            gather = extra.get("last_b", gather) if i == n - 1 else gather
             walk.step(seg, f"backward, {where}, layer {i}", extra=gather, activations=-saved)
-            walk.level -= shard.held_per_layer
-            walk.parts["gathered_parameters"] -= shard.held_per_layer
+            walk.level -= held
+            walk.parts["gathered_parameters"] -= held
             grads.settle(walk, blocks.layer * FP32)
         pre_f = edge[f"pre_f@{k}"][1]
         walk.step(edge[f"pre_b@{k}"], f"backward, {where}, embedding", extra=extra.get("pre_b", 0), activations=-pre_f)
@@ -321,10 +385,10 @@ def compose(
         walk.step(edge[f"gap@{k}"], f"backward, {where}")
         walk.level -= shard.resident
         walk.parts["gathered_parameters"] -= shard.resident
-    if not replicated and not shard.grads_persistent:
+    if not shard.grads_persistent and walk.parts["gradients"] != shard.grads:
         walk.level += shard.grads - walk.parts["gradients"]
         walk.parts["gradients"] = shard.grads
-    transient = optimizer_transient(blocks, recipe, local_params=shard.params)
+    transient = optimizer_transient(blocks, recipe, local_params=shard.params, flat=shard.optimizer_flat)
     walk.visit(transient, "optimizer step")
     parts = dict(walk.peak_parts or {})
     parts["temporaries"] = walk.peak - sum(parts.values())
