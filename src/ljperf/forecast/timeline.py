@@ -222,30 +222,26 @@ def zero3_sharding(spec: models.ModelSpec, blocks: BlockParams, *, compute: int,
     Persistent: the compute-dtype partition, its fp32 master copy, the flat fp32 gradient partition and the
     IPG bucket (``reduce_bucket_size``, ljperf: hidden²). Gathering: each fetch prefetches the next
     ``stage3_prefetch_bucket_size`` elements in one all-gather whose flat buffer lives until its last parameter
-    is fetched, while every parameter gets its own copy when the handle is waited; so a model whose rest fits in
-    the bucket is gathered whole, twice over, from the embedding until the head. After its forward a block is
-    kept gathered if its next use (its backward) is within ``stage3_max_reuse_distance`` elements of the trace,
-    otherwise released and gathered again in backward; each block is released after its backward.
+    is fetched, while every parameter gets its own copy when the handle is waited. The trace starts at the
+    model's root, which has no parameters: its fetch prefetches from the embedding on, so a model that fits in
+    the bucket is gathered whole, twice over, from the embedding until the head's fetch. After its forward a
+    block stays gathered if its backward is within ``stage3_max_reuse_distance`` elements of the trace (the
+    blocks after it, forward and backward), else it is released and gathered again in backward, with the
+    prefetch window; each block is released after its backward.
     """
     n, pre, layer, post = blocks.layers, blocks.pre, blocks.layer, blocks.post
-    window = min(ZERO3_PREFETCH_BUCKET, ZERO3_MAX_LIVE_PARAMETERS)
-    rest = blocks.total - pre
-    whole = rest <= window  # the embedding's fetch prefetches everything after it
+    window = min(ZERO3_PREFETCH_BUCKET, ZERO3_MAX_LIVE_PARAMETERS, blocks.total)
+    whole = window == blocks.total
 
     def ahead(i: int) -> int:
-        """Elements of the forward trace after layer ``i``."""
-        return (n - 1 - i) * layer + post
+        """Elements of the forward trace from layer ``i`` on."""
+        return (n - i) * layer + post
 
-    terms = []
-    for i in range(n):
-        held = 2 * ahead(i) < ZERO3_MAX_REUSE_DISTANCE  # forward of what follows, then its backward
-        if whole:
-            forward = ahead(i) + layer + rest  # this and later blocks' copies, the bucket's flat buffer
-        else:
-            forward = layer + 2 * min(window, ahead(i))
-        backward = 0 if held else layer + 2 * min(window, i * layer + pre)
-        terms.append((forward * compute, backward * compute, layer * compute if held else 0))
-    pre_held = 2 * (n * layer + post) < ZERO3_MAX_REUSE_DISTANCE
+    # While layer i runs forward: its copy and the prefetched ones after it, and the in-flight flat buffers.
+    forward = [ahead(i) + blocks.total if whole else layer + 2 * min(window, ahead(i + 1)) for i in range(n)]
+    held = [2 * ahead(i + 1) < ZERO3_MAX_REUSE_DISTANCE for i in range(n)]
+    backward = [0 if held[i] else layer + 2 * min(window, i * layer + pre) for i in range(n)]
+    pre_held = 2 * ahead(0) < ZERO3_MAX_REUSE_DISTANCE
     bucket = spec.hidden * spec.hidden * compute  # ljperf's reduce_bucket_size
     return Sharding(
         params=shard * compute // FP32 + shard,
@@ -257,12 +253,16 @@ def zero3_sharding(spec: models.ModelSpec, blocks: BlockParams, *, compute: int,
         optimizer_flat=shard,
         resident=pre * compute if pre_held else 0,
         gather_edges={
-            "pre_f": (rest if whole else 2 * min(window, rest) + (0 if pre_held else pre)) * compute,
+            # the embedding's own copy is in ``resident`` when it stays gathered
+            "pre_f": (2 * window - (pre if pre_held else 0)) * compute,
             "post_f": post * compute,
             "post_b": post * compute,
             "pre_b": 0 if pre_held else pre * compute,
         },
-        by_layer=tuple(terms),
+        by_layer=tuple(
+            (f * compute, b * compute, layer * compute if h else 0)
+            for f, b, h in zip(forward, backward, held, strict=True)
+        ),
     )
 
 
