@@ -77,7 +77,7 @@ def print_result_table(record: dict) -> None:
         f"mb {cfg['train']['micro_batch']} × seq {cfg['train']['seq_len']} × accum {cfg['train']['grad_accum']} · "
         f"{cfg['train']['precision']}"
     )
-    table = Table(title=title)
+    table = Table(title=title, min_width=len(title) + 4)
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_column("unit")
