@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ljperf.errors import UsageError
+from ljperf.result import read_json_object
 
 AUTO = "auto"
 LEVELS = ("ok", "warn", "fail")
@@ -204,17 +205,7 @@ def _prefetch(config: dict) -> Finding:
 
 def load(path: str | Path) -> dict:
     """Read a DeepSpeed JSON config; a missing or malformed file is a usage error."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UsageError(f"--deepspeed-config {str(path)!r}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--deepspeed-config {str(path)!r}: cannot read it ({type(exc).__name__})") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--deepspeed-config {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--deepspeed-config {str(path)!r} must hold a JSON object")
-    return data
+    return read_json_object(path, what=f"--deepspeed-config {str(path)!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

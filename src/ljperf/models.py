@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ljperf.errors import UsageError
+from ljperf.result import read_json_object
 
 if TYPE_CHECKING:
     import torch
@@ -56,17 +57,7 @@ def read_config_dict(*, name: str | None = None, path: str | Path | None = None)
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"--model-config {str(path)!r}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--model-config {str(path)!r}: cannot read it ({exc.__class__.__name__})") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--model-config {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--model-config {str(path)!r} must hold a JSON object, like an HF config.json")
-    return data
+    return read_json_object(p, what=f"--model-config {str(path)!r}")
 
 
 _REQUIRED = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")

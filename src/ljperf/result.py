@@ -108,6 +108,22 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
         raise
 
 
+def read_json_object(path: str | os.PathLike, *, what: str) -> dict:
+    """A JSON object from a file the user named (``what``, e.g. ``--model-config 'x.json'``); a missing,
+    unreadable or malformed file, or one that holds no object, is a usage error."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{what}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{what}: cannot read it ({type(exc).__name__})") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{what} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{what} must hold a JSON object")
+    return data
+
+
 def read_json(path: str | os.PathLike) -> Any:
     """Read a record or calibration file: JSON only, never pickle."""
     with open(path) as f:

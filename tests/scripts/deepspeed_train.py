@@ -5,13 +5,10 @@ tests/scripts/deepspeed_train.py``. Rank 0 prints its losses, each layer's check
 step, and whether ljperf was imported, as one JSON line.
 """
 
-import json
-import sys
-
 import deepspeed
 import torch
 import torch.distributed as dist
-from tiny_llama import MICRO_BATCH, batch, build, count_mlp_calls
+from tiny_llama import MICRO_BATCH, batch, build, count_mlp_calls, print_report
 
 STEPS = 3
 
@@ -36,13 +33,7 @@ def main() -> None:
         engine.step()
         losses.append(loss.item())
     if rank == 0:
-        report = {
-            "losses": losses,
-            "checkpointed": [bool(layer.gradient_checkpointing) for layer in model.model.layers],
-            "mlp_calls_per_step": [c / STEPS for c in calls],
-            "ljperf_imported": "ljperf" in sys.modules,
-        }
-        print(json.dumps(report), flush=True)
+        print_report(losses, model, calls, STEPS)
     dist.barrier()
     dist.destroy_process_group()
 

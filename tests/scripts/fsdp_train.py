@@ -5,12 +5,9 @@ tests/scripts/fsdp_train.py``. Rank 0 prints its losses, each layer's checkpoint
 and whether ljperf was imported, as one JSON line.
 """
 
-import json
-import sys
-
 import torch
 import torch.distributed as dist
-from tiny_llama import batch, build, count_mlp_calls
+from tiny_llama import batch, build, count_mlp_calls, print_report
 from torch.distributed.fsdp import fully_shard
 
 STEPS = 3
@@ -34,13 +31,7 @@ def main() -> None:
         optimizer.zero_grad()
         losses.append(loss.item())
     if rank == 0:
-        report = {
-            "losses": losses,
-            "checkpointed": [bool(layer.gradient_checkpointing) for layer in model.model.layers],
-            "mlp_calls_per_step": [c / STEPS for c in calls],
-            "ljperf_imported": "ljperf" in sys.modules,
-        }
-        print(json.dumps(report), flush=True)
+        print_report(losses, model, calls, STEPS)
     dist.destroy_process_group()
 
 

@@ -4,10 +4,9 @@ Run: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=20MiB python tests/scri
 Prints the losses, which layers checkpoint, their MLP calls per step, and whether ljperf was imported (one JSON line).
 """
 
-import json
 import sys
 
-from tiny_llama import MICRO_BATCH, batch, build, count_mlp_calls
+from tiny_llama import MICRO_BATCH, batch, build, count_mlp_calls, print_report
 from transformers import Trainer, TrainingArguments
 
 
@@ -28,16 +27,8 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=data)
     calls = count_mlp_calls(model)
     trainer.train()
-    print(
-        json.dumps(
-            {
-                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                "checkpointed": [bool(layer.gradient_checkpointing) for layer in model.model.layers],
-                "mlp_calls_per_step": [c / args.max_steps for c in calls],
-                "ljperf_imported": "ljperf" in sys.modules,
-            }
-        )
-    )
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    print_report(losses, model, calls, args.max_steps)
 
 
 if __name__ == "__main__":

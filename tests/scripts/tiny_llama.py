@@ -1,6 +1,9 @@
 """The tiny Llama of the startup-hook test scripts: its config, shape, data, and a count of each layer's MLP
 calls (a checkpointed layer runs its MLP again in backward)."""
 
+import json
+import sys
+
 import torch
 
 CONFIG = {
@@ -36,3 +39,14 @@ def count_mlp_calls(model) -> list[int]:
     for i, layer in enumerate(model.model.layers):
         layer.mlp.register_forward_pre_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
     return counts
+
+
+def print_report(losses: list[float], model, calls: list[int], steps: int) -> None:
+    """The one JSON line the tests read: losses, which layers checkpoint, MLP calls per step, ljperf loaded."""
+    report = {
+        "losses": losses,
+        "checkpointed": [bool(layer.gradient_checkpointing) for layer in model.model.layers],
+        "mlp_calls_per_step": [c / steps for c in calls],
+        "ljperf_imported": "ljperf" in sys.modules,
+    }
+    print(json.dumps(report), flush=True)
