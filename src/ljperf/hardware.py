@@ -96,11 +96,6 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def device_count(device_type: str) -> int:
-    """How many devices of this type a node has (CPU: one per process, any count allowed)."""
-    return torch.cuda.device_count() if device_type == "cuda" else 0
-
-
 def local_device(device_type: str, local_rank: int) -> DeviceInfo:
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
