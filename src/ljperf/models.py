@@ -123,10 +123,6 @@ class ModelSpec:
     def max_positions(self) -> int | None:
         return getattr(self.config, "max_position_embeddings", None)
 
-    @property
-    def tied(self) -> bool:
-        return bool(getattr(self.config, "tie_word_embeddings", False))
-
     @cached_property
     def params(self) -> ParamCounts:
         """Exact parameter counts, from a meta-device build (nothing allocated)."""
