@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -119,5 +120,13 @@ def free_port() -> int:
 
 
 def shutdown_process() -> None:
+    """Leave the process group after a healthy run.
+
+    gloo's worker threads free a finished collective (and its Python tensors, which needs the GIL) after
+    ``wait()`` has returned. If the group is destroyed then, its destructor joins those threads while holding
+    the GIL and the process hangs at exit; a barrier and a short GIL-free sleep let them finish first.
+    """
     if dist.is_initialized():
+        dist.barrier()
+        time.sleep(0.2)
         dist.destroy_process_group()
