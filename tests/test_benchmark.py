@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from importlib import resources
@@ -138,14 +141,19 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 def test_runs_under_a_users_own_torchrun(tmp_path):
     out = tmp_path / "r.json"
     args = ["benchmark", *TINY, "--steps", "3", "--warmup", "1", "--output", str(out)]
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ljperf", *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
         env=cli_env(),
-        check=False,
+        start_new_session=True,
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:  # a hung rank must not outlive the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-2000:]
     record = read_record(out)
     assert record["env"]["world_size"] == 2 and record["results"]["status"] == "ok"
