@@ -39,3 +39,12 @@ def read_record(path: str | Path) -> dict:
 @pytest.fixture
 def ljperf():
     return run_ljperf
+
+
+@pytest.fixture(autouse=True, scope="session")
+def fresh_forecast_cache(tmp_path_factory):
+    """Traced forecast coefficients from an empty cache (inherited by CLI subprocesses): no stale entries
+    from development runs on this machine."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LJPERF_CACHE_DIR", str(tmp_path_factory.mktemp("ljperf-cache")))
+        yield

@@ -230,10 +230,13 @@ def distributed_runs(tmp_path_factory):
     [
         ("ddp", 0.01),
         ("fsdp", 0.01),
-        ("zero3", 0.01),
-        ("zero3-small", 0.01),
-        ("zero2-small", 0.01),
-        ("zero1-small", 0.01),
+        # DeepSpeed's gloo reduce-scatter copies are made on gloo's own threads, so whether one is alive at the
+        # measured peak varies run to run (ZeRO-2 small measured 20.20 MB once, 20.96 MB another time: +3.6%).
+        # 5% is within the 10% for sharded engines.
+        ("zero3", 0.05),
+        ("zero3-small", 0.05),
+        ("zero2-small", 0.05),
+        ("zero1-small", 0.05),
     ],
 )
 def test_forecast_of_two_processes_per_rank(distributed_runs, engine, tolerance):
