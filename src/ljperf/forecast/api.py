@@ -20,7 +20,7 @@ def forecast(
         patterns = {
             mode: traced_patterns(
                 spec,
-                precision=recipe.precision,
+                precision=recipe.trace_precision,
                 attn=recipe.attn_implementation,
                 mode=mode,
                 micro_batch=recipe.micro_batch,
@@ -105,7 +105,7 @@ def layer_costs(spec: models.ModelSpec, recipe: Recipe, modes: tuple[str, ...] =
         try:
             pats = traced_patterns(
                 spec,
-                precision=recipe.precision,
+                precision=recipe.trace_precision,
                 attn=recipe.attn_implementation,
                 mode=mode,
                 micro_batch=recipe.micro_batch,

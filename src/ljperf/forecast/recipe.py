@@ -72,6 +72,15 @@ class Recipe:
             raise UsageError(f"optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZER_IMPLS)}")
 
     @property
+    def trace_precision(self) -> str:
+        """The code path to trace: FSDP2 (``param_dtype``) and DeepSpeed (``bf16``) compute with bf16 parameters,
+        so autocast makes no weight copies and the residual stream is bf16 (``bf16-params``); DDP keeps fp32
+        parameters under autocast (``bf16-mixed``)."""
+        if self.precision == "bf16-mixed" and self.engine != "torch":
+            return "bf16-params"
+        return self.precision
+
+    @property
     def optimizer_impl(self) -> str:
         """The AdamW implementation the engine really runs (torch's default choice)."""
         return self.optimizer or ("foreach" if self.device == "cuda" else "single")

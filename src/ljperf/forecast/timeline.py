@@ -137,6 +137,8 @@ class Sharding:
     """The root's head and norm gradients wait, unreduced, for the embedding's (FSDP2: one root group)."""
     optimizer_flat: int = 0
     """Bytes of the one flat fp32 partition the optimizer steps (DeepSpeed); 0: it steps each parameter."""
+    step_grads: int = 0
+    """Bytes of the fp32 gradient the optimizer step flattens from the held gradients (ZeRO-3), alive in it."""
     by_layer: tuple[tuple[int, int, int], ...] = ()
     """Per decoder layer ``(gather_fwd, gather_bwd, held)`` where they differ by layer (ZeRO-3's prefetch and
     reuse distance); replaces ``gather_fwd``, ``gather_bwd`` and ``held_per_layer`` when given."""
@@ -219,8 +221,9 @@ ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
 def zero3_sharding(spec: models.ModelSpec, blocks: BlockParams, *, compute: int, shard: int, moments: int) -> Sharding:
     """ZeRO-3 as ``stage3.py`` and ``partitioned_param_coordinator.py`` hold it, from step 2 (a recorded trace).
 
-    Persistent: the compute-dtype partition, its fp32 master copy, the flat fp32 gradient partition and the
-    IPG bucket (``reduce_bucket_size``, ljperf: hidden²). Gathering: each fetch prefetches the next
+    Persistent: the compute-dtype partition, its fp32 master copy, the flat gradient partition (compute dtype:
+    DeepSpeed's default ``grad_accum_dtype``; the step flattens an fp32 copy of it) and the IPG bucket
+    (``reduce_bucket_size``, ljperf: hidden²). Gathering: each fetch prefetches the next
     ``stage3_prefetch_bucket_size`` elements in one all-gather whose flat buffer lives until its last parameter
     is fetched, while every parameter gets its own copy when the handle is waited. The trace starts at the
     model's root, which has no parameters: its fetch prefetches from the embedding on, so a model that fits in
@@ -245,9 +248,10 @@ def zero3_sharding(spec: models.ModelSpec, blocks: BlockParams, *, compute: int,
     bucket = spec.hidden * spec.hidden * compute  # ljperf's reduce_bucket_size
     return Sharding(
         params=shard * compute // FP32 + shard,
-        grads=shard,
+        grads=shard * compute // FP32,  # gradient_accumulation_dtype: the model's dtype unless configured
         optimizer=moments,
         grads_persistent=True,
+        step_grads=shard,
         comm_buffers=bucket,
         grad_keep=0.0,
         optimizer_flat=shard,
@@ -307,11 +311,20 @@ class _Grads:
 
     shard: Sharding
     first: bool
+    traced: int
+    """Bytes per gradient element in the trace (2 where the engine computes with bf16 parameters)."""
 
-    def settle(self, walk: _Walk, full: int) -> None:
+    def reduce_root(self, params: int) -> int:
+        """Bytes above the level while FSDP2 reduce-scatters the root's gradients: the fp32 input is filled from
+        the gradients, which are then freed while the output shard is made."""
+        made = params * self.traced if self.first or self.shard.grad_keep != 1.0 else 0
+        reduce_input = params * FP32
+        return max(reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - made)
+
+    def settle(self, walk: _Walk, params: int) -> None:
         replicated = self.shard.grad_keep == 1.0
-        made = full if self.first or not replicated else 0  # replicated: later micro-steps accumulate in place
-        kept = round(made * self.shard.grad_keep) if self.first else 0
+        made = params * self.traced if self.first or not replicated else 0  # replicated: accumulated in place
+        kept = round(params * FP32 * self.shard.grad_keep) if self.first else 0
         walk.parts["gradients"] += kept
         walk.level -= made - kept
 
@@ -366,10 +379,10 @@ def compose(
         post_f = edge[f"post_f@{k}"][1]
         head = f"{where}, LM head and loss"
         walk.step(edge[f"post_f@{k}"], f"forward, {head}", extra=extra.get("post_f", 0), logits_and_loss=post_f)
-        grads = _Grads(shard, first=micro == 1)
+        grads = _Grads(shard, first=micro == 1, traced=2 if recipe.trace_precision == "bf16-params" else FP32)
         walk.step(edge[f"post_b@{k}"], f"backward, {head}", extra=extra.get("post_b", 0), logits_and_loss=-post_f)
         if not shard.root_reduced_last:
-            grads.settle(walk, blocks.post * FP32)
+            grads.settle(walk, blocks.post)
         for i, pos in reversed(list(enumerate(position))):
             seg = values[modes[i]][f"b{pos[1]}@{k}"]
             saved = values[modes[i]][f"{pos}@{k}"][1]
@@ -378,10 +391,12 @@ def compose(
             walk.step(seg, f"backward, {where}, layer {i}", extra=gather, activations=-saved)
             walk.level -= held
             walk.parts["gathered_parameters"] -= held
-            grads.settle(walk, blocks.layer * FP32)
+            grads.settle(walk, blocks.layer)
         pre_f = edge[f"pre_f@{k}"][1]
         walk.step(edge[f"pre_b@{k}"], f"backward, {where}, embedding", extra=extra.get("pre_b", 0), activations=-pre_f)
-        grads.settle(walk, (blocks.pre + (blocks.post if shard.root_reduced_last else 0)) * FP32)
+        if shard.root_reduced_last:
+            walk.visit(grads.reduce_root(blocks.pre + blocks.post), f"backward, {where}, root reduce-scatter")
+        grads.settle(walk, blocks.pre + (blocks.post if shard.root_reduced_last else 0))
         walk.step(edge[f"gap@{k}"], f"backward, {where}")
         walk.level -= shard.resident
         walk.parts["gathered_parameters"] -= shard.resident
@@ -389,7 +404,7 @@ def compose(
         walk.level += shard.grads - walk.parts["gradients"]
         walk.parts["gradients"] = shard.grads
     transient = optimizer_transient(blocks, recipe, local_params=shard.params, flat=shard.optimizer_flat)
-    walk.visit(transient, "optimizer step")
+    walk.visit(transient + shard.step_grads, "optimizer step")
     parts = dict(walk.peak_parts or {})
     parts["temporaries"] = walk.peak - sum(parts.values())
     return Forecast(

@@ -114,8 +114,8 @@ def shallow_spec(spec: models.ModelSpec, layers: int = TRACE_LAYERS) -> models.M
     return models.ModelSpec(name=f"{spec.name}[{layers} layers]", config=config)
 
 
-def fake_model(spec: models.ModelSpec, *, attn: str, fake_mode) -> torch.nn.Module:
-    """``spec``'s model with fake CPU parameters and buffers (tied weights stay tied)."""
+def fake_model(spec: models.ModelSpec, *, attn: str, fake_mode, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """``spec``'s model with fake CPU parameters (in ``dtype`` if given) and buffers (tied weights stay tied)."""
     model = models.build_meta(spec, attn_implementation=attn)
     done: dict[int, torch.nn.Parameter] = {}
     with fake_mode:
@@ -123,7 +123,7 @@ def fake_model(spec: models.ModelSpec, *, attn: str, fake_mode) -> torch.nn.Modu
             for key, param in module._parameters.items():
                 if param is not None:
                     if id(param) not in done:
-                        done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype))
+                        done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype or param.dtype))
                     module._parameters[key] = done[id(param)]
     for module in model.modules():
         for key, buf in module._buffers.items():
@@ -158,7 +158,8 @@ def trace_shape(
 
     shallow = shallow_spec(spec)
     fake_mode = FakeTensorMode()
-    model = fake_model(shallow, attn=attn, fake_mode=fake_mode)
+    dtype = torch.bfloat16 if precision == "bf16-params" else None
+    model = fake_model(shallow, attn=attn, fake_mode=fake_mode, dtype=dtype)
     if mode != "none":
         from ljperf.checkpoint.apply import apply_plan
 
@@ -166,7 +167,12 @@ def trace_shape(
     run = RunContext(
         engine="torch",
         model=shallow,
-        train=TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device="cpu"),
+        train=TrainConfig(
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            precision="bf16-mixed" if precision == "bf16-params" else precision,
+            device="cpu",
+        ),
         launch=LaunchConfig(),
         device=DeviceInfo(type="cpu", index=None, name="fake"),
     )
