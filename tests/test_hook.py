@@ -74,11 +74,20 @@ def budget_between_none_and_full(engine: str = "torch", world: int = 1) -> int:
     from tests.scripts.tiny_llama import CONFIG, MICRO_BATCH, SEQ_LEN
 
     from ljperf.forecast import Recipe, forecast
+    from ljperf.forecast.recipe import ZeroSettings
     from ljperf.models import ModelSpec, hf_config
 
     spec = ModelSpec(name="script", config=hf_config(CONFIG, source="test"))
+    # deepspeed_train.py keeps DeepSpeed's defaults, whose gradient bucket is 5e8 elements (not ljperf's hidden²)
+    zero = ZeroSettings(reduce_bucket_size=500_000_000)
     recipe = Recipe(
-        engine=engine, world=world, device="cpu", precision="fp32", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN
+        engine=engine,
+        world=world,
+        device="cpu",
+        precision="fp32",
+        micro_batch=MICRO_BATCH,
+        seq_len=SEQ_LEN,
+        zero=zero,
     )
     none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
     return (none + full) // 2

@@ -16,7 +16,7 @@ from ljperf import hardware
 from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import fixed_plan
 from ljperf.errors import UsageError
-from ljperf.forecast.recipe import Forecast, Recipe
+from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
 from ljperf.models import ModelSpec
 from ljperf.units import format_bytes, parse_size
 
@@ -28,7 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_model_arguments(parser)
     g = parser.add_argument_group("recipe")
-    g.add_argument("--zero-stage", type=int, default=3, help="DeepSpeed ZeRO stage 1, 2 or 3 (default: 3)")
+    g.add_argument(
+        "--zero-stage", type=int, help="DeepSpeed ZeRO stage 1, 2 or 3 (default: --deepspeed-config's, else 3)"
+    )
+    g.add_argument(
+        "--deepspeed-config",
+        metavar="PATH",
+        help="the job's DeepSpeed JSON config: the forecast reads its ZeRO stage, reduce_bucket_size and "
+        "stage3 prefetch, max-live and reuse-distance settings (deepspeed engine)",
+    )
     g.add_argument("--gpus", type=int, default=1, help="data-parallel ranks, the world size (default: 1)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cuda", help="device the job runs on (default: cuda)")
     g.add_argument("--precision", choices=("fp32", "bf16-mixed"), help="default: bf16-mixed on cuda, fp32 on cpu")
@@ -95,9 +103,11 @@ def recipe_from_args(args: argparse.Namespace, *, engine: str, spec: ModelSpec) 
         raise UsageError(f"--seq-len {seq_len} is longer than {spec.name}'s {spec.max_positions} max positions")
     if args.memory_budget and args.recompute != "auto":
         raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
+    stage, zero = zero_from_args(args, engine=engine)
     return Recipe(
         engine=engine,
-        zero_stage=args.zero_stage,
+        zero_stage=stage,
+        zero=zero,
         world=args.gpus,
         device=args.device,
         precision=args.precision or ("bf16-mixed" if args.device == "cuda" else "fp32"),
@@ -109,6 +119,25 @@ def recipe_from_args(args: argparse.Namespace, *, engine: str, spec: ModelSpec) 
         recompute=() if args.recompute == "auto" else fixed_plan(parse_recompute(args.recompute), spec.layers),
         optimizer=args.optimizer,
     )
+
+
+def zero_from_args(args: argparse.Namespace, *, engine: str) -> tuple[int, ZeroSettings]:
+    """The ZeRO stage and settings from --zero-stage and --deepspeed-config (which must agree)."""
+    if not args.deepspeed_config:
+        return args.zero_stage or 3, ZeroSettings()
+    from ljperf import deepspeed_config
+
+    if engine != "deepspeed":
+        raise UsageError(f"--deepspeed-config is for the deepspeed engine, not {engine}")
+    config = deepspeed_config.merge(deepspeed_config.load(args.deepspeed_config))
+    stage = config["zero_optimization"].get("stage")
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        return args.zero_stage or 3, ZeroSettings.from_config(config)
+    if args.zero_stage is not None and args.zero_stage != stage:
+        raise UsageError(
+            f"--zero-stage {args.zero_stage} contradicts zero_optimization.stage {stage} in --deepspeed-config"
+        )
+    return stage, ZeroSettings.from_config(config)
 
 
 def device_memory(args: argparse.Namespace) -> tuple[int, str | None]:

@@ -23,6 +23,40 @@ OPTIMIZER_IMPLS = ("single", "foreach", "fused")
 
 
 @dataclass(frozen=True, kw_only=True)
+class ZeroSettings:
+    """The DeepSpeed ZeRO-3 values the forecast reads, in elements as DeepSpeed counts them (its defaults)."""
+
+    reduce_bucket_size: int | None = None
+    """Elements of the gradient (IPG) bucket; None: ljperf's ``"auto"``, hidden² (as the HF integration)."""
+    prefetch_bucket_size: int = 50_000_000
+    """``stage3_prefetch_bucket_size``: parameter elements fetched ahead of use."""
+    max_live_parameters: int = 1_000_000_000
+    """``stage3_max_live_parameters``: gathered elements before blocks are released."""
+    max_reuse_distance: int = 1_000_000_000
+    """``stage3_max_reuse_distance``: a block used again within this many elements stays gathered."""
+
+    @classmethod
+    def from_config(cls, config: dict) -> ZeroSettings:
+        """From a DeepSpeed config dict; an absent or ``"auto"`` value keeps the default (DeepSpeed drops
+        ``"auto"``; ljperf resolves ``reduce_bucket_size`` itself)."""
+        zero = config.get("zero_optimization") or {}
+        values = {}
+        for key, name in (
+            ("reduce_bucket_size", "reduce_bucket_size"),
+            ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+            ("stage3_max_live_parameters", "max_live_parameters"),
+            ("stage3_max_reuse_distance", "max_reuse_distance"),
+        ):
+            value = zero.get(key)
+            if value is None or value == "auto":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise UsageError(f'zero_optimization.{key} is {value!r}: give a number of elements or "auto"')
+            values[name] = int(value)
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
     """What one rank runs: engine, sharding, shapes, precision and the per-layer recompute choice."""
 
@@ -50,6 +84,8 @@ class Recipe:
     """One entry per decoder layer: none, full or selective; empty means none for every layer."""
     optimizer: str | None = None
     """AdamW implementation: single, foreach or fused (default: what torch picks, foreach on CUDA, single on CPU)."""
+    zero: ZeroSettings = field(default_factory=ZeroSettings)
+    """DeepSpeed's bucket, prefetch and release settings (deepspeed engine only)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -112,6 +148,7 @@ class Recipe:
             attn_implementation=train.attn_implementation,
             reshard_after_forward=run.engine_opts.reshard_after_forward,
             recompute=recompute,
+            zero=_zero_settings(run),
         )
 
 
@@ -140,3 +177,13 @@ class Forecast:
     def device_bytes(self) -> int:
         """What the device must hold: the reserve (or allocation) plus the context."""
         return (self.peak_reserved_bytes or self.peak_allocated_bytes) + self.context_bytes
+
+
+def _zero_settings(run: RunContext) -> ZeroSettings:
+    """The ZeRO settings of ``--deepspeed-config`` (merged over ljperf's), or the defaults."""
+    path = run.engine_opts.deepspeed_config
+    if run.engine != "deepspeed" or not path:
+        return ZeroSettings()
+    from ljperf import deepspeed_config
+
+    return ZeroSettings.from_config(deepspeed_config.merge(deepspeed_config.load(path)))

@@ -12,7 +12,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 from ljperf import models
-from ljperf.forecast.recipe import Forecast, Recipe
+from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
 from ljperf.forecast.trace import Patterns, architecture_key, cache_dir, shallow_spec
 from ljperf.result import read_json, write_json
 
@@ -204,7 +204,7 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
             root_reduced_last=True,
         )
     if recipe.zero_stage == 3:
-        return zero3_sharding(spec, blocks, compute=compute, shard=shard, moments=moments)
+        return zero3_sharding(spec, blocks, zero=recipe.zero, compute=compute, shard=shard, moments=moments)
     if recipe.zero_stage == 2:
         return Sharding(
             params=p * compute // FP32 + shard, grads=shard, optimizer=moments, grad_keep=1 / w, optimizer_flat=shard
@@ -212,13 +212,9 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     return Sharding(params=p * compute // FP32 + shard, grads=shard, optimizer=moments, optimizer_flat=shard)
 
 
-# DeepSpeed's ZeRO-3 defaults (``runtime/zero/config.py``), which ljperf's config keeps: elements, not bytes.
-ZERO3_PREFETCH_BUCKET = 50_000_000
-ZERO3_MAX_LIVE_PARAMETERS = 1_000_000_000
-ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
-
-
-def zero3_sharding(spec: models.ModelSpec, blocks: BlockParams, *, compute: int, shard: int, moments: int) -> Sharding:
+def zero3_sharding(
+    spec: models.ModelSpec, blocks: BlockParams, *, zero: ZeroSettings, compute: int, shard: int, moments: int
+) -> Sharding:
     """ZeRO-3 as ``stage3.py`` and ``partitioned_param_coordinator.py`` hold it, from step 2 (a recorded trace).
 
     Persistent: the compute-dtype partition, its fp32 master copy, the flat gradient partition (compute dtype:
@@ -233,19 +229,33 @@ def zero3_sharding(spec: models.ModelSpec, blocks: BlockParams, *, compute: int,
     prefetch window; each block is released after its backward.
     """
     n, pre, layer, post = blocks.layers, blocks.pre, blocks.layer, blocks.post
-    window = min(ZERO3_PREFETCH_BUCKET, ZERO3_MAX_LIVE_PARAMETERS, blocks.total)
-    whole = window == blocks.total
+    # Every submodule's fetch prefetches a bucket, many per layer: the prefetch outruns the compute until the
+    # gathered elements reach max_live_parameters, so that (not the bucket) bounds what is gathered ahead.
+    window = min(zero.max_live_parameters, blocks.total)
+    whole = min(zero.prefetch_bucket_size, window) == blocks.total  # one all-gather of the whole model
+    bucket_elems = min(zero.prefetch_bucket_size, window)
 
     def ahead(i: int) -> int:
         """Elements of the forward trace from layer ``i`` on."""
         return (n - i) * layer + post
 
+    def kept(i: int) -> int:
+        """Elements of layer ``i`` still gathered after its forward: all within the reuse distance; else what
+        the prefetch reached of its backward use (the last max_live_parameters elements of the forward)."""
+        if 2 * ahead(i + 1) < zero.max_reuse_distance:
+            return layer
+        return min(layer, max(0, zero.max_live_parameters - ahead(i + 1)))
+
+    def in_flight(elements: int) -> int:
+        """Prefetched elements: their flat all-gather buffers, and the one being copied out into parameters."""
+        return min(window, elements) + min(bucket_elems, elements)
+
     # While layer i runs forward: its copy and the prefetched ones after it, and the in-flight flat buffers.
-    forward = [ahead(i) + blocks.total if whole else layer + 2 * min(window, ahead(i + 1)) for i in range(n)]
-    held = [2 * ahead(i + 1) < ZERO3_MAX_REUSE_DISTANCE for i in range(n)]
-    backward = [0 if held[i] else layer + 2 * min(window, i * layer + pre) for i in range(n)]
-    pre_held = 2 * ahead(0) < ZERO3_MAX_REUSE_DISTANCE
-    bucket = spec.hidden * spec.hidden * compute  # ljperf's reduce_bucket_size
+    forward = [ahead(i) + blocks.total if whole else layer + in_flight(ahead(i + 1)) for i in range(n)]
+    held = [kept(i) for i in range(n)]
+    backward = [0 if held[i] == layer else layer - held[i] + in_flight(i * layer + pre) for i in range(n)]
+    pre_held = 2 * ahead(0) < zero.max_reuse_distance
+    bucket = (zero.reduce_bucket_size or spec.hidden * spec.hidden) * compute
     return Sharding(
         params=shard * compute // FP32 + shard,
         grads=shard * compute // FP32,  # gradient_accumulation_dtype: the model's dtype unless configured
@@ -258,14 +268,15 @@ def zero3_sharding(spec: models.ModelSpec, blocks: BlockParams, *, compute: int,
         resident=pre * compute if pre_held else 0,
         gather_edges={
             # the embedding's own copy is in ``resident`` when it stays gathered
-            "pre_f": (2 * window - (pre if pre_held else 0)) * compute,
+            "pre_f": (pre + (2 * ahead(0) + pre if whole else in_flight(ahead(0))) - (pre if pre_held else 0))
+            * compute,
             "post_f": post * compute,
-            "post_b": post * compute,
+            # a released embedding is prefetched again for its backward once the window spans the model
+            "post_b": (post + (pre if window == blocks.total and not pre_held else 0)) * compute,
             "pre_b": 0 if pre_held else pre * compute,
         },
         by_layer=tuple(
-            (f * compute, b * compute, layer * compute if h else 0)
-            for f, b, h in zip(forward, backward, held, strict=True)
+            (f * compute, b * compute, h * compute) for f, b, h in zip(forward, backward, held, strict=True)
         ),
     )
 

@@ -62,7 +62,13 @@ def _trainer_setup(trainer) -> dict[str, Any]:
     }
     ds = getattr(args, "hf_deepspeed_config", None)
     if ds is not None:
-        setup |= {"engine": "deepspeed", "zero_stage": ds.config.get("zero_optimization", {}).get("stage", 0)}
+        from ljperf.forecast.recipe import ZeroSettings
+
+        setup |= {
+            "engine": "deepspeed",
+            "zero_stage": ds.config.get("zero_optimization", {}).get("stage", 0),
+            "zero": ZeroSettings.from_config(ds.config),
+        }
     return setup
 
 
@@ -80,8 +86,16 @@ def _patch_deepspeed(module: ModuleType) -> None:
 
 
 def _deepspeed_setup(engine) -> dict[str, Any]:
+    from ljperf.forecast.recipe import ZeroSettings
+
     return {
         "engine": "deepspeed",
+        "zero": ZeroSettings(
+            reduce_bucket_size=engine.zero_reduce_bucket_size(),
+            prefetch_bucket_size=engine.zero_prefetch_bucket_size(),
+            max_live_parameters=engine.zero_max_live_parameters(),
+            max_reuse_distance=engine.zero_max_reuse_distance(),
+        ),
         "zero_stage": max(engine.zero_optimization_stage(), 1),
         "world": engine.dp_world_size,
         "precision": "bf16-mixed" if engine.bfloat16_enabled() else "fp32",
