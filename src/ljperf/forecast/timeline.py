@@ -137,6 +137,9 @@ class Sharding:
     """The root's head and norm gradients wait, unreduced, for the embedding's (FSDP2: one root group)."""
     optimizer_flat: int = 0
     """Bytes of the one flat fp32 partition the optimizer steps (DeepSpeed); 0: it steps each parameter."""
+    backward_bucket: int = 0
+    """Bytes alive from the first gradient of a step to the end of its last backward (ZeRO-1/2's IPG bucket:
+    the backward epilogue that releases it runs at the gradient-accumulation boundary)."""
     step_grads: int = 0
     """Bytes of the fp32 gradient the optimizer step flattens from the held gradients (ZeRO-3), alive in it."""
     by_layer: tuple[tuple[int, int, int], ...] = ()
@@ -205,11 +208,21 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
         )
     if recipe.zero_stage == 3:
         return zero3_sharding(spec, blocks, zero=recipe.zero, compute=compute, shard=shard, moments=moments)
+    # The IPG bucket: reduce_bucket_size elements of the compute dtype, made at the first gradient hook and
+    # released by the backward epilogue at the accumulation boundary.
+    ipg = (recipe.zero.reduce_bucket_size or spec.hidden * spec.hidden) * compute
     if recipe.zero_stage == 2:
         return Sharding(
-            params=p * compute // FP32 + shard, grads=shard, optimizer=moments, grad_keep=1 / w, optimizer_flat=shard
+            params=p * compute // FP32 + shard,
+            grads=shard,
+            optimizer=moments,
+            grad_keep=1 / w,
+            optimizer_flat=shard,
+            backward_bucket=ipg,
         )
-    return Sharding(params=p * compute // FP32 + shard, grads=shard, optimizer=moments, optimizer_flat=shard)
+    return Sharding(
+        params=p * compute // FP32 + shard, grads=shard, optimizer=moments, optimizer_flat=shard, backward_bucket=ipg
+    )
 
 
 def zero3_sharding(
@@ -394,6 +407,9 @@ def compose(
         walk.step(edge[f"post_b@{k}"], f"backward, {head}", extra=extra.get("post_b", 0), logits_and_loss=-post_f)
         if not shard.root_reduced_last:
             grads.settle(walk, blocks.post)
+        if micro == 1:
+            walk.level += shard.backward_bucket
+            walk.parts["comm_buffers"] += shard.backward_bucket
         for i, pos in reversed(list(enumerate(position))):
             seg = values[modes[i]][f"b{pos[1]}@{k}"]
             saved = values[modes[i]][f"{pos}@{k}"][1]
@@ -408,6 +424,9 @@ def compose(
         if shard.root_reduced_last:
             walk.visit(grads.reduce_root(blocks.pre + blocks.post), f"backward, {where}, root reduce-scatter")
         grads.settle(walk, blocks.pre + (blocks.post if shard.root_reduced_last else 0))
+        if micro == recipe.grad_accum:
+            walk.level -= shard.backward_bucket
+            walk.parts["comm_buffers"] -= shard.backward_bucket
         walk.step(edge[f"gap@{k}"], f"backward, {where}")
         walk.level -= shard.resident
         walk.parts["gathered_parameters"] -= shard.resident
