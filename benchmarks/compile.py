@@ -3,6 +3,8 @@
 Run: ``.venv/bin/python benchmarks/compile.py [--model torch/llama-tiny] [--seq-len 256] [--micro-batch 2]``
 GPU: ``python benchmarks/compile.py --device cuda --model torch/llama3.2-1b --seq-len 2048 --micro-batch 4
 --markdown benchmarks/compile_llama3.2-1b_<gpu>_<date>.md`` (bf16-mixed is the GPU default; target ≥ 1.20× eager).
+A ``deepspeed/`` model compares eager, regional and DeepSpeed's ``engine.compile()`` (DeepCompile on CUDA),
+e.g. ``--model deepspeed/llama3.2-1b -- --nproc-per-node 1``: keep the faster as the default for ZeRO.
 
 Each mode is one ``ljperf benchmark`` process (``--compile-mode off|regional|whole``), modes interleaved per
 repeat so machine drift hits them alike. Every process gets an empty inductor cache (cold compile times)
@@ -24,6 +26,8 @@ from pathlib import Path
 from ljperf.result import read_json, versions
 
 MODES = ("off", "regional", "whole")
+DEEPSPEED_MODES = ("off", "regional", "deepspeed")
+"""For a deepspeed/ model: regional vs DeepSpeed's own engine.compile() (with DeepCompile on CUDA)."""
 
 
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path, index: int) -> dict:
@@ -85,12 +89,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=1, help="interleaved rounds of all modes; medians reported")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of off,regional,whole")
+    parser.add_argument(
+        "--modes",
+        help="comma-separated subset of off,regional,whole,deepspeed (default: off,regional,whole; for a "
+        "deepspeed/ model off,regional,deepspeed)",
+    )
     parser.add_argument("--warm-cache", action="store_true", help="reuse the inductor cache (warm compile times)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table (with versions) to this file")
     parser.add_argument("extra", nargs="*", help="more ljperf benchmark flags, after --")
     args = parser.parse_args()
-    modes = [m for m in args.modes.split(",") if m]
+    default = DEEPSPEED_MODES if args.model.startswith("deepspeed/") else MODES
+    modes = [m for m in (args.modes or ",".join(default)).split(",") if m]
     with tempfile.TemporaryDirectory(prefix="ljperf-compile-bench-") as tmp:
         records: dict[str, list[dict]] = {m: [] for m in modes}
         for i in range(args.repeat):

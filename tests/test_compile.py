@@ -147,10 +147,25 @@ def test_compiled_losses_equal_eager(tmp_path, engine):
     assert record["time_s"] > 0
 
 
+@pytest.mark.slow
+def test_deepspeed_engine_compile_trains_like_eager(tmp_path):
+    """``--compile-mode deepspeed``: DeepSpeed's ``engine.compile()`` (DeepCompile needs CUDA) under ZeRO-3 gives
+    eager's losses, and what it cost is recorded: on CPU it breaks and recompiles in ZeRO-3's hooks, which the
+    regional mode keeps out of its graphs (benchmarks/compile.py compares the two)."""
+    zero3 = ["--engine", "deepspeed", "--zero-stage", "3", "--nproc-per-node", "2"]
+    eager = benchmark_losses(tmp_path, "eager", *zero3)
+    compiled = benchmark_losses(tmp_path, "engine-compiled", *zero3, "--compile-mode", "deepspeed")
+    assert_losses_close(compiled["losses"], eager["losses"])
+    record = compiled["compile"]
+    assert record["mode"] == "deepspeed" and record["deepcompile"] is False
+    assert record["regions"] == 1 and record["time_s"] > 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--compile-mode", "fast"], "--compile-mode 'fast': choose one of regional, whole, off"),
+        (["--compile-mode", "fast"], "--compile-mode 'fast': choose one of regional, whole, deepspeed, off"),
+        (["--compile-mode", "deepspeed"], "--compile-mode deepspeed is DeepSpeed's engine.compile()"),
         (["--compile", "--warmup", "0"], "--compile needs --warmup 1 or more"),
     ],
 )

@@ -117,6 +117,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
     check_process_count(cfg.launch, device_type)
     if cfg.output and not under_torchrun():
         check_writable(cfg.output)
+    if cfg.optim.compile_mode == "deepspeed" and engine != "deepspeed":
+        raise UsageError(f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{spec.name}")
     if cfg.optim.compile_mode != "off" and cfg.train.warmup < 1:
         raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
     if engine == "deepspeed" and not under_torchrun():

@@ -44,6 +44,9 @@ class CompileSession:
     graph_breaks_at_start: int = field(default_factory=lambda: _graph_break_count())
     start_us: int = field(default_factory=lambda: time.time_ns() // 1000)
     verbose: bool = True
+    external: str | None = None
+    """A region compiled outside ljperf's wrappers (DeepSpeed's ``engine.compile()``): dynamo's metrics are
+    booked to it when the results are read."""
     _seen_us: int = 0
 
     def collect(self, region: str) -> None:
@@ -69,8 +72,11 @@ class CompileSession:
             print(f"ljperf compile: {region} runs eager (compile failed: {reason})", file=sys.stderr)
 
     def results(self) -> dict[str, Any]:
+        if self.external:
+            self.collect(self.external)
         return {
             "mode": self.mode,
+            **({"deepcompile": self.options["deepcompile"]} if "deepcompile" in self.options else {}),
             "regions": len(self.regions),
             "graph_breaks": _graph_break_count() - self.graph_breaks_at_start,
             "recompiles": len(self.recompile_reasons),
@@ -167,6 +173,8 @@ def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True, **
         raise ValueError(f"compile mode {mode!r}: choose one of {', '.join(COMPILE_MODES)}")
     if mode == "off":
         return None
+    if mode == "deepspeed":
+        raise ValueError("compile mode deepspeed is DeepSpeed's engine.compile(): the deepspeed engine runs it")
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False  # a KV cache in the forward's guards would recompile every layer
     # Process-wide: the backward is compiled with the forward, not at the first backward, so a failing backward
@@ -198,8 +206,27 @@ def apply_compile(model: torch.nn.Module, run: Any) -> torch.nn.Module:
     mode = run.optim.compile_mode
     if mode != "off" and run.engine == "deepspeed" and run.engine_opts.zero_stage == 3:
         zero3_gather_per_block(model)
-    compile_model(model, mode, verbose=run.is_main)
+    if mode != "deepspeed":  # that one the DeepSpeed engine compiles once it is initialized
+        compile_model(model, mode, verbose=run.is_main)
     return model
+
+
+def compile_deepspeed_engine(engine: Any, *, verbose: bool) -> CompileSession:
+    """``engine.compile()``: DeepSpeed compiles the whole module, its ZeRO hooks included (with DeepCompile,
+    enabled by the config's ``compile.deepcompile``, its graph passes replace the hooks). Errors fall back to
+    eager: at ``compile()`` with a one-line reason, inside a graph through dynamo's ``suppress_errors``."""
+    global _session
+    torch._functorch.config.force_non_lazy_backward_lowering = True
+    torch._dynamo.config.suppress_errors = True
+    sess = _session = CompileSession(
+        mode="deepspeed", options={"deepcompile": engine.is_deepcompile_enabled()}, verbose=verbose, external="model"
+    )
+    sess.regions.append("model")
+    try:
+        engine.compile()
+    except Exception as exc:
+        sess.fallback("model", exc)
+    return sess
 
 
 def zero3_gather_per_block(model: torch.nn.Module) -> None:

@@ -18,7 +18,7 @@ from ljperf.errors import UsageError
 from ljperf.units import parse_size
 
 PRECISIONS = ("fp32", "bf16-mixed")
-COMPILE_MODES = ("regional", "whole", "off")
+COMPILE_MODES = ("regional", "whole", "deepspeed", "off")
 
 
 def opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
@@ -106,7 +106,9 @@ class OptimConfig:
     recompute: str = opt("none", "activation recompute: none, full, auto (fastest plan under the budget) or K")
     memory_budget: str | None = opt(None, "memory budget of --recompute auto, e.g. 70GiB (docs/checkpoint.md)")
     compile_mode: str = opt(
-        "off", "torch.compile: regional (each block and the loss), whole (the model) or off; --compile = regional"
+        "off",
+        "torch.compile: regional (each block and the loss), whole (the model), deepspeed (DeepSpeed's "
+        "engine.compile(), with DeepCompile on CUDA; deepspeed engine only) or off; --compile = regional",
     )
 
     def __post_init__(self) -> None:

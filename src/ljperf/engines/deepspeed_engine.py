@@ -59,6 +59,10 @@ class DeepSpeedEngine:
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.config
         )
+        if run.optim.compile_mode == "deepspeed":
+            from ljperf.compile import compile_deepspeed_engine
+
+            compile_deepspeed_engine(engine, verbose=run.is_main)
         self.model = engine
         self.optimizer = optimizer
 
@@ -171,7 +175,11 @@ def resolved_config(run: RunContext) -> tuple[dict, list[deepspeed_config.Findin
         hidden=run.model.hidden,
     )
     source = f"--deepspeed-config {path}" if path else "ljperf's DeepSpeed config"
-    return deepspeed_config.resolve(deepspeed_config.merge(user), opts, source=source)
+    config, findings = deepspeed_config.resolve(deepspeed_config.merge(user), opts, source=source)
+    if run.optim.compile_mode == "deepspeed" and run.device.type == "cuda":
+        # DeepCompile (CUDA only): ZeRO as graph passes instead of hooks; a user's "deepcompile": false stays
+        config["compile"] = {"deepcompile": True, **config.get("compile", {})}
+    return config, findings
 
 
 def _comm_op_built() -> bool:
