@@ -182,29 +182,28 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     moments = 2 * shard + step_scalars
     if recipe.engine == "fsdp":
         reduce_input = blocks.layer * FP32
-        if not recipe.reshard_after_forward:  # layers stay gathered until their backward: no re-gather
-            return Sharding(
-                params=shard,
-                grads=shard,
-                optimizer=moments,
-                grad_keep=1 / w,
-                resident=root,
-                gather_fwd=layer,
-                gather_bwd=reduce_input,
-                gather_edges={"pre_f": root, "post_f": layer, "last_b": 0, "pre_b": reduce_input},
-                held_per_layer=layer,
-                root_reduced_last=True,
-            )
+        edges = {"pre_f": root, "post_f": layer, "pre_b": reduce_input}
+        if recipe.reshard_after_forward:
+            gathered = {
+                "gather_fwd": 2 * layer,
+                "gather_bwd": 2 * layer + reduce_input,
+                "gather_edges": edges | {"post_b": layer, "last_b": 2 * layer},
+            }
+        else:  # layers stay gathered until their backward: no re-gather
+            gathered = {
+                "gather_fwd": layer,
+                "gather_bwd": reduce_input,
+                "gather_edges": edges | {"last_b": 0},
+                "held_per_layer": layer,
+            }
         return Sharding(
             params=shard,
             grads=shard,
             optimizer=moments,
             grad_keep=1 / w,
             resident=root,
-            gather_fwd=2 * layer,
-            gather_bwd=2 * layer + reduce_input,
-            gather_edges={"pre_f": root, "post_f": layer, "post_b": layer, "last_b": 2 * layer, "pre_b": reduce_input},
             root_reduced_last=True,
+            **gathered,
         )
     if recipe.zero_stage == 3:
         return zero3_sharding(spec, blocks, zero=recipe.zero, compute=compute, shard=shard, moments=moments)
