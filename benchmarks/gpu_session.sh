@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU checks of issues #4–#6 in one device call (one H200: about 9 minutes, each step time-boxed):
+#   here:   bash benchmarks/gpu_wheels.sh
+#   device: run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
+# Smoke test of the script on this CPU machine (tiny models): LJPERF_GPU_SMOKE=1 bash benchmarks/gpu_session.sh
+#
+# Steps: (1) forecast vs torch.cuda.max_memory_allocated for llama3.2-1b/3b (benchmarks/forecast_gpu.py) and the
+# calibration fitted from those records; (2) FSDP2 and ZeRO-3 bf16 benchmark runs of llama3.2-1b, whose records
+# hold forecast vs measured (results.forecast.error_pct); (3) eager vs regional compile, torch engine (target
+# ≥ 1.20× tokens/s); (4) regional vs DeepSpeed's engine.compile() with DeepCompile under ZeRO-3.
+# Everything lands in $OUT (the device's return folder; default benchmarks/results/gpu_session): at most 8 files.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results/gpu_session}"
+WORK="$(mktemp -d /tmp/ljperf-gpu-XXXX)"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LJPERF_CACHE_DIR="$WORK/cache" PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${LJPERF_GPU_SMOKE:-}" ]; then
+    PY="${PY:-.venv/bin/python}" DEVICE=cpu MODEL=llama-tiny MODELS=llama-tiny SEQ=128 MB=2 NPROC=2
+else
+    PY=python3 DEVICE=cuda MODEL=llama3.2-1b MODELS=llama3.2-1b,llama3.2-3b SEQ=2048 MB=4 NPROC=1
+    if [ -d .whl ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || exit 1
+        export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    fi
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/session.log"
+fi
+step() { # step NAME SECONDS COMMAND...: run with a time limit, log it, go on whatever happens
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$OUT/session.log"
+    timeout "$limit" "$@" >>"$OUT/session.log" 2>&1
+    echo "== $name exit $?" | tee -a "$OUT/session.log"
+}
+
+step forecast 180 "$PY" benchmarks/forecast_gpu.py --device "$DEVICE" --models "$MODELS" --out-dir "$WORK/forecast"
+cp "$WORK"/forecast/forecast_*.md "$OUT/forecast.md" 2>/dev/null
+step calibrate 30 "$PY" -m ljperf plan --calibrate "$WORK"/forecast/forecast_*/*.json
+tar -czf "$OUT/forecast_records.tar.gz" -C "$WORK/forecast" . 2>/dev/null
+
+for engine in fsdp deepspeed; do
+    step "$engine-forecast" 60 "$PY" -m ljperf benchmark --model "$engine/$MODEL" --device "$DEVICE" \
+        --nproc-per-node "$NPROC" --micro-batch 1 --seq-len "$SEQ" --steps 2 --warmup 2 \
+        --output "$WORK/bench-$engine.json"
+done
+"$PY" - "$WORK"/bench-*.json >"$OUT/engines.jsonl" <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    d = json.load(open(path))
+    r, f = d["results"], d["results"].get("forecast") or {}
+    e = d["config"]["engine"]
+    print(json.dumps({"engine": e["name"], "zero_stage": e.get("zero_stage"), "precision": d["config"]["train"]["precision"],
+                      "status": r["status"], "measured": r["peak_allocated_bytes"],
+                      "forecast": f.get("peak_allocated_bytes"), "traced": f.get("traced_peak_allocated_bytes"),
+                      "error_pct": f.get("error_pct"), "phase": f.get("phase"), "tokens_per_s": r["tokens_per_s"],
+                      "mfu": r.get("mfu")}))
+PY
+
+step compile-torch 180 "$PY" benchmarks/compile.py --device "$DEVICE" --model "torch/$MODEL" --seq-len "$SEQ" \
+    --micro-batch "$MB" --steps 8 --warmup 3 --modes off,regional --markdown "$OUT/compile_torch.md"
+step compile-deepspeed 120 "$PY" benchmarks/compile.py --device "$DEVICE" --model "deepspeed/$MODEL" \
+    --seq-len "$SEQ" --micro-batch "$MB" --steps 6 --warmup 3 --modes regional,deepspeed \
+    --markdown "$OUT/compile_deepspeed.md" -- --nproc-per-node "$NPROC"
+ls -l "$OUT"
