@@ -65,7 +65,7 @@ class BenchmarkConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``ljperf benchmark``."""
-    add_model_arguments(parser)
+    models.add_model_arguments(parser)
     parser.add_argument("--output", metavar="FILE", help="write the JSON result record here (atomically)")
     cfgmod.add_arguments(parser, TrainConfig)
     cfgmod.add_arguments(parser, EngineConfig)
@@ -76,32 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfgmod.add_arguments(parser, LaunchConfig)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model ENGINE/NAME`` or ``--model-config PATH`` with ``--engine``: shared by benchmark and plan."""
-    group = parser.add_argument_group("model")
-    group.add_argument("--model", metavar="ENGINE/NAME", help="engine and catalog model, e.g. torch/llama-tiny")
-    group.add_argument("--model-config", metavar="PATH", help="a local HF config.json (instead of a catalog name)")
-    group.add_argument(
-        "--engine",
-        choices=models.ENGINES,
-        help="engine for --model-config (default: torch); --model names it",
-    )
-
-
-def model_from_args(args: argparse.Namespace) -> tuple[str, ModelSpec]:
-    """(engine, model) from ``--model`` or ``--model-config``/``--engine``."""
-    if bool(args.model) == bool(args.model_config):
-        raise UsageError("give exactly one of --model ENGINE/NAME or --model-config PATH")
-    if args.model:
-        engine, name = models.split_model_arg(args.model)
-        if args.engine and args.engine != engine:
-            raise UsageError(f"--engine {args.engine} contradicts --model {args.model}; drop one")
-        return engine, models.resolve(name=name)
-    return args.engine or "torch", models.resolve(path=args.model_config)
-
-
 def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConfig:
-    engine, spec = model_from_args(args)
+    engine, spec = models.model_from_args(args)
     cfg = BenchmarkConfig(
         engine=engine,
         model=spec,

@@ -19,7 +19,6 @@ from rich.table import Table
 
 from ljperf import config as cfgmod
 from ljperf import hardware, models
-from ljperf.benchmark import add_model_arguments, model_from_args
 from ljperf.compile import compile_model
 from ljperf.config import COMPILE_MODES, LaunchConfig, TrainConfig, opt
 from ljperf.data import SyntheticTokens
@@ -60,14 +59,14 @@ class ReportConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``ljperf compile-report``."""
-    add_model_arguments(parser)
+    models.add_model_arguments(parser)
     parser.add_argument("--output", metavar="FILE", help="write the JSON report here (atomically)")
     cfgmod.add_arguments(parser, ReportConfig)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``ljperf compile-report``."""
-    engine_name, spec = model_from_args(args)
+    engine_name, spec = models.model_from_args(args)
     if engine_name != "torch":
         raise UsageError(f"compile-report runs one process: use --model torch/{spec.name} (regions are the same)")
     cfg = cfgmod.from_args(ReportConfig, args)

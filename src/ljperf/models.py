@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import zlib
@@ -216,3 +217,27 @@ def materialize(model: torch.nn.Module, *, device: torch.device, seed: int) -> t
 def format_params(n: int) -> str:
     """Parameters in billions with two decimals, e.g. ``8.03B``."""
     return f"{n / 1e9:.2f}B"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model ENGINE/NAME`` or ``--model-config PATH`` with ``--engine``: shared by benchmark and plan."""
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", metavar="ENGINE/NAME", help="engine and catalog model, e.g. torch/llama-tiny")
+    group.add_argument("--model-config", metavar="PATH", help="a local HF config.json (instead of a catalog name)")
+    group.add_argument(
+        "--engine",
+        choices=ENGINES,
+        help="engine for --model-config (default: torch); --model names it",
+    )
+
+
+def model_from_args(args: argparse.Namespace) -> tuple[str, ModelSpec]:
+    """(engine, model) from ``--model`` or ``--model-config``/``--engine``."""
+    if bool(args.model) == bool(args.model_config):
+        raise UsageError("give exactly one of --model ENGINE/NAME or --model-config PATH")
+    if args.model:
+        engine, name = split_model_arg(args.model)
+        if args.engine and args.engine != engine:
+            raise UsageError(f"--engine {args.engine} contradicts --model {args.model}; drop one")
+        return engine, resolve(name=name)
+    return args.engine or "torch", resolve(path=args.model_config)

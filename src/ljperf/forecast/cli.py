@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import asdict
 
-from ljperf import hardware
+from ljperf import hardware, models
 from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import fixed_plan
 from ljperf.errors import UsageError
@@ -24,9 +24,7 @@ MAX_MICRO_BATCH = 4096
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ljperf.benchmark import add_model_arguments
-
-    add_model_arguments(parser)
+    models.add_model_arguments(parser)
     g = parser.add_argument_group("recipe")
     g.add_argument(
         "--zero-stage", type=int, help="DeepSpeed ZeRO stage 1, 2 or 3 (default: --deepspeed-config's, else 3)"
@@ -67,10 +65,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``ljperf plan``."""
     if args.calibrate:
         return calibrate_command(args)
-    from ljperf.benchmark import model_from_args
     from ljperf.forecast.api import forecast
 
-    engine, spec = model_from_args(args)
+    engine, spec = models.model_from_args(args)
     recipe = recipe_from_args(args, engine=engine, spec=spec)
     memory, device_name = device_memory(args)
     decision = None
