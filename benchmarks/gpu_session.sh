@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of issues #4–#6 in one device call (one H200: about 9 minutes, each step time-boxed):
+# The GPU checks of issues #4–#6 in one device call (one H200: about 10 minutes; each step is time-boxed,
+# and the last may be cut by the call's limit):
 #   here:   bash benchmarks/gpu_wheels.sh
 #   device: run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
 # Smoke test of the script on this CPU machine (tiny models): LJPERF_GPU_SMOKE=1 bash benchmarks/gpu_session.sh
@@ -7,7 +8,8 @@
 # Steps: (1) forecast vs torch.cuda.max_memory_allocated for llama3.2-1b/3b (benchmarks/forecast_gpu.py) and the
 # calibration fitted from those records; (2) FSDP2 and ZeRO-3 bf16 benchmark runs of llama3.2-1b, whose records
 # hold forecast vs measured (results.forecast.error_pct); (3) eager vs regional compile, torch engine (target
-# ≥ 1.20× tokens/s); (4) regional vs DeepSpeed's engine.compile() with DeepCompile under ZeRO-3.
+# ≥ 1.20× tokens/s); (4) regional vs DeepSpeed's engine.compile() with DeepCompile under ZeRO-3; (5) the auto
+# recompute plan vs a sample of "first K layers full" plans (benchmarks/recompute.py --ks).
 # Everything lands in $OUT (the device's return folder; default benchmarks/results/gpu_session): at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,9 +18,9 @@ WORK="$(mktemp -d /tmp/ljperf-gpu-XXXX)"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LJPERF_CACHE_DIR="$WORK/cache" PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${LJPERF_GPU_SMOKE:-}" ]; then
-    PY="${PY:-.venv/bin/python}" DEVICE=cpu MODEL=llama-tiny MODELS=llama-tiny SEQ=128 MB=2 NPROC=2
+    PY="${PY:-.venv/bin/python}" DEVICE=cpu MODEL=llama-tiny MODELS=llama-tiny SEQ=128 MB=2 NPROC=2 KS=0,2
 else
-    PY=python3 DEVICE=cuda MODEL=llama3.2-1b MODELS=llama3.2-1b,llama3.2-3b SEQ=2048 MB=4 NPROC=1
+    PY=python3 DEVICE=cuda MODEL=llama3.2-1b MODELS=llama3.2-1b,llama3.2-3b SEQ=2048 MB=4 NPROC=1 KS=0,4,8,12
     if [ -d .whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || exit 1
@@ -57,9 +59,12 @@ for path in sys.argv[1:]:
                       "mfu": r.get("mfu")}))
 PY
 
-step compile-torch 180 "$PY" benchmarks/compile.py --device "$DEVICE" --model "torch/$MODEL" --seq-len "$SEQ" \
+step compile-torch 150 "$PY" benchmarks/compile.py --device "$DEVICE" --model "torch/$MODEL" --seq-len "$SEQ" \
     --micro-batch "$MB" --steps 8 --warmup 3 --modes off,regional --markdown "$OUT/compile_torch.md"
-step compile-deepspeed 120 "$PY" benchmarks/compile.py --device "$DEVICE" --model "deepspeed/$MODEL" \
+step compile-deepspeed 100 "$PY" benchmarks/compile.py --device "$DEVICE" --model "deepspeed/$MODEL" \
     --seq-len "$SEQ" --micro-batch "$MB" --steps 6 --warmup 3 --modes regional,deepspeed \
     --markdown "$OUT/compile_deepspeed.md" -- --nproc-per-node "$NPROC"
+# Last, as it may be cut by the call's limit: auto recompute vs a sample of "first K layers full" plans.
+step recompute 100 "$PY" benchmarks/recompute.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" \
+    --seq-len "$SEQ" --ks "$KS" --rounds 1 --steps 3 --out "$OUT/recompute.md"
 ls -l "$OUT"
