@@ -18,9 +18,9 @@ WORK="$(mktemp -d /tmp/ljperf-gpu-XXXX)"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LJPERF_CACHE_DIR="$WORK/cache" PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${LJPERF_GPU_SMOKE:-}" ]; then
-    PY="${PY:-.venv/bin/python}" DEVICE=cpu MODEL=llama-tiny MODELS=llama-tiny SEQ=128 MB=2 NPROC=2 KS=0,2
+    PY="${PY:-.venv/bin/python}" DEVICE=cpu MODEL=llama-tiny MODELS=llama-tiny SEQ=128 MB=2 NPROC=2 KS=0,2 SCALE=2
 else
-    PY=python3 DEVICE=cuda MODEL=llama3.2-1b MODELS=llama3.2-1b,llama3.2-3b SEQ=2048 MB=4 NPROC=1 KS=0,4,8,12
+    PY=python3 DEVICE=cuda MODEL=llama3.2-1b MODELS=llama3.2-1b,llama3.2-3b SEQ=2048 MB=4 NPROC=1 KS=0,4,8,12 SCALE=1
     if [ -d .whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || exit 1
@@ -29,16 +29,16 @@ else
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/session.log"
 fi
 step() { # step NAME SECONDS COMMAND...: run with a time limit, log it, go on whatever happens
-    local name=$1 limit=$2
+    local name=$1 limit=$(($2 * SCALE))
     shift 2
     echo "== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$OUT/session.log"
     timeout "$limit" "$@" >>"$OUT/session.log" 2>&1
     echo "== $name exit $?" | tee -a "$OUT/session.log"
 }
 
-step forecast 180 "$PY" benchmarks/forecast_gpu.py --device "$DEVICE" --models "$MODELS" --out-dir "$WORK/forecast"
+step forecast 150 "$PY" benchmarks/forecast_gpu.py --device "$DEVICE" --models "$MODELS" --out-dir "$WORK/forecast"
 cp "$WORK"/forecast/forecast_*.md "$OUT/forecast.md" 2>/dev/null
-step calibrate 30 "$PY" -m ljperf plan --calibrate "$WORK"/forecast/forecast_*/*.json
+step calibrate 20 "$PY" -m ljperf plan --calibrate "$WORK"/forecast/forecast_*/*.json
 tar -czf "$OUT/forecast_records.tar.gz" -C "$WORK/forecast" . 2>/dev/null
 
 for engine in fsdp deepspeed; do
@@ -61,10 +61,10 @@ PY
 
 step compile-torch 150 "$PY" benchmarks/compile.py --device "$DEVICE" --model "torch/$MODEL" --seq-len "$SEQ" \
     --micro-batch "$MB" --steps 8 --warmup 3 --modes off,regional --markdown "$OUT/compile_torch.md"
-step compile-deepspeed 100 "$PY" benchmarks/compile.py --device "$DEVICE" --model "deepspeed/$MODEL" \
+step compile-deepspeed 150 "$PY" benchmarks/compile.py --device "$DEVICE" --model "deepspeed/$MODEL" \
     --seq-len "$SEQ" --micro-batch "$MB" --steps 6 --warmup 3 --modes regional,deepspeed \
     --markdown "$OUT/compile_deepspeed.md" -- --nproc-per-node "$NPROC"
 # Last, as it may be cut by the call's limit: auto recompute vs a sample of "first K layers full" plans.
-step recompute 100 "$PY" benchmarks/recompute.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" \
+step recompute 90 "$PY" benchmarks/recompute.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" \
     --seq-len "$SEQ" --ks "$KS" --rounds 1 --steps 3 --out "$OUT/recompute.md"
 ls -l "$OUT"
