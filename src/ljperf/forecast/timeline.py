@@ -122,6 +122,8 @@ class Sharding:
     """Persistent communication buffers (DDP gradient buckets)."""
     grad_keep: float = 1.0
     """Share of each block's traced gradient this rank keeps after backward (1/world when reduce-scattered)."""
+    kept_grad_bytes: int = FP32
+    """Bytes per element of a kept share (FSDP2 reduces in fp32; ZeRO-2 keeps the compute dtype)."""
     resident: int = 0
     """Gathered from the first forward to the end of backward (FSDP2's root: embedding, final norm, head)."""
     gather_fwd: int = 0
@@ -138,8 +140,10 @@ class Sharding:
     optimizer_flat: int = 0
     """Bytes of the one flat fp32 partition the optimizer steps (DeepSpeed); 0: it steps each parameter."""
     backward_bucket: int = 0
-    """Bytes alive from the first gradient of a step to the end of its last backward (ZeRO-1/2's IPG bucket:
-    the backward epilogue that releases it runs at the gradient-accumulation boundary)."""
+    """Bytes alive from a backward's first gradient to its end (ZeRO-1/2's IPG bucket)."""
+    bucket_until_boundary: bool = False
+    """The bucket lives on until the accumulation boundary's backward ends (ZeRO-1 releases it when it
+    reduces, at the boundary; ZeRO-2 reduces and releases it every micro-step)."""
     step_grads: int = 0
     """Bytes of the fp32 gradient the optimizer step flattens from the held gradients (ZeRO-3), alive in it."""
     by_layer: tuple[tuple[int, int, int], ...] = ()
@@ -207,20 +211,26 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
         )
     if recipe.zero_stage == 3:
         return zero3_sharding(spec, blocks, zero=recipe.zero, compute=compute, shard=shard, moments=moments)
-    # The IPG bucket: reduce_bucket_size elements of the compute dtype, made at the first gradient hook and
-    # released by the backward epilogue at the accumulation boundary.
+    # The IPG bucket: reduce_bucket_size elements of the compute dtype, made at the first gradient hook.
     ipg = (recipe.zero.reduce_bucket_size or spec.hidden * spec.hidden) * compute
     if recipe.zero_stage == 2:
         return Sharding(
             params=p * compute // FP32 + shard,
-            grads=shard,
+            grads=shard * compute // FP32,  # the partition buffer: grad_accum_dtype, the model's by default
             optimizer=moments,
             grad_keep=1 / w,
+            kept_grad_bytes=compute,
             optimizer_flat=shard,
+            step_grads=shard - shard * compute // FP32,  # the partition, as the fp32 gradient of the master copy
             backward_bucket=ipg,
         )
     return Sharding(
-        params=p * compute // FP32 + shard, grads=shard, optimizer=moments, optimizer_flat=shard, backward_bucket=ipg
+        params=p * compute // FP32 + shard,
+        grads=shard,
+        optimizer=moments,
+        optimizer_flat=shard,
+        backward_bucket=ipg,
+        bucket_until_boundary=True,
     )
 
 
@@ -347,7 +357,10 @@ class _Grads:
     def settle(self, walk: _Walk, params: int) -> None:
         replicated = self.shard.grad_keep == 1.0
         made = params * self.traced if self.first or not replicated else 0  # replicated: accumulated in place
-        kept = round(params * FP32 * self.shard.grad_keep) if self.first else 0
+        if replicated:
+            kept = made  # the gradient itself stays
+        else:
+            kept = round(params * self.shard.kept_grad_bytes * self.shard.grad_keep) if self.first else 0
         walk.parts["gradients"] += kept
         walk.level -= made - kept
 
@@ -406,7 +419,7 @@ def compose(
         walk.step(edge[f"post_b@{k}"], f"backward, {head}", extra=extra.get("post_b", 0), logits_and_loss=-post_f)
         if not shard.root_reduced_last:
             grads.settle(walk, blocks.post)
-        if micro == 1:
+        if micro == 1 or not shard.bucket_until_boundary:
             walk.level += shard.backward_bucket
             walk.parts["comm_buffers"] += shard.backward_bucket
         for i, pos in reversed(list(enumerate(position))):
@@ -423,7 +436,7 @@ def compose(
         if shard.root_reduced_last:
             walk.visit(grads.reduce_root(blocks.pre + blocks.post), f"backward, {where}, root reduce-scatter")
         grads.settle(walk, blocks.pre + (blocks.post if shard.root_reduced_last else 0))
-        if micro == recipe.grad_accum:
+        if micro == recipe.grad_accum or not shard.bucket_until_boundary:
             walk.level -= shard.backward_bucket
             walk.parts["comm_buffers"] -= shard.backward_bucket
         walk.step(edge[f"gap@{k}"], f"backward, {where}")
