@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -60,7 +61,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _terminated(signum: int, _frame: object) -> None:
-    raise SystemExit(EXIT_SIGTERM)
+    # Not SystemExit: raised inside an import it can come out as another error (transformers' lazy modules
+    # re-raise it as ModuleNotFoundError, with a traceback). Commands with something to clean up (benchmark
+    # and ablation runs, torch elastic's agent) install their own handler before they start anything.
+    sys.stderr.flush()
+    os._exit(EXIT_SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
