@@ -24,7 +24,7 @@ OPTIMIZER_IMPLS = ("single", "foreach", "fused")
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroSettings:
-    """The DeepSpeed ZeRO-3 values the forecast reads, in elements as DeepSpeed counts them (its defaults)."""
+    """The DeepSpeed ZeRO values the forecast reads, in elements as DeepSpeed counts them (its defaults)."""
 
     reduce_bucket_size: int | None = None
     """Elements of the gradient (IPG) bucket; None: ljperf's ``"auto"``, hidden² (as the HF integration)."""
@@ -34,6 +34,10 @@ class ZeroSettings:
     """``stage3_max_live_parameters``: gathered elements before blocks are released."""
     max_reuse_distance: int = 1_000_000_000
     """``stage3_max_reuse_distance``: a block used again within this many elements stays gathered."""
+
+    def reduce_bucket_elements(self, hidden: int) -> int:
+        """Elements of the IPG bucket for a model of ``hidden`` size."""
+        return self.reduce_bucket_size or hidden * hidden
 
     @classmethod
     def from_config(cls, config: dict) -> ZeroSettings:

@@ -145,7 +145,7 @@ class Sharding:
     """The bucket lives on until the accumulation boundary's backward ends (ZeRO-1 releases it when it
     reduces, at the boundary; ZeRO-2 reduces and releases it every micro-step)."""
     step_grads: int = 0
-    """Bytes of the fp32 gradient the optimizer step flattens from the held gradients (ZeRO-3), alive in it."""
+    """Extra bytes of the fp32 gradient the optimizer step makes from the held ones (DeepSpeed), alive in it."""
     by_layer: tuple[tuple[int, int, int], ...] = ()
     """Per decoder layer ``(gather_fwd, gather_bwd, held)`` where they differ by layer (ZeRO-3's prefetch and
     reuse distance); replaces ``gather_fwd``, ``gather_bwd`` and ``held_per_layer`` when given."""
@@ -209,10 +209,9 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
             root_reduced_last=True,
             **gathered,
         )
+    ipg = recipe.zero.reduce_bucket_elements(spec.hidden) * compute  # the IPG (gradient) bucket
     if recipe.zero_stage == 3:
-        return zero3_sharding(spec, blocks, zero=recipe.zero, compute=compute, shard=shard, moments=moments)
-    # The IPG bucket: reduce_bucket_size elements of the compute dtype, made at the first gradient hook.
-    ipg = (recipe.zero.reduce_bucket_size or spec.hidden * spec.hidden) * compute
+        return zero3_sharding(blocks, zero=recipe.zero, compute=compute, shard=shard, moments=moments, ipg=ipg)
     if recipe.zero_stage == 2:
         return Sharding(
             params=p * compute // FP32 + shard,
@@ -235,20 +234,23 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
 
 
 def zero3_sharding(
-    spec: models.ModelSpec, blocks: BlockParams, *, zero: ZeroSettings, compute: int, shard: int, moments: int
+    blocks: BlockParams, *, zero: ZeroSettings, compute: int, shard: int, moments: int, ipg: int
 ) -> Sharding:
     """ZeRO-3 as ``stage3.py`` and ``partitioned_param_coordinator.py`` hold it, from step 2 (a recorded trace).
 
     Persistent: the compute-dtype partition, its fp32 master copy, the flat gradient partition (compute dtype:
     DeepSpeed's default ``grad_accum_dtype``; the step flattens an fp32 copy of it) and the IPG bucket
-    (``reduce_bucket_size``, ljperf: hidden²). Gathering: each fetch prefetches the next
+    (``ipg`` bytes, allocated whole). Gathering: each submodule's fetch prefetches up to
     ``stage3_prefetch_bucket_size`` elements in one all-gather whose flat buffer lives until its last parameter
-    is fetched, while every parameter gets its own copy when the handle is waited. The trace starts at the
-    model's root, which has no parameters: its fetch prefetches from the embedding on, so a model that fits in
-    the bucket is gathered whole, twice over, from the embedding until the head's fetch. After its forward a
-    block stays gathered if its backward is within ``stage3_max_reuse_distance`` elements of the trace (the
-    blocks after it, forward and backward), else it is released and gathered again in backward, with the
-    prefetch window; each block is released after its backward.
+    is fetched, while every parameter gets its own copy when the handle is waited; with about ten fetches per
+    layer the prefetch outruns the compute, so ``stage3_max_live_parameters`` bounds what is gathered ahead.
+    The trace starts at the model's root, which has no parameters: its fetch prefetches from the embedding on,
+    so a model that fits in one bucket (and in max-live) is gathered whole, twice over, from the embedding
+    until the head's fetch. After its forward a block stays gathered if its backward is within
+    ``stage3_max_reuse_distance`` elements of the trace; else what the prefetch already reached of its backward
+    use stays (DeepSpeed does not release a parameter whose later use it has dequeued: the last max-live
+    elements of the forward), and the rest is released and gathered again in backward. Each block is released
+    after its backward.
     """
     n, pre, layer, post = blocks.layers, blocks.pre, blocks.layer, blocks.post
     # Every submodule's fetch prefetches a bucket, many per layer: the prefetch outruns the compute until the
@@ -277,14 +279,13 @@ def zero3_sharding(
     held = [kept(i) for i in range(n)]
     backward = [0 if held[i] == layer else layer - held[i] + in_flight(i * layer + pre) for i in range(n)]
     pre_held = 2 * ahead(0) < zero.max_reuse_distance
-    bucket = (zero.reduce_bucket_size or spec.hidden * spec.hidden) * compute
     return Sharding(
         params=shard * compute // FP32 + shard,
         grads=shard * compute // FP32,  # gradient_accumulation_dtype: the model's dtype unless configured
         optimizer=moments,
         grads_persistent=True,
         step_grads=shard,
-        comm_buffers=bucket,
+        comm_buffers=ipg,
         grad_keep=0.0,
         optimizer_flat=shard,
         resident=pre * compute if pre_held else 0,
@@ -330,6 +331,11 @@ class _Walk:
             self.peak_parts = dict(self.parts)
             self.phase = phase
 
+    def add(self, part: str, nbytes: int) -> None:
+        """Bytes that join (or leave, negative) the running level as ``part``."""
+        self.level += nbytes
+        self.parts[part] += nbytes
+
     def step(self, seg: tuple[int, int], phase: str, *, extra: int = 0, **attributed: int) -> None:
         """Visit a segment ``(peak above start, net change)``; ``attributed`` moves bytes into named parts."""
         self.visit(seg[0] + extra, phase)
@@ -347,17 +353,23 @@ class _Grads:
     traced: int
     """Bytes per gradient element in the trace (2 where the engine computes with bf16 parameters)."""
 
+    @property
+    def replicated(self) -> bool:
+        return self.shard.grad_keep == 1.0
+
+    def made(self, params: int) -> int:
+        """Gradient bytes a block's backward allocates (replicated: later micro-steps accumulate in place)."""
+        return params * self.traced if self.first or not self.replicated else 0
+
     def reduce_root(self, params: int) -> int:
         """Bytes above the level while FSDP2 reduce-scatters the root's gradients: the fp32 input is filled from
         the gradients, which are then freed while the output shard is made."""
-        made = params * self.traced if self.first or self.shard.grad_keep != 1.0 else 0
         reduce_input = params * FP32
-        return max(reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - made)
+        return max(reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - self.made(params))
 
     def settle(self, walk: _Walk, params: int) -> None:
-        replicated = self.shard.grad_keep == 1.0
-        made = params * self.traced if self.first or not replicated else 0  # replicated: accumulated in place
-        if replicated:
+        made = self.made(params)
+        if self.replicated:
             kept = made  # the gradient itself stays
         else:
             kept = round(params * self.shard.kept_grad_bytes * self.shard.grad_keep) if self.first else 0
@@ -397,8 +409,7 @@ def compose(
         k = "1" if micro == 1 or not replicated else "2"
         where = f"micro-step {micro}"
 
-        walk.level += shard.resident
-        walk.parts["gathered_parameters"] += shard.resident
+        walk.add("gathered_parameters", shard.resident)
         extra = shard.gather_edges
         walk.step(
             edge[f"pre_f@{k}"],
@@ -410,8 +421,7 @@ def compose(
             seg = values[modes[i]][f"{pos}@{k}"]
             gather, _, held = shard.layer_terms(i)
             walk.step(seg, f"forward, {where}, layer {i}", extra=gather, activations=seg[1])
-            walk.level += held
-            walk.parts["gathered_parameters"] += held
+            walk.add("gathered_parameters", held)
         post_f = edge[f"post_f@{k}"][1]
         head = f"{where}, LM head and loss"
         walk.step(edge[f"post_f@{k}"], f"forward, {head}", extra=extra.get("post_f", 0), logits_and_loss=post_f)
@@ -420,16 +430,14 @@ def compose(
         if not shard.root_reduced_last:
             grads.settle(walk, blocks.post)
         if micro == 1 or not shard.bucket_until_boundary:
-            walk.level += shard.backward_bucket
-            walk.parts["comm_buffers"] += shard.backward_bucket
+            walk.add("comm_buffers", shard.backward_bucket)
         for i, pos in reversed(list(enumerate(position))):
             seg = values[modes[i]][f"b{pos[1]}@{k}"]
             saved = values[modes[i]][f"{pos}@{k}"][1]
             _, gather, held = shard.layer_terms(i)
             gather = extra.get("last_b", gather) if i == n - 1 else gather
             walk.step(seg, f"backward, {where}, layer {i}", extra=gather, activations=-saved)
-            walk.level -= held
-            walk.parts["gathered_parameters"] -= held
+            walk.add("gathered_parameters", -held)
             grads.settle(walk, blocks.layer)
         pre_f = edge[f"pre_f@{k}"][1]
         walk.step(edge[f"pre_b@{k}"], f"backward, {where}, embedding", extra=extra.get("pre_b", 0), activations=-pre_f)
@@ -437,11 +445,9 @@ def compose(
             walk.visit(grads.reduce_root(blocks.pre + blocks.post), f"backward, {where}, root reduce-scatter")
         grads.settle(walk, blocks.pre + (blocks.post if shard.root_reduced_last else 0))
         if micro == recipe.grad_accum or not shard.bucket_until_boundary:
-            walk.level -= shard.backward_bucket
-            walk.parts["comm_buffers"] -= shard.backward_bucket
+            walk.add("comm_buffers", -shard.backward_bucket)
         walk.step(edge[f"gap@{k}"], f"backward, {where}")
-        walk.level -= shard.resident
-        walk.parts["gathered_parameters"] -= shard.resident
+        walk.add("gathered_parameters", -shard.resident)
     if not shard.grads_persistent and walk.parts["gradients"] != shard.grads:
         walk.level += shard.grads - walk.parts["gradients"]
         walk.parts["gradients"] = shard.grads
