@@ -139,3 +139,25 @@ def test_distributed_script_gets_the_planned_layers(tmp_path, script, engine):
     )
     assert hooked["ljperf_imported"] and not plain["ljperf_imported"]
     assert 0 < assert_planned(hooked, plain, stderr) < 6
+
+
+@pytest.mark.slow
+def test_zero3_ranks_with_different_lengths_run_one_plan(tmp_path):
+    """ZeRO-3 ranks whose batches differ in length (128 and 256, as per-batch padding gives) all run the plan for
+    the longest: a rank recomputing layers the others do not would issue other parameter gathers (gloo aborts
+    with a collective mismatch)."""
+    from tests.scripts.tiny_llama import SEQ_LEN
+
+    lengths = {"SEQ_LEN_BY_RANK": f"{SEQ_LEN // 2},{SEQ_LEN}"}
+    budget = budget_between_none_and_full("deepspeed", world=2)  # rank 0's shorter batches need no recompute
+    plain, _ = run_script(tmp_path, "deepspeed_train.py", nproc=2, **lengths)
+    hooked, stderr = run_script(
+        tmp_path,
+        "deepspeed_train.py",
+        nproc=2,
+        CHECKPOINT_OPTIMIZATION="true",
+        LJPERF_MEMORY_BUDGET=str(budget),
+        **lengths,
+    )
+    assert 0 < assert_planned(hooked, plain, stderr) < 6
+    assert hooked["checkpointed_by_rank"] == [hooked["checkpointed"]] * 2

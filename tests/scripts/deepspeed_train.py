@@ -2,13 +2,13 @@
 
 Run: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=20MiB torchrun --nproc-per-node 2
 tests/scripts/deepspeed_train.py``. Rank 0 prints its losses, each layer's checkpointing flag and MLP calls per
-step, and whether ljperf was imported, as one JSON line.
+step, every rank's checkpointing flags, and whether ljperf was imported, as one JSON line.
 """
 
 import deepspeed
 import torch
 import torch.distributed as dist
-from tiny_llama import MICRO_BATCH, batch, build, count_mlp_calls, print_report
+from tiny_llama import MICRO_BATCH, batch, build, checkpointed, count_mlp_calls, print_report
 
 STEPS = 3
 
@@ -32,8 +32,10 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(by_rank, checkpointed(model))
     if rank == 0:
-        print_report(losses, model, calls, STEPS)
+        print_report(losses, model, calls, STEPS, checkpointed_by_rank=by_rank)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -2,6 +2,7 @@
 calls (a checkpointed layer runs its MLP again in backward)."""
 
 import json
+import os
 import sys
 
 import torch
@@ -27,9 +28,12 @@ def build():
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s token ids of training step ``step``."""
+    """Rank ``rank``'s token ids of training step ``step``; ``SEQ_LEN_BY_RANK=128,256`` gives each rank its own
+    length (as an HF data collator that pads each batch to its longest sequence does)."""
+    lengths = os.environ.get("SEQ_LEN_BY_RANK")
+    seq_len = int(lengths.split(",")[rank]) if lengths else SEQ_LEN
     return torch.randint(
-        0, CONFIG["vocab_size"], (MICRO_BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(step * 100 + rank)
+        0, CONFIG["vocab_size"], (MICRO_BATCH, seq_len), generator=torch.Generator().manual_seed(step * 100 + rank)
     )
 
 
@@ -41,11 +45,17 @@ def count_mlp_calls(model) -> list[int]:
     return counts
 
 
-def print_report(losses: list[float], model, calls: list[int], steps: int) -> None:
+def checkpointed(model) -> list[bool]:
+    """Each decoder layer's checkpointing flag."""
+    return [bool(layer.gradient_checkpointing) for layer in model.model.layers]
+
+
+def print_report(losses: list[float], model, calls: list[int], steps: int, **extra) -> None:
     """The one JSON line the tests read: losses, which layers checkpoint, MLP calls per step, ljperf loaded."""
     report = {
+        **extra,
         "losses": losses,
-        "checkpointed": [bool(layer.gradient_checkpointing) for layer in model.model.layers],
+        "checkpointed": checkpointed(model),
         "mlp_calls_per_step": [c / steps for c in calls],
         "ljperf_imported": "ljperf" in sys.modules,
     }

@@ -5,7 +5,8 @@ Run: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=70GiB python train.py``
 ``Trainer.__init__``, ``deepspeed.initialize`` and FSDP2's ``fully_shard`` (when called on an HF model, the
 root) are patched when imported; they attach a forward pre-hook to the model that plans from the first
 training batch's shape (and again when a batch is larger), applies the plan before that forward and logs one
-line. Ranks plan with rank 0's budget and device rates, so they agree. When even full recompute cannot fit,
+line. Ranks plan with rank 0's budget and device rates; under ZeRO-3 every rank plans for the largest batch
+of any rank, so all run one plan (``_agreed``). When even full recompute cannot fit,
 every layer recomputes and one warning says what would fit. Any failure warns once and removes the hook:
 training goes on exactly as without the variable.
 """
@@ -144,21 +145,31 @@ def attach(model, setup: Callable[[], dict[str, Any]]) -> None:
 
     if getattr(model, "_ljperf_checkpoint_hook", None) is not None:
         return  # a Trainer running DeepSpeed or FSDP2 attaches once, from Trainer.__init__
-    planned: dict[str, Any] = {"tokens": 0, "measures": None}
+    planned: dict[str, Any] = {"tokens": 0, "measures": None, "setup": None}
 
     @torch._dynamo.disable
     def pre_forward(module, args, kwargs):
-        shape = _batch_shape(args, kwargs)
-        if shape is None or not module.training or shape[0] * shape[1] <= planned["tokens"]:
+        ids = _batch_ids(args, kwargs)
+        if ids is None or not module.training:
             return
         try:
+            if planned["setup"] is None:
+                planned["setup"] = setup()
+            agreed = _agreed(planned["setup"])
+            micro_batch, seq_len = _largest_shape(ids) if agreed else ids.shape[:2]
+            if micro_batch * seq_len <= planned["tokens"]:
+                return
             decision, planned["measures"] = plan_model(
-                module, micro_batch=shape[0], seq_len=shape[1], measures=planned["measures"], **setup()
+                module, micro_batch=micro_batch, seq_len=seq_len, measures=planned["measures"], **planned["setup"]
             )
+            if agreed:
+                from ljperf.checkpoint.solver import shared_from_rank0
+
+                decision = shared_from_rank0(decision)
             from ljperf.checkpoint.apply import apply_plan
 
             apply_plan(module, decision.plan)
-            planned["tokens"] = shape[0] * shape[1]
+            planned["tokens"] = micro_batch * seq_len
             if decision.fits is False:
                 if _is_main():
                     warnings.warn(f"{PREFIX} {decision.line()}", stacklevel=2)
@@ -173,13 +184,34 @@ def attach(model, setup: Callable[[], dict[str, Any]]) -> None:
     model._ljperf_checkpoint_hook = handle
 
 
-def _batch_shape(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+def _batch_ids(args: tuple, kwargs: dict):
+    """The batch's token ids (or embeddings): a tensor whose first two dimensions are (micro batch, sequence)."""
     import torch
 
     for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args):
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return int(value.shape[0]), int(value.shape[1])
+            return value
     return None
+
+
+def _agreed(setup: dict[str, Any]) -> bool:
+    """Whether every rank must run the same plan. ZeRO-3 gathers parameters in the order of the module trace it
+    recorded, so a rank that recomputes a layer the others do not issues other collectives (gloo aborts with
+    "collective mismatch"); ranks of an HF Trainer pad their batches to different lengths. FSDP2, DDP and
+    ZeRO-1/2 issue the same collectives whatever each rank recomputes, so each rank plans for its own batch."""
+    return setup["engine"] == "deepspeed" and setup.get("zero_stage") == 3 and setup["world"] > 1
+
+
+def _largest_shape(ids) -> tuple[int, int]:
+    """The largest micro batch and sequence length of any rank: one all-reduce of two integers per training
+    forward, on the batch's device (so the process group's own backend)."""
+    import torch
+    import torch.distributed as dist
+
+    shape = torch.tensor(ids.shape[:2], dtype=torch.int64, device=ids.device)
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX)
+    micro_batch, seq_len = shape.tolist()
+    return micro_batch, seq_len
 
 
 def plan_model(
