@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from tests.conftest import read_record, run_ljperf
+from tests.conftest import cli_env, read_record, run_ljperf
 
 from ljperf import models
 from ljperf.forecast import Recipe, forecast
@@ -41,3 +43,34 @@ def test_budget_nothing_fits_exits_2_with_advice():
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "does not fit" in proc.stderr
+
+
+@pytest.mark.slow
+def test_closed_loop_replans_from_the_measured_peak(tmp_path):
+    """A stale calibration (CPU scale 1.25) makes the first plan recompute layers that fit without it; the closed
+    loop measures step 2, re-plans before the timed steps, and the run's measured peak and losses are the
+    no-recompute run's (which fits the budget)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    stale = {"cpu": {"scale": 1.25, "offset": 0, "reserved_scale": None, "context": 0, "samples": 3}}
+    (cache / "calibration.json").write_text(json.dumps({"version": 1, "devices": stale}))
+    none, full = forecasts()
+    budget = round(1.1 * none)  # the true no-recompute peak fits; ×1.25 it does not, full recompute does
+    assert 1.25 * full < budget < 1.25 * none
+    args = ("benchmark", "--model", "torch/llama-tiny", *SHAPE, "--steps", "2", "--warmup", "3")
+    env = cli_env(LJPERF_CACHE_DIR=str(cache))
+    runs, stdout = {}, {}
+    for name, extra in (("auto", ("--recompute", "auto", "--memory-budget", str(budget))), ("plain", ())):
+        proc = run_ljperf(*args, *extra, "--output", str(tmp_path / f"{name}.json"), env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[name], stdout[name] = read_record(tmp_path / f"{name}.json")["results"], proc.stdout
+    recompute = runs["auto"]["recompute"]
+    loop = recompute["closed_loop"]
+    assert loop["first"]["plan"].count("none") < len(loop["first"]["plan"])  # the stale forecast recomputed
+    assert loop["replanned"] and 0.1 <= loop["activation_scale"] < 1
+    assert loop["first_measured_peak_bytes"] < 0.85 * loop["first"]["forecast_peak_bytes"]
+    assert recompute["plan"] == loop["second"]["plan"] == ["none"] * len(recompute["plan"])
+    assert recompute["fits"] and runs["auto"]["peak_allocated_bytes"] <= budget  # the new plan's measured peak
+    assert runs["auto"]["peak_allocated_bytes"] == runs["plain"]["peak_allocated_bytes"]
+    assert runs["auto"]["losses"] == runs["plain"]["losses"]
+    assert "closed loop: measured" in stdout["auto"]

@@ -261,16 +261,22 @@ def train_loop(run: RunContext, engine: Any, state: LoopState, reporter: Progres
     # Step 1 creates the optimizer states, so memory is measured from step 2 on (the steady state).
     track_step = 1 if train.warmup >= 2 else train.warmup + train.steps
     total = train.warmup + train.steps + (1 if track_step >= train.warmup + train.steps else 0)
+    measure_steps = {track_step}
     fault = Fault.from_env()
     for step in range(total):
         batches = data.micro_batches(step, run.rank, device)
         if fault is not None:
             fault.maybe_fire(step, run.rank)
         elapsed = None
-        if step == track_step:
+        if step in measure_steps:
             loss = measured_memory_step(run, engine, batches, state)
-            if state.recompute is not None and (loop := close_the_loop(run, engine.model, state.recompute)):
-                state.recompute, state.closed_loop = loop
+            if step == track_step and state.recompute is not None:
+                measured = memory.cuda_peaks(device)[0] if device.type == "cuda" else state.peak_allocated
+                if loop := close_the_loop(run, engine.model, state.recompute, measured=measured):
+                    state.recompute, state.closed_loop = loop
+                    # CUDA's counters were reset for the new plan; the CPU measures its first step if untimed
+                    if state.closed_loop["replanned"] and device.type != "cuda" and step + 1 < train.warmup:
+                        measure_steps.add(step + 1)
         else:
             hardware.synchronize(device)
             start = time.perf_counter()

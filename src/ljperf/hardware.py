@@ -91,6 +91,11 @@ class DeviceInfo:
     def torch_device(self) -> torch.device:
         return torch.device(self.type, self.index) if self.index is not None else torch.device(self.type)
 
+    @property
+    def calibration_name(self) -> str:
+        """The name its forecast overheads are calibrated under (``ljperf plan --calibrate``): ``cpu`` for any CPU."""
+        return self.name if self.type == "cuda" else "cpu"
+
 
 def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

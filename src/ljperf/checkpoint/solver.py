@@ -25,7 +25,7 @@ from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import SAVE_OPS, Plan, fixed_plan, summary
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Recipe
-from ljperf.units import parse_size
+from ljperf.units import format_bytes, parse_size
 
 BUDGET_ENV = "LJPERF_MEMORY_BUDGET"
 GPU_MARGIN = 0.10
@@ -378,6 +378,18 @@ def shared_from_rank0(value):
     return box[0]
 
 
+def max_over_ranks(values: list[int], device: torch.device) -> list[int]:
+    """Each of ``values``' largest value on any rank of the default process group (as is without one); the
+    tensor lives on ``device``, which must suit the group's backend (CUDA for NCCL)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    largest = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.tolist()
+
+
 # --- for a benchmark run ----------------------------------------------------------------------------------------
 def decide_for_run(run) -> Decision | None:
     """The plan of ``run.optim.recompute`` (a ``RunContext``): None for ``none``, solved for ``auto``."""
@@ -392,7 +404,9 @@ def decide_for_run(run) -> Decision | None:
         return _decision(plan, None, None, cost, rates)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", run.launch.nproc_per_node))
     budget = budget_bytes(run.device.torch_device, given=run.optim.memory_budget, local_world=local_world)
-    return solve_recipe(spec, Recipe.from_run(run), budget=budget, rates=rates, cost=cost)
+    return solve_recipe(
+        spec, Recipe.from_run(run), budget=budget, rates=rates, cost=cost, device_name=run.device.calibration_name
+    )
 
 
 def prepare_run(run) -> Decision | None:
@@ -411,7 +425,7 @@ def prepare_run(run) -> Decision | None:
     return decision
 
 
-# --- the closed loop (CUDA) ------------------------------------------------------------------------------------
+# --- the closed loop -------------------------------------------------------------------------------------------
 REPLAN_BELOW = 0.85
 """A measured peak under this share of the forecast re-plans (the forecast was pessimistic: recompute less)."""
 
@@ -436,19 +450,22 @@ def corrected_scale(
     return scale * max(activations + measured - forecast, activations / 10) / activations
 
 
-def close_the_loop(run, model, decision: Decision) -> tuple[Decision, dict] | None:
-    """After the first steady-state step on CUDA (peak since the last reset): correct the activation coefficient
-    from ``torch.cuda.max_memory_allocated``, re-plan once and apply it to ``model`` (rank 0's plan on every rank).
-    Returns the plan now running and what ``results.recompute.closed_loop`` records; None when there is no
-    solved plan or no CUDA."""
+def close_the_loop(run, model, decision: Decision, *, measured: int) -> tuple[Decision, dict] | None:
+    """After the first steady-state step: correct the activation coefficient from ``measured`` (this rank's
+    peak allocated bytes of that step; the largest of any rank is used, so every rank takes the same branch),
+    re-plan once and apply it to ``model`` (rank 0's plan on every rank). Returns the plan now running and what
+    ``results.recompute.closed_loop`` records; None when there is no solved plan."""
     from ljperf.checkpoint.apply import apply_plan
     from ljperf.forecast import forecast
+    from ljperf.memory import reset_cuda_peak
 
     device = run.device.torch_device
-    if device.type != "cuda" or decision.budget_bytes is None:
+    if decision.budget_bytes is None:
         return None
-    measured = torch.cuda.max_memory_allocated(device)
-    first = forecast(run.model, Recipe.from_run(run).with_(recompute=decision.plan))
+    (measured,) = max_over_ranks([measured], device)
+    first = forecast(
+        run.model, Recipe.from_run(run).with_(recompute=decision.plan), device_name=run.device.calibration_name
+    )
     scale = corrected_scale(
         measured=measured,
         forecast=first.peak_allocated_bytes,
@@ -472,17 +489,18 @@ def close_the_loop(run, model, decision: Decision) -> tuple[Decision, dict] | No
             budget=decision.budget_bytes,
             rates=Rates.measure(device),
             cost=cost,
+            device_name=run.device.calibration_name,
             activation_scale=scale,
         )
         again = shared_from_rank0(again)
         apply_plan(model, again.plan)
-        torch.cuda.reset_peak_memory_stats(device)  # the run's peak is now the second plan's
+        reset_cuda_peak(device)  # the run's peak is now the second plan's
         loop["second"] = {"plan": list(again.plan), "forecast_peak_bytes": again.forecast_bytes, "fits": again.fits}
         decision = again
         if run.is_main:
             print(
-                f"closed loop: measured {measured / GiB:.2f} GiB vs forecast {first.peak_allocated_bytes / GiB:.2f};"
-                f" activations × {scale:.3f}; {again.line()}",
+                f"closed loop: measured {format_bytes(measured)} vs forecast"
+                f" {format_bytes(first.peak_allocated_bytes)}; activations × {scale:.3f}; {again.line()}",
                 flush=True,
             )
     return decision, shared_from_rank0(loop)

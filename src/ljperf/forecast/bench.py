@@ -16,7 +16,7 @@ def benchmark_forecast(run, results: dict[str, Any], plan: tuple[str, ...] | Non
 
     try:
         recipe = Recipe.from_run(run, recompute=tuple(plan or ()))
-        result = forecast(run.model, recipe, device_name=run.device.name if run.device.type == "cuda" else None)
+        result = forecast(run.model, recipe, device_name=run.device.calibration_name)
     except Exception as exc:  # a forecast must never fail a benchmark
         warnings.warn(f"ljperf: no memory forecast for this run ({type(exc).__name__}: {exc})", stacklevel=2)
         return None

@@ -205,12 +205,9 @@ def _agreed(setup: dict[str, Any]) -> bool:
 def _largest_shape(ids) -> tuple[int, int]:
     """The largest micro batch and sequence length of any rank: one all-reduce of two integers per training
     forward, on the batch's device (so the process group's own backend)."""
-    import torch
-    import torch.distributed as dist
+    from ljperf.checkpoint.solver import max_over_ranks
 
-    shape = torch.tensor(ids.shape[:2], dtype=torch.int64, device=ids.device)
-    dist.all_reduce(shape, op=dist.ReduceOp.MAX)
-    micro_batch, seq_len = shape.tolist()
+    micro_batch, seq_len = max_over_ranks(list(ids.shape[:2]), ids.device)
     return micro_batch, seq_len
 
 
@@ -253,7 +250,8 @@ def plan_model(
         here = torch.device(device_type, device.index) if device_type == "cuda" else torch.device("cpu")
         measures = shared_from_rank0((budget_bytes(here, local_world=local_world), Rates.measure(here)))
     budget, rates = measures
-    return solve_recipe(spec, full, budget=budget, rates=rates), measures
+    name = torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"  # calibrated overheads
+    return solve_recipe(spec, full, budget=budget, rates=rates, device_name=name), measures
 
 
 def _is_main() -> bool:
