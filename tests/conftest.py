@@ -48,3 +48,13 @@ def fresh_forecast_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LJPERF_CACHE_DIR", str(tmp_path_factory.mktemp("ljperf-cache")))
         yield
+
+
+def stale_calibration_cache(tmp_path: Path, *, scale: float) -> Path:
+    """A forecast cache folder whose saved CPU calibration multiplies every forecast by ``scale`` (a calibration
+    gone stale): ``LJPERF_CACHE_DIR`` for a run whose first plan the closed loop must correct."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    stale = {"cpu": {"scale": scale, "offset": 0, "reserved_scale": None, "context": 0, "samples": 3}}
+    (cache / "calibration.json").write_text(json.dumps({"version": 1, "devices": stale}))
+    return cache

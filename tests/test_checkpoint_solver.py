@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from tests.conftest import cli_env, read_record, run_ljperf
+from tests.conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
 
 from ljperf import models
 from ljperf.forecast import Recipe, forecast
@@ -50,10 +48,7 @@ def test_closed_loop_replans_from_the_measured_peak(tmp_path):
     """A stale calibration (CPU scale 1.25) makes the first plan recompute layers that fit without it; the closed
     loop measures step 2, re-plans before the timed steps, and the run's measured peak and losses are the
     no-recompute run's (which fits the budget)."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    stale = {"cpu": {"scale": 1.25, "offset": 0, "reserved_scale": None, "context": 0, "samples": 3}}
-    (cache / "calibration.json").write_text(json.dumps({"version": 1, "devices": stale}))
+    cache = stale_calibration_cache(tmp_path, scale=1.25)
     none, full = forecasts()
     budget = round(1.1 * none)  # the true no-recompute peak fits; ×1.25 it does not, full recompute does
     assert 1.25 * full < budget < 1.25 * none

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import cli_env
+from tests.conftest import cli_env, stale_calibration_cache
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LINE = re.compile(r"\[ljperf\] recomputing (\d+)/(\d+) layers \(selective (\d+), full (\d+)\)[^\n]*")
@@ -71,6 +71,12 @@ def test_failing_plan_warns_once_and_training_is_unchanged(tmp_path, plain_train
 
 def budget_between_none_and_full(engine: str = "torch", world: int = 1) -> int:
     """Half-way between the forecasts of no and of full recompute for the scripts' model."""
+    none, full = forecasts_none_and_full(engine, world)
+    return (none + full) // 2
+
+
+def forecasts_none_and_full(engine: str = "torch", world: int = 1) -> tuple[int, int]:
+    """The forecasts of no and of full recompute for the scripts' model."""
     from tests.scripts.tiny_llama import CONFIG, MICRO_BATCH, SEQ_LEN
 
     from ljperf.forecast import Recipe, forecast
@@ -90,7 +96,7 @@ def budget_between_none_and_full(engine: str = "torch", world: int = 1) -> int:
         zero=zero,
     )
     none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
-    return (none + full) // 2
+    return none, full
 
 
 def assert_planned(hooked: dict, plain: dict, stderr: str) -> int:
@@ -161,3 +167,27 @@ def test_zero3_ranks_with_different_lengths_run_one_plan(tmp_path):
     )
     assert 0 < assert_planned(hooked, plain, stderr) < 6
     assert hooked["checkpointed_by_rank"] == [hooked["checkpointed"]] * 2
+
+
+@pytest.mark.slow
+def test_closed_loop_corrects_a_stale_forecast_after_the_second_step(tmp_path, plain_trainer):
+    """A stale calibration (CPU scale 1.25) makes the first plan recompute layers the budget does not need; the
+    hook measures step 2, re-plans before step 3 (no recompute), logs both, and the losses stay the plain run's."""
+    cache = stale_calibration_cache(tmp_path, scale=1.25)
+    none, full = forecasts_none_and_full()
+    budget = round(1.1 * none)  # the true no-recompute peak fits; ×1.25 it does not, full recompute does
+    assert 1.25 * full < budget < 1.25 * none
+    hooked, stderr = run_script(
+        tmp_path, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET=str(budget), LJPERF_CACHE_DIR=str(cache)
+    )
+    ((recomputed, *_),) = LINE.findall(stderr)
+    recomputed = int(recomputed)
+    loop = re.search(
+        r"\[ljperf\] closed loop: measured ([\d.]+) MiB vs forecast ([\d.]+) MiB; .*recomputing (\d+)/", stderr
+    )
+    assert recomputed > 0 and loop and loop[3] == "0", stderr[-2000:]
+    assert float(loop[1]) < 0.85 * float(loop[2])
+    assert hooked["checkpointed"] == [False] * 6
+    steps = len(hooked["losses"])  # steps 1 and 2 ran the first plan, step 3 the second
+    assert hooked["mlp_calls_per_step"] == [(2 * 2 + 1) / steps] * recomputed + [1.0] * (6 - recomputed)
+    assert hooked["losses"] == plain_trainer["losses"]

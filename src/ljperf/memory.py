@@ -112,10 +112,12 @@ def _storage(tensor: object) -> torch.UntypedStorage | None:
 
 
 def training_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """Tensors alive between steps: parameters, buffers, gradients and optimizer states."""
+    """Tensors alive between steps: parameters, buffers, gradients and optimizer states, and the optimizer's own
+    parameters when they are copies (DeepSpeed's flat fp32 partitions)."""
     tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     if optimizer is not None:
+        tensors += [p for group in optimizer.param_groups for p in group["params"]]
         for state in optimizer.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors

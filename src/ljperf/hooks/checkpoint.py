@@ -6,7 +6,8 @@ Run: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=70GiB python train.py``
 root) are patched when imported; they attach a forward pre-hook to the model that plans from the first
 training batch's shape (and again when a batch is larger), applies the plan before that forward and logs one
 line. Ranks plan with rank 0's budget and device rates; under ZeRO-3 every rank plans for the largest batch
-of any rank, so all run one plan (``_agreed``). When even full recompute cannot fit,
+of any rank, so all run one plan (``_agreed``). The second training step's peak is measured and, when it
+misses the forecast, the plan is corrected once (the closed loop, ``_Planner``). When even full recompute cannot fit,
 every layer recomputes and one warning says what would fit. Any failure warns once and removes the hook:
 training goes on exactly as without the variable.
 """
@@ -140,48 +141,169 @@ def _fsdp_setup(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def attach(model, setup: Callable[[], dict[str, Any]]) -> None:
-    """Plan at the model's first training forward (and when a batch is larger); once per model."""
-    import torch
+    """Plan at the model's first training forward (and when a batch is larger), then correct the plan once
+    from the measured peak of the second training step (the closed loop); once per model."""
+    if getattr(model, "_ljperf_checkpoint_hook", None) is None:  # a Trainer running DeepSpeed or FSDP2
+        model._ljperf_checkpoint_hook = _Planner(model, setup)  # attaches once, from Trainer.__init__
 
-    if getattr(model, "_ljperf_checkpoint_hook", None) is not None:
-        return  # a Trainer running DeepSpeed or FSDP2 attaches once, from Trainer.__init__
-    planned: dict[str, Any] = {"tokens": 0, "measures": None, "setup": None}
 
-    @torch._dynamo.disable
-    def pre_forward(module, args, kwargs):
+class _Planner:
+    """The hook's state for one model: the plan running, the shape it is for, and the closed loop.
+
+    The closed loop measures the second training step (the first creates the optimizer states), from its first
+    training forward to the first one after its optimizer step: ``torch.cuda.max_memory_allocated`` on CUDA,
+    live tensor bytes on CPU. At that forward it compares rank 0's measured peak with the forecast of the plan
+    at the largest batch of the step, and when it is over the budget or under 85% of the forecast, re-plans
+    with rank 0's corrected activation coefficient (``solver.corrected_scale``), as ``ljperf benchmark`` does.
+    """
+
+    def __init__(self, model, setup: Callable[[], dict[str, Any]]):
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.model, self.make_setup = model, setup
+        self.setup: dict[str, Any] | None = None
+        self.measures: tuple | None = None  # rank 0's (budget, rates), measured at the first plan
+        self.decision = None
+        self.shape = (0, 0)
+        self.activation_scale = 1.0
+        self.steps = 0  # training steps whose optimizer has stepped
+        self.forwards = 0  # training forwards since the last step
+        self.optimizer = None
+        self.window: _Window | None = None
+        self.forward_handle = model.register_forward_pre_hook(torch._dynamo.disable(self.pre_forward), with_kwargs=True)
+        self.step_handle = register_optimizer_step_post_hook(self.after_step)
+
+    def after_step(self, optimizer, args, kwargs) -> None:
+        # Counted once per training step: ZeRO-3 steps its optimizer once per parameter sub-group.
+        if self.forwards:
+            self.steps, self.forwards, self.optimizer = self.steps + 1, 0, optimizer
+
+    def pre_forward(self, module, args, kwargs) -> None:
+        import torch
+
         ids = _batch_ids(args, kwargs)
-        if ids is None or not module.training:
+        if ids is None:
+            return
+        if not (module.training and torch.is_grad_enabled()):
+            if self.window is not None:  # evaluation or generation: measure a later training step instead
+                self.window.close()
+                self.window = None
             return
         try:
-            if planned["setup"] is None:
-                planned["setup"] = setup()
-            agreed = _agreed(planned["setup"])
-            micro_batch, seq_len = _largest_shape(ids) if agreed else ids.shape[:2]
-            if micro_batch * seq_len <= planned["tokens"]:
-                return
-            decision, planned["measures"] = plan_model(
-                module, micro_batch=micro_batch, seq_len=seq_len, measures=planned["measures"], **planned["setup"]
-            )
-            if agreed:
-                from ljperf.checkpoint.solver import shared_from_rank0
-
-                decision = shared_from_rank0(decision)
-            from ljperf.checkpoint.apply import apply_plan
-
-            apply_plan(module, decision.plan)
-            planned["tokens"] = micro_batch * seq_len
-            if decision.fits is False:
-                if _is_main():
-                    warnings.warn(f"{PREFIX} {decision.line()}", stacklevel=2)
-            else:
-                log(decision.line())
+            self.forwards += 1
+            if self.setup is None:
+                self.setup = self.make_setup()
+            shape = _largest_shape(ids) if _agreed(self.setup) else tuple(ids.shape[:2])
+            self.measure(shape, ids.device)
+            if shape[0] * shape[1] > self.shape[0] * self.shape[1]:
+                self.plan(shape)
         except Exception as exc:
-            handle.remove()
-            model._ljperf_checkpoint_hook = None
+            self.remove()
             warnings.warn(f"ljperf: CHECKPOINT_OPTIMIZATION left training unchanged: {exc}", stacklevel=2)
 
-    handle = model.register_forward_pre_hook(pre_forward, with_kwargs=True)
-    model._ljperf_checkpoint_hook = handle
+    def plan(self, shape: tuple[int, int], *, prefix: str = "") -> None:
+        from ljperf.checkpoint.apply import apply_plan
+        from ljperf.checkpoint.solver import shared_from_rank0
+
+        decision, self.measures = plan_model(
+            self.model,
+            micro_batch=shape[0],
+            seq_len=shape[1],
+            measures=self.measures,
+            activation_scale=self.activation_scale,
+            **self.setup,
+        )
+        if _agreed(self.setup):
+            decision = shared_from_rank0(decision)
+        apply_plan(self.model, decision.plan)
+        self.decision, self.shape = decision, shape
+        if decision.fits is False:
+            if _is_main():
+                warnings.warn(f"{PREFIX} {prefix}{decision.line()}", stacklevel=3)
+        else:
+            log(prefix + decision.line())
+
+    def measure(self, shape: tuple[int, int], device) -> None:
+        """Open the window at the second step's first training forward, widen it to each forward's batch, and
+        close the loop at the first forward after that step."""
+        if self.decision is None or self.steps == 0 or self.step_handle is None:
+            return
+        if self.window is None:
+            self.window = _Window(device, self._state_tensors(), step=self.steps)
+        if self.steps == self.window.step:
+            self.window.widen(shape)
+            return
+        self.step_handle.remove()
+        self.step_handle = None
+        self.close_loop(self.window.close(), self.window.shape)
+
+    def close_loop(self, measured: int, shape: tuple[int, int]) -> None:
+        from ljperf.checkpoint.solver import activation_bytes, corrected_scale, shared_from_rank0
+        from ljperf.forecast import forecast
+        from ljperf.units import format_bytes
+
+        spec, recipe, _, name = model_recipe(self.model, micro_batch=shape[0], seq_len=shape[1], **self.setup)
+        first = forecast(spec, recipe.with_(recompute=self.decision.plan), device_name=name)
+        scale = shared_from_rank0(
+            corrected_scale(
+                measured=measured,
+                forecast=first.peak_allocated_bytes,
+                activations=activation_bytes(first),
+                budget=self.decision.budget_bytes - (first.device_bytes - first.peak_allocated_bytes),
+            )
+        )
+        line = f"closed loop: measured {format_bytes(measured)} vs forecast {format_bytes(first.peak_allocated_bytes)}"
+        if scale is None:
+            log(f"{line}; the plan stands")
+            return
+        self.activation_scale = scale
+        self.plan(self.shape, prefix=f"{line}; activations × {scale:.3f}; ")
+
+    def _state_tensors(self) -> list:
+        """What lives between steps, for the CPU measurement (ZeRO-3 keeps its partitions in ``ds_tensor``)."""
+        from ljperf.memory import training_state_tensors
+
+        partitions = [p.ds_tensor for p in self.model.parameters() if getattr(p, "ds_tensor", None) is not None]
+        return training_state_tensors(self.model, self.optimizer) + partitions
+
+    def remove(self) -> None:
+        for handle in (self.forward_handle, self.step_handle):
+            if handle is not None:
+                handle.remove()
+        if self.window is not None:
+            self.window.close()
+        self.model._ljperf_checkpoint_hook = None
+
+
+class _Window:
+    """The peak allocated bytes from its opening: CUDA's allocator counters, or live tensors on CPU."""
+
+    def __init__(self, device, alive: list, *, step: int):
+        import torch
+
+        from ljperf.memory import LiveTensorBytes
+
+        self.device, self.step, self.shape = device, step, (0, 0)
+        self.tracker, self.peak = None, 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            self.tracker = LiveTensorBytes(alive)
+            self.tracker.__enter__()
+
+    def widen(self, shape: tuple[int, int]) -> None:
+        if shape[0] * shape[1] > self.shape[0] * self.shape[1]:
+            self.shape = shape
+
+    def close(self) -> int:
+        """The peak since opening; a CPU window stops tracking (closing twice is harmless)."""
+        import torch
+
+        if self.tracker is not None:
+            self.tracker.__exit__(None, None, None)
+            self.peak, self.tracker = self.tracker.peak, None
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else self.peak
 
 
 def _batch_ids(args: tuple, kwargs: dict):
@@ -211,21 +333,11 @@ def _largest_shape(ids) -> tuple[int, int]:
     return micro_batch, seq_len
 
 
-def plan_model(
-    model,
-    *,
-    micro_batch: int,
-    seq_len: int,
-    world: int,
-    precision: str,
-    measures: tuple | None = None,
-    **recipe: Any,
-):
-    """The solver's decision for this HF model at this batch shape (budget: ``LJPERF_MEMORY_BUDGET`` or device),
-    and the (budget, rates) it used: rank 0's, measured on the first call and passed back in on later ones."""
+def model_recipe(model, *, micro_batch: int, seq_len: int, world: int, precision: str, **recipe: Any):
+    """The forecast's view of training this HF model at this batch shape: (spec, recipe, the torch device,
+    the name its forecast overheads are calibrated under)."""
     import torch
 
-    from ljperf.checkpoint.solver import Rates, budget_bytes, shared_from_rank0, solve_recipe
     from ljperf.forecast import Recipe
     from ljperf.models import ModelSpec
 
@@ -234,10 +346,10 @@ def plan_model(
     device = next(model.parameters()).device
     if device.type == "meta":
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device
-    device_type = "cuda" if device.type == "cuda" else "cpu"
+    device = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
     attn = getattr(config, "_attn_implementation", None) or "sdpa"
     full = Recipe(
-        device=device_type,
+        device=device.type,
         world=world,
         precision=precision,
         micro_batch=micro_batch,
@@ -245,13 +357,32 @@ def plan_model(
         attn_implementation=attn if attn in ("sdpa", "eager") else "sdpa",
         **recipe,
     )
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return spec, full, device, name
+
+
+def plan_model(
+    model,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    measures: tuple | None = None,
+    activation_scale: float = 1.0,
+    **setup: Any,
+):
+    """The solver's decision for this HF model at this batch shape (budget: ``LJPERF_MEMORY_BUDGET`` or device),
+    and the (budget, rates) it used: rank 0's, measured on the first call and passed back in on later ones."""
+    from ljperf.checkpoint.solver import Rates, budget_bytes, shared_from_rank0, solve_recipe
+
+    spec, recipe, device, name = model_recipe(model, micro_batch=micro_batch, seq_len=seq_len, **setup)
     if measures is None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        here = torch.device(device_type, device.index) if device_type == "cuda" else torch.device("cpu")
-        measures = shared_from_rank0((budget_bytes(here, local_world=local_world), Rates.measure(here)))
+        measures = shared_from_rank0((budget_bytes(device, local_world=local_world), Rates.measure(device)))
     budget, rates = measures
-    name = torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"  # calibrated overheads
-    return solve_recipe(spec, full, budget=budget, rates=rates, device_name=name), measures
+    decision = solve_recipe(
+        spec, recipe, budget=budget, rates=rates, device_name=name, activation_scale=activation_scale
+    )
+    return decision, measures
 
 
 def _is_main() -> bool:
