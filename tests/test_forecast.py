@@ -77,14 +77,20 @@ def test_breakdown_adds_up_and_recompute_saves_activations():
     assert costs["full"].saved_bytes == 2 * 64 * spec.hidden * 4
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 @pytest.mark.parametrize(("engine", "precision"), [("torch", "fp32"), ("torch", "bf16-mixed"), ("fsdp", "bf16-mixed")])
-def test_analytic_formula_cross_checks_the_trace(engine, precision):
-    """DDP's bf16 runs fp32 parameters under autocast; FSDP2 and DeepSpeed compute with bf16 parameters."""
-    spec = models.resolve(name="llama-tiny")
-    recipe = Recipe(engine=engine, device="cpu", precision=precision, micro_batch=2, seq_len=128)
-    traced = layer_costs(spec, recipe)["none"].saved_bytes
+def test_analytic_formula_cross_checks_the_trace(engine, precision, name, attn):
+    """DDP's bf16 runs fp32 parameters under autocast; FSDP2 and DeepSpeed compute with bf16 parameters; qwen3
+    normalises Q and K. Measured: exact, except DDP bf16 (−2.0% to −3.1%: one bf16 hidden-wide tensor per token
+    the formula does not name)."""
+    spec = models.resolve(name=name)
+    recipe = Recipe(
+        engine=engine, device="cpu", precision=precision, micro_batch=2, seq_len=128, attn_implementation=attn
+    )
+    traced = layer_costs(spec, recipe, modes=("none",))["none"].saved_bytes
     formula = analytic.layer_bytes(spec, recipe, "none")
-    assert abs(formula - traced) / traced < 0.15, (formula, traced)
+    assert abs(formula - traced) / traced < 0.04, (formula, traced)
 
 
 @pytest.mark.parametrize("foreach", [False, True])

@@ -3,19 +3,24 @@ Transformer Models", adapted to RMSNorm, RoPE, GQA and SwiGLU as HF Llama-style 
 
 Used when tracing fails and as a cross-check of the traced coefficients (tests compare the two).
 Per token and layer, with ``a`` the matmul activation width (2 bytes under bf16 autocast, 4 in fp32):
-two RMSNorms keep input and output in fp32 (2·4h each; with bf16 parameters the fp32 upcast of the input
-and the per-token rsqrt, 4h + 4); Q/K/V outputs and their rotated copies 2a(h + 2·kv·d);
+two RMSNorms keep input, output and the per-token rsqrt in fp32 (2·4h + 4 each; with bf16 parameters the
+fp32 upcast of the input and the rsqrt, 4h + 4); Q/K/V outputs and their rotated copies 2a(h + 2·kv·d);
 attention output a·h plus the fp32 log-sum-exp per head; SwiGLU keeps gate, up, SiLU(gate) and their
 product (4a·ffn); under autocast the bf16 casts of both norm outputs (2a·h) and, per layer, where the
 parameters are fp32 (DDP), the bf16 weight copies its matmuls save (2 bytes per parameter, not per token).
-Eager attention adds the score and fp32 softmax matrices, heads·s·(a + 4). Full recompute keeps only the
-layer input (4h).
+Eager attention keeps the fp32 softmax and, under bf16, its cast (heads·s·4, or heads·s·(4 + a)), and its
+output in place of the log-sum-exp (a·heads·d − 4·heads). Qwen3's per-head RMSNorms of Q
+and K keep the fp32 upcast of their input, the normalised output in the activation width and a per-head
+rsqrt, (4 + a)(heads + kv)·d + 4(heads + kv). Full recompute keeps only the layer input (4h).
 """
 
 from __future__ import annotations
 
 from ljperf.forecast.recipe import Recipe
 from ljperf.models import ModelSpec
+
+QK_NORM = ("qwen3",)
+"""Architectures whose attention normalises Q and K per head (HF ``q_norm``/``k_norm``)."""
 
 
 def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
@@ -27,7 +32,7 @@ def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
     a = 2 if recipe.precision == "bf16-mixed" else 4
     ffn = getattr(spec.config, "intermediate_size", 4 * h)
     # bf16 parameters (FSDP2, DeepSpeed): each RMSNorm keeps its fp32 upcast of the input and the rsqrt instead
-    per_token = 2 * (4 * h + 4) if recipe.trace_precision == "bf16-params" else 2 * 2 * 4 * h
+    per_token = 2 * (4 * h + 4) if recipe.trace_precision == "bf16-params" else 2 * (2 * 4 * h + 4)
     per_token += 2 * a * (heads * d + 2 * kv * d) + a * heads * d + 4 * heads
     per_token += 4 * a * ffn
     weights = 0
@@ -35,8 +40,11 @@ def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
         per_token += 2 * a * h
     if recipe.trace_precision == "bf16-mixed":  # fp32 parameters under autocast (DDP): per-op weight copies
         weights = 2 * (h * heads * d * 2 + 2 * h * kv * d + 3 * h * ffn)
+    if spec.config.model_type in QK_NORM:
+        per_token += (4 + a) * (heads + kv) * d + 4 * (heads + kv)
     if recipe.attn_implementation == "eager":
-        per_token += heads * recipe.seq_len * (a + 4)
+        probs = 4 + (a if a < 4 else 0)  # the fp32 softmax, and its cast when the matmuls run narrower
+        per_token += heads * recipe.seq_len * probs + a * heads * d - 4 * heads
     return per_token * tokens + weights
 
 
