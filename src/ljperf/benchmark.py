@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ljperf import config as cfgmod
-from ljperf import hardware, memory, models
+from ljperf import deepspeed_config, hardware, memory, models
 from ljperf.checkpoint.solver import close_the_loop, prepare_run
 from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.data import SyntheticTokens
@@ -203,6 +203,7 @@ def first_line(exc: BaseException) -> str:
 def run_context(cfg: BenchmarkConfig, **known: Any) -> RunContext:
     """The run context of ``cfg`` before the process group is joined (``known`` fills rank/world/device)."""
     device = hardware.DeviceInfo(type=resolve_device_type(cfg.train.device), index=None, name="unknown")
+    path = cfg.engine_opts.deepspeed_config
     return RunContext(
         engine=cfg.engine,
         model=cfg.model,
@@ -210,6 +211,7 @@ def run_context(cfg: BenchmarkConfig, **known: Any) -> RunContext:
         launch=cfg.launch,
         engine_opts=cfg.engine_opts,
         optim=cfg.optim,
+        deepspeed_user=deepspeed_config.load(path) if cfg.engine == "deepspeed" and path else {},
         **{"device": device, **known},
     )
 

@@ -51,6 +51,8 @@ class RunContext:
     """FSDP2 / DeepSpeed options."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizations to apply (checkpoint, compile)."""
+    deepspeed_user: dict = field(default_factory=dict)
+    """The ``--deepspeed-config`` file's contents, read once per process ({} without one)."""
 
     @property
     def is_main(self) -> bool:

@@ -160,7 +160,6 @@ def _collect_tensors(obj: Any, found: list[torch.Tensor], *, seen: set[int], dep
 def resolved_config(run: RunContext) -> tuple[dict, list[deepspeed_config.Finding]]:
     """ljperf's DeepSpeed config, or ``--deepspeed-config`` merged into it; ``"auto"`` values resolved."""
     path = run.engine_opts.deepspeed_config
-    user = deepspeed_config.load(path) if path else {}
     defaults = adamw([torch.zeros(1)], run=run).defaults
     opts = deepspeed_config.Options(
         micro_batch=run.train.micro_batch,
@@ -175,7 +174,7 @@ def resolved_config(run: RunContext) -> tuple[dict, list[deepspeed_config.Findin
         hidden=run.model.hidden,
     )
     source = f"--deepspeed-config {path}" if path else "ljperf's DeepSpeed config"
-    config, findings = deepspeed_config.resolve(deepspeed_config.merge(user), opts, source=source)
+    config, findings = deepspeed_config.resolve(deepspeed_config.merge(run.deepspeed_user), opts, source=source)
     if run.optim.compile_mode == "deepspeed" and run.device.type == "cuda":
         # DeepCompile (CUDA only): ZeRO as graph passes instead of hooks; a user's "deepcompile": false stays
         config["compile"] = {"deepcompile": True, **config.get("compile", {})}

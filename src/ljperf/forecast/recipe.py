@@ -185,9 +185,8 @@ class Forecast:
 
 def _zero_settings(run: RunContext) -> ZeroSettings:
     """The ZeRO settings of ``--deepspeed-config`` (merged over ljperf's), or the defaults."""
-    path = run.engine_opts.deepspeed_config
-    if run.engine != "deepspeed" or not path:
+    if run.engine != "deepspeed" or not run.deepspeed_user:
         return ZeroSettings()
     from ljperf import deepspeed_config
 
-    return ZeroSettings.from_config(deepspeed_config.merge(deepspeed_config.load(path)))
+    return ZeroSettings.from_config(deepspeed_config.merge(run.deepspeed_user))
