@@ -34,10 +34,19 @@ class ZeroSettings:
     """``stage3_max_live_parameters``: gathered elements before blocks are released."""
     max_reuse_distance: int = 1_000_000_000
     """``stage3_max_reuse_distance``: a block used again within this many elements stays gathered."""
+    overlap_comm: bool = False
+    """ZeRO-1/2: reduce one bucket while the next fills, so two IPG buffers (DeepSpeed's default for 1/2)."""
+    contiguous_gradients: bool = True
+    """ZeRO-1/2: copy gradients into the IPG buffers (without it there are none)."""
 
     def reduce_bucket_elements(self, hidden: int) -> int:
         """Elements of the IPG bucket for a model of ``hidden`` size."""
         return self.reduce_bucket_size or hidden * hidden
+
+    def ipg_buffers(self) -> int:
+        """IPG buffers ZeRO-1/2 allocate (``setup_buckets``): two with ``overlap_comm``, none without
+        ``contiguous_gradients``."""
+        return (2 if self.overlap_comm else 1) if self.contiguous_gradients else 0
 
     @classmethod
     def from_config(cls, config: dict) -> ZeroSettings:
@@ -57,6 +66,13 @@ class ZeroSettings:
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise UsageError(f'zero_optimization.{key} is {value!r}: give a number of elements or "auto"')
             values[name] = int(value)
+        for key in ("overlap_comm", "contiguous_gradients"):
+            value = zero.get(key)
+            if value is None or value == "auto":
+                continue
+            if not isinstance(value, bool):
+                raise UsageError(f"zero_optimization.{key} is {value!r}: give true or false")
+            values[key] = value
         return cls(**values)
 
 

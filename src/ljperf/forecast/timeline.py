@@ -212,6 +212,7 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     ipg = recipe.zero.reduce_bucket_elements(spec.hidden) * compute  # the IPG (gradient) bucket
     if recipe.zero_stage == 3:
         return zero3_sharding(blocks, zero=recipe.zero, compute=compute, shard=shard, moments=moments, ipg=ipg)
+    ipg *= recipe.zero.ipg_buffers()
     if recipe.zero_stage == 2:
         return Sharding(
             params=p * compute // FP32 + shard,

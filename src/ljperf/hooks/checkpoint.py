@@ -97,6 +97,8 @@ def _deepspeed_setup(engine) -> dict[str, Any]:
             prefetch_bucket_size=engine.zero_prefetch_bucket_size(),
             max_live_parameters=engine.zero_max_live_parameters(),
             max_reuse_distance=engine.zero_max_reuse_distance(),
+            overlap_comm=bool(engine.zero_overlap_comm()),
+            contiguous_gradients=bool(engine.zero_contiguous_gradients()),
         ),
         "zero_stage": max(engine.zero_optimization_stage(), 1),
         "world": engine.dp_world_size,
