@@ -15,7 +15,7 @@ from ljperf.ablation.stats import Spread, VariantStats, contributions
 from ljperf.ablation.variants import BUILTIN, parse_environments, parse_variants
 from ljperf.errors import UsageError
 
-from conftest import read_record, run_ljperf
+from conftest import cli_env, read_record, run_ljperf
 
 SHORT = ("--model", "torch/llama-tiny", "--seq-len", "64", "--steps", "2", "--warmup", "1")
 # Three variants, the third fails at run time (flash-attention is not installed): it must not stop the others.
@@ -107,7 +107,10 @@ def test_usage_errors_exit_2(tmp_path):
 @pytest.mark.slow
 def test_ablation_report_failure_and_resume(tmp_path):
     out = tmp_path / "abl"
-    first = run_ljperf("ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out))
+    # A variant is its flags: the runs must not inherit CHECKPOINT_OPTIMIZATION (auto under a budget of 1 MiB
+    # would exit 2 with "does not fit")
+    hooked = cli_env(CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET="1MiB")
+    first = run_ljperf("ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out), env=hooked)
     assert first.returncode == 1, first.stderr
     assert "2 of 6 runs failed" in first.stderr
     # Interleaved: every variant once per repeat, in order.
@@ -119,6 +122,7 @@ def test_ablation_report_failure_and_resume(tmp_path):
     for name, rec in runs.items():
         want = "error" if name.startswith("broken") else "ok"
         assert rec["results"]["status"] == want, (name, rec["results"])
+        assert rec["config"]["optimizations"]["recompute"] == "none"
         assert rec["ablation"]["environment"]["versions"]["torch"] == rec["env"]["versions"]["torch"]
     assert "FlashAttention2" in runs["broken.r1.json"]["results"]["reason"]
     # Same seed and data: mb1's repeats train identically.

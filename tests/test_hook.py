@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.conftest import cli_env, stale_calibration_cache
+from tests.conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LINE = re.compile(r"\[ljperf\] recomputing (\d+)/(\d+) layers \(selective (\d+), full (\d+)\)[^\n]*")
@@ -191,3 +191,29 @@ def test_closed_loop_corrects_a_stale_forecast_after_the_second_step(tmp_path, p
     steps = len(hooked["losses"])  # steps 1 and 2 ran the first plan, step 3 the second
     assert hooked["mlp_calls_per_step"] == [(2 * 2 + 1) / steps] * recomputed + [1.0] * (6 - recomputed)
     assert hooked["losses"] == plain_trainer["losses"]
+
+
+@pytest.mark.slow
+def test_ljperf_benchmark_plans_itself_under_the_variable(tmp_path):
+    """``CHECKPOINT_OPTIMIZATION=true ljperf benchmark`` means ``--recompute auto`` (budget from
+    ``LJPERF_MEMORY_BUDGET``): the benchmark plans, records and forecasts the plan; the startup hook does not
+    also plan inside its FSDP2 engine (it did: the record said no recompute, the forecast was +12% off)."""
+    from ljperf.forecast import Recipe, forecast
+    from ljperf.models import resolve
+
+    spec = resolve(name="llama-tiny")
+    recipe = Recipe(engine="fsdp", world=2, device="cpu", precision="fp32", micro_batch=2, seq_len=256)
+    none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
+    out = tmp_path / "r.json"
+    proc = run_ljperf(
+        "benchmark", "--model", "fsdp/llama-tiny", "--nproc-per-node", "2", "--micro-batch", "2", "--seq-len", "256",
+        "--steps", "1", "--output", str(out),
+        env=cli_env(CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET=str((none + full) // 2)),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "[ljperf]" not in proc.stdout + proc.stderr  # the hook kept off ljperf's own model
+    results = read_record(out)["results"]
+    plan = results["recompute"]["plan"]
+    assert results["recompute"]["budget_bytes"] == (none + full) // 2
+    assert 0 < plan.count("full") + plan.count("selective") < spec.layers
+    assert abs(results["forecast"]["error_pct"]) < 1

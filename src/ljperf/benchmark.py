@@ -26,6 +26,7 @@ from ljperf.data import SyntheticTokens
 from ljperf.engines import make_engine
 from ljperf.errors import EXIT_ERROR, EXIT_OK, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, UsageError
 from ljperf.faults import Fault
+from ljperf.hooks import startup
 from ljperf.metrics import throughput
 from ljperf.models import ModelSpec
 from ljperf.report import ProgressReporter, print_result_table
@@ -70,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfgmod.add_arguments(parser, TrainConfig)
     cfgmod.add_arguments(parser, EngineConfig)
     cfgmod.add_arguments(parser, OptimConfig)
+    if startup.enabled("CHECKPOINT_OPTIMIZATION"):
+        parser.set_defaults(recompute="auto")
     parser.add_argument(
         "--compile", dest="compile_mode", action="store_const", const="regional", help="same as --compile-mode regional"
     )

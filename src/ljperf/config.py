@@ -103,8 +103,14 @@ class EngineConfig:
 class OptimConfig:
     """Optimizations, applied in a fixed order before the engine shards: checkpoint → compile."""
 
-    recompute: str = opt("none", "activation recompute: none, full, auto (fastest plan under the budget) or K")
-    memory_budget: str | None = opt(None, "memory budget of --recompute auto, e.g. 70GiB (docs/checkpoint.md)")
+    recompute: str = opt(
+        "none",
+        "activation recompute: none, full, auto (fastest plan under the budget) or K; CHECKPOINT_OPTIMIZATION=true "
+        "makes auto the default",
+    )
+    memory_budget: str | None = opt(
+        None, "memory budget of --recompute auto, e.g. 70GiB (default: $LJPERF_MEMORY_BUDGET, else the device's)"
+    )
     compile_mode: str = opt(
         "off",
         "torch.compile: regional (each block and the loss), whole (the model), deepspeed (DeepSpeed's "

@@ -145,6 +145,8 @@ def _fsdp_setup(kwargs: dict[str, Any]) -> dict[str, Any]:
 def attach(model, setup: Callable[[], dict[str, Any]]) -> None:
     """Plan at the model's first training forward (and when a batch is larger), then correct the plan once
     from the measured peak of the second training step (the closed loop); once per model."""
+    if getattr(model, "_ljperf_built", False):
+        return  # ljperf benchmark's own model: CHECKPOINT_OPTIMIZATION made --recompute auto there
     if getattr(model, "_ljperf_checkpoint_hook", None) is None:  # a Trainer running DeepSpeed or FSDP2
         model._ljperf_checkpoint_hook = _Planner(model, setup)  # attaches once, from Trainer.__init__
 
