@@ -84,8 +84,8 @@ def forecasts_none_and_full(engine: str = "torch", world: int = 1) -> tuple[int,
     from ljperf.models import ModelSpec, hf_config
 
     spec = ModelSpec(name="script", config=hf_config(CONFIG, source="test"))
-    # deepspeed_train.py keeps DeepSpeed's defaults, whose gradient bucket is 5e8 elements (not ljperf's hidden²)
-    zero = ZeroSettings(reduce_bucket_size=500_000_000)
+    # deepspeed_train.py sets its own gradient bucket (DeepSpeed's default is 5e8 elements, ljperf's hidden²)
+    zero = ZeroSettings(reduce_bucket_size=4096)
     recipe = Recipe(
         engine=engine,
         world=world,
@@ -145,6 +145,10 @@ def test_distributed_script_gets_the_planned_layers(tmp_path, script, engine):
     )
     assert hooked["ljperf_imported"] and not plain["ljperf_imported"]
     assert 0 < assert_planned(hooked, plain, stderr) < 6
+    # The closed loop's CPU measurement of step 2 (live tensors, DeepSpeed's flat partitions included) matches
+    # the forecast, so the plan stands (measured: FSDP2 25.00 vs 25.00 MiB, ZeRO-3 25.08 vs 25.08 MiB)
+    loop = re.search(r"\[ljperf\] closed loop: measured ([\d.]+) MiB vs forecast ([\d.]+) MiB; the plan stands", stderr)
+    assert loop and abs(float(loop[1]) / float(loop[2]) - 1) < 0.01, stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -121,6 +122,35 @@ def training_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimi
         for state in optimizer.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
+
+
+def reachable_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors (and their gradients) reachable from a DeepSpeed or torch optimizer through its attributes,
+    lists and dicts: DeepSpeed keeps its flat partitions and gradient buffers there, not in ``state``."""
+    found: list[torch.Tensor] = []
+    _collect(obj, found, seen=set(), depth=0)
+    return found
+
+
+def _collect(obj: Any, found: list[torch.Tensor], *, seen: set[int], depth: int) -> None:
+    if id(obj) in seen or depth > 6:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+        if obj.grad is not None:
+            found.append(obj.grad)
+        return
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, list | tuple | set):
+        children = list(obj)
+    elif type(obj).__module__.startswith(("deepspeed.", "torch.optim")) and hasattr(obj, "__dict__"):
+        children = list(vars(obj).values())
+    else:
+        return
+    for child in children:
+        _collect(child, found, seen=seen, depth=depth + 1)
 
 
 def reset_cuda_peak(device: torch.device) -> None:

@@ -20,7 +20,7 @@ def main() -> None:
     config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 4096},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ljperf import deepspeed_config
+from ljperf import deepspeed_config, memory
 from ljperf.engines.common import adamw, causal_lm_loss, decoder_blocks, parameter_names
 from ljperf.models import init_value, materialize
 from ljperf.optimize import apply_optimizations
@@ -79,8 +79,7 @@ class DeepSpeedEngine:
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor DeepSpeed keeps between steps on this rank: parameters (ZeRO-3: their partitions),
         gradients, the flat fp32 partitions and the optimizer states (``optimizer.state`` misses the flat ones)."""
-        found: list[torch.Tensor] = []
-        _collect_tensors(self.optimizer, found, seen=set(), depth=0)
+        found = memory.reachable_tensors(self.optimizer)
         for param in self.model.module.parameters():
             found += [t for t in (param, getattr(param, "ds_tensor", None), param.grad) if t is not None]
         return found + list(self.model.module.buffers())
@@ -133,28 +132,6 @@ def _materialize_partitioned(
                     if buf is not None:
                         module._buffers[key] = buf.to(device)
         deepspeed.zero.Init(module=piece, config_dict_or_path=config, dtype=dtype)
-
-
-def _collect_tensors(obj: Any, found: list[torch.Tensor], *, seen: set[int], depth: int) -> None:
-    """Tensors reachable from a DeepSpeed optimizer through its attributes, lists and dicts."""
-    if id(obj) in seen or depth > 6:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        found.append(obj)
-        if obj.grad is not None:
-            found.append(obj.grad)
-        return
-    if isinstance(obj, dict):
-        children = list(obj.values())
-    elif isinstance(obj, list | tuple | set):
-        children = list(obj)
-    elif type(obj).__module__.startswith(("deepspeed.", "torch.optim")) and hasattr(obj, "__dict__"):
-        children = list(vars(obj).values())
-    else:
-        return
-    for child in children:
-        _collect_tensors(child, found, seen=seen, depth=depth + 1)
 
 
 def resolved_config(run: RunContext) -> tuple[dict, list[deepspeed_config.Finding]]:

@@ -79,7 +79,7 @@ def _patch_deepspeed(module: ModuleType) -> None:
         def initialize(*args: Any, **kwargs: Any):
             result = original(*args, **kwargs)
             engine = result[0]
-            _guarded(lambda: attach(engine.module, lambda: _deepspeed_setup(engine)))
+            _guarded(lambda: attach(engine.module, lambda: _deepspeed_setup(engine), holders=[engine.optimizer]))
             return result
 
         return initialize
@@ -142,13 +142,16 @@ def _fsdp_setup(kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def attach(model, setup: Callable[[], dict[str, Any]]) -> None:
+def attach(model, setup: Callable[[], dict[str, Any]], *, holders: list | None = None) -> None:
     """Plan at the model's first training forward (and when a batch is larger), then correct the plan once
-    from the measured peak of the second training step (the closed loop); once per model."""
+    from the measured peak of the second training step (the closed loop); once per model. ``holders``: objects
+    whose tensors live between steps outside the model and its optimizer's state (DeepSpeed's optimizer)."""
     if getattr(model, "_ljperf_built", False):
         return  # ljperf benchmark's own model: CHECKPOINT_OPTIMIZATION made --recompute auto there
-    if getattr(model, "_ljperf_checkpoint_hook", None) is None:  # a Trainer running DeepSpeed or FSDP2
-        model._ljperf_checkpoint_hook = _Planner(model, setup)  # attaches once, from Trainer.__init__
+    planner = getattr(model, "_ljperf_checkpoint_hook", None)
+    if planner is None:  # a Trainer running DeepSpeed or FSDP2 attaches once, from Trainer.__init__
+        planner = model._ljperf_checkpoint_hook = _Planner(model, setup)
+    planner.holders += holders or []
 
 
 class _Planner:
@@ -156,9 +159,10 @@ class _Planner:
 
     The closed loop measures the second training step (the first creates the optimizer states), from its first
     training forward to the first one after its optimizer step: ``torch.cuda.max_memory_allocated`` on CUDA,
-    live tensor bytes on CPU. At that forward it compares rank 0's measured peak with the forecast of the plan
-    at the largest batch of the step, and when it is over the budget or under 85% of the forecast, re-plans
-    with rank 0's corrected activation coefficient (``solver.corrected_scale``), as ``ljperf benchmark`` does.
+    live tensor bytes on CPU. At that forward it compares rank 0's measured peak (under ZeRO-3, whose ranks
+    plan for the largest batch of any rank, the largest peak of any rank) with the forecast of the plan at the
+    largest batch of the step, and when it is over the budget or under 85% of the forecast, re-plans with rank
+    0's corrected activation coefficient (``solver.corrected_scale``), as ``ljperf benchmark`` does.
     """
 
     def __init__(self, model, setup: Callable[[], dict[str, Any]]):
@@ -174,6 +178,7 @@ class _Planner:
         self.steps = 0  # training steps whose optimizer has stepped
         self.forwards = 0  # training forwards since the last step
         self.optimizer = None
+        self.holders: list = []
         self.window: _Window | None = None
         self.forward_handle = model.register_forward_pre_hook(torch._dynamo.disable(self.pre_forward), with_kwargs=True)
         self.step_handle = register_optimizer_step_post_hook(self.after_step)
@@ -240,7 +245,12 @@ class _Planner:
             return
         self.step_handle.remove()
         self.step_handle = None
-        self.close_loop(self.window.close(), self.window.shape)
+        measured = self.window.close()
+        if _agreed(self.setup):  # the shape is every rank's largest, so the peak is too
+            from ljperf.checkpoint.solver import max_over_ranks
+
+            (measured,) = max_over_ranks([measured], device)
+        self.close_loop(measured, self.window.shape)
 
     def close_loop(self, measured: int, shape: tuple[int, int]) -> None:
         from ljperf.checkpoint.solver import activation_bytes, corrected_scale, shared_from_rank0
@@ -266,10 +276,11 @@ class _Planner:
 
     def _state_tensors(self) -> list:
         """What lives between steps, for the CPU measurement (ZeRO-3 keeps its partitions in ``ds_tensor``)."""
-        from ljperf.memory import training_state_tensors
+        from ljperf.memory import reachable_tensors, training_state_tensors
 
         partitions = [p.ds_tensor for p in self.model.parameters() if getattr(p, "ds_tensor", None) is not None]
-        return training_state_tensors(self.model, self.optimizer) + partitions
+        held = [t for holder in self.holders for t in reachable_tensors(holder)]
+        return training_state_tensors(self.model, self.optimizer) + partitions + held
 
     def remove(self) -> None:
         for handle in (self.forward_handle, self.step_handle):
