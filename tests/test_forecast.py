@@ -380,3 +380,14 @@ def test_zero_settings_ipg_buffers_follow_overlap_comm_and_contiguous_gradients(
     )
     assert two - one == 2_000_000 * 4  # a second fp32 buffer: the peak is in the layers' backward, buffers alive
     assert one > none  # without buffers the peak moves to the head's backward
+
+
+def test_plan_says_offload_is_not_modelled(tmp_path, capsys):
+    path = tmp_path / "offload.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
+    argv = ["plan", "--model", "deepspeed/llama-tiny", "--device", "cpu", "--gpus", "2", "--json"]
+    assert main([*argv, "--deepspeed-config", str(path)]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("offload_optimizer not modelled" in note for note in notes), notes
+    assert main(argv) == 0
+    assert not any("offload" in note for note in json.loads(capsys.readouterr().out)["notes"])

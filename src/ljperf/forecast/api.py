@@ -36,6 +36,11 @@ def forecast(
     if allocated != raw.peak_allocated_bytes:
         breakdown["device_overhead"] = allocated - raw.peak_allocated_bytes
     notes = list(raw.notes)
+    if recipe.engine == "deepspeed" and recipe.zero.offload:
+        notes.append(
+            f"{' and '.join(recipe.zero.offload)} not modelled: the offloaded states are counted on the device"
+            " (an upper bound)"
+        )
     if recipe.device == "cuda" and not terms.samples:
         notes.append("CUDA overheads are uncalibrated defaults: run ljperf plan --calibrate on benchmark records")
     return replace(

@@ -38,6 +38,8 @@ class ZeroSettings:
     """ZeRO-1/2: reduce one bucket while the next fills, so two IPG buffers (DeepSpeed's default for 1/2)."""
     contiguous_gradients: bool = True
     """ZeRO-1/2: copy gradients into the IPG buffers (without it there are none)."""
+    offload: tuple[str, ...] = ()
+    """What the config offloads (``offload_optimizer``, ``offload_param`` to cpu or nvme): not modelled."""
 
     def reduce_bucket_elements(self, hidden: int) -> int:
         """Elements of the IPG bucket for a model of ``hidden`` size."""
@@ -73,7 +75,12 @@ class ZeroSettings:
             if not isinstance(value, bool):
                 raise UsageError(f"zero_optimization.{key} is {value!r}: give true or false")
             values[key] = value
-        return cls(**values)
+        offload = tuple(
+            key
+            for key in ("offload_optimizer", "offload_param")
+            if (zero.get(key) or {}).get("device", "none") != "none"
+        )
+        return cls(**values, offload=offload)
 
 
 @dataclass(frozen=True, kw_only=True)
