@@ -7,9 +7,10 @@ root) are patched when imported; they attach a forward pre-hook to the model tha
 training batch's shape (and again when a batch is larger), applies the plan before that forward and logs one
 line. Ranks plan with rank 0's budget and device rates; under ZeRO-3 every rank plans for the largest batch
 of any rank, so all run one plan (``_agreed``). The second training step's peak is measured and, when it
-misses the forecast, the plan is corrected once (the closed loop, ``_Planner``). When even full recompute cannot fit,
-every layer recomputes and one warning says what would fit. Any failure warns once and removes the hook:
-training goes on exactly as without the variable.
+misses the forecast, the plan is corrected once (the closed loop, ``_Planner``). When even full recompute
+cannot fit, every layer recomputes and one warning says what would fit. Any failure warns once and removes
+the hook: training goes on exactly as without the variable. Models ljperf builds are left alone: there
+``CHECKPOINT_OPTIMIZATION=true`` makes ``ljperf benchmark`` default to ``--recompute auto``.
 """
 
 from __future__ import annotations
