@@ -8,7 +8,8 @@
 # Steps: (1) forecast vs torch.cuda.max_memory_allocated for llama3.2-1b/3b (benchmarks/forecast_gpu.py) and the
 # calibration fitted from those records; (2) FSDP2 and ZeRO-3 bf16 benchmark runs of llama3.2-1b, whose records
 # hold forecast vs measured (results.forecast.error_pct); (3) eager vs regional compile, torch engine (target
-# ≥ 1.20× tokens/s); (4) regional vs DeepSpeed's engine.compile() with DeepCompile under ZeRO-3; (5) the auto
+# ≥ 1.20× tokens/s); (4) regional vs DeepSpeed's engine.compile() with DeepCompile under ZeRO-3; (5) the startup
+# hook's plan and closed loop in an HF Trainer script (its [ljperf] lines in session.log); (6) the auto
 # recompute plan vs a sample of "first K layers full" plans (benchmarks/recompute.py --ks).
 # Everything lands in $OUT (the device's return folder; default benchmarks/results/gpu_session): at most 8 files.
 set -uo pipefail
@@ -64,6 +65,26 @@ step compile-torch 150 "$PY" benchmarks/compile.py --device "$DEVICE" --model "t
 step compile-deepspeed 150 "$PY" benchmarks/compile.py --device "$DEVICE" --model "deepspeed/$MODEL" \
     --seq-len "$SEQ" --micro-batch "$MB" --steps 6 --warmup 3 --modes regional,deepspeed \
     --markdown "$OUT/compile_deepspeed.md" -- --nproc-per-node "$NPROC"
+# The startup hook's plan and closed loop on this device: the unchanged HF Trainer test script under
+# CHECKPOINT_OPTIMIZATION (installed as ljperf_startup.pth would), budget half-way between no and full recompute.
+budget=$("$PY" - "$DEVICE" <<'PY'
+import sys
+sys.path.insert(0, "tests/scripts")
+import torch
+from tiny_llama import CONFIG, MICRO_BATCH, SEQ_LEN
+from ljperf.forecast import Recipe, forecast
+from ljperf.models import ModelSpec, hf_config
+device = sys.argv[1]
+spec = ModelSpec(name="script", config=hf_config(CONFIG, source="gpu_session"))
+recipe = Recipe(device=device, precision="fp32", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers), device_name=name).device_bytes for m in ("none", "full"))
+print((none + full) // 2)
+PY
+)
+step hook 60 env CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET="$budget" HOOK_SCRIPT_DEVICE="$DEVICE" "$PY" -c \
+    "import runpy, sys; sys.path.insert(0, 'tests/scripts'); from ljperf.hooks import startup; startup.install();
+sys.argv = ['hf_trainer.py', '$WORK/hook']; runpy.run_path('tests/scripts/hf_trainer.py', run_name='__main__')"
 # Last, as it may be cut by the call's limit: auto recompute vs a sample of "first K layers full" plans.
 step recompute 90 "$PY" benchmarks/recompute.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" \
     --seq-len "$SEQ" --ks "$KS" --rounds 1 --steps 3 --out "$OUT/recompute.md"

@@ -2,8 +2,10 @@
 
 Run: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=20MiB python tests/scripts/hf_trainer.py OUT_DIR``.
 Prints the losses, which layers checkpoint, their MLP calls per step, and whether ljperf was imported (one JSON line).
+``HOOK_SCRIPT_DEVICE=cuda`` trains on the GPU (``benchmarks/gpu_session.sh``); the tests run it on CPU.
 """
 
+import os
 import sys
 
 from tiny_llama import MICRO_BATCH, batch, build, count_mlp_calls, print_report
@@ -15,7 +17,7 @@ def main() -> None:
     data = [{"input_ids": row, "labels": row} for step in range(4) for row in batch(step, rank=0)]
     args = TrainingArguments(
         output_dir=sys.argv[1],
-        use_cpu=True,
+        use_cpu=os.environ.get("HOOK_SCRIPT_DEVICE", "cpu") == "cpu",
         per_device_train_batch_size=MICRO_BATCH,
         max_steps=3,
         logging_steps=1,
