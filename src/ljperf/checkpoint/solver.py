@@ -51,6 +51,10 @@ class Decision:
     """Forward FLOPs per token that recompute repeats (for HFU)."""
     advice: list[str] = field(default_factory=list)
     """What would fit when nothing does, or why checkpointing cannot help."""
+    rates: Rates | None = None
+    """The device rates the plans were ranked with (the closed loop re-plans with them, not new ones)."""
+    cost: LayerCost | None = None
+    """The per-layer recompute cost they were ranked with."""
 
     def line(self) -> str:
         """``recomputing 12/32 layers (selective 4, full 8): forecast 71.2 of 72.0 GiB``."""
@@ -283,6 +287,8 @@ def _decision(plan: Plan, budget: int | None, bytes_: int | None, cost: LayerCos
         forecast_bytes=bytes_,
         recompute_s=sum(cost.seconds(m, rates) for m in plan),
         recompute_flops_per_token=plan.count("full") * cost.saved_flops / cost.tokens,
+        rates=rates,
+        cost=cost,
         **kw,
     )
 
@@ -479,16 +485,12 @@ def close_the_loop(run, model, decision: Decision, *, measured: int) -> tuple[De
         "replanned": scale is not None,
     }
     if scale is not None:
-        train = run.train
-        cost = layer_cost(
-            run.model, micro_batch=train.micro_batch, seq_len=train.seq_len, attn=train.attn_implementation
-        )
         again = solve_recipe(
             run.model,
             Recipe.from_run(run),
             budget=decision.budget_bytes,
-            rates=Rates.measure(device),
-            cost=cost,
+            rates=decision.rates,
+            cost=decision.cost,
             device_name=run.device.calibration_name,
             activation_scale=scale,
         )
