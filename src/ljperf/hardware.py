@@ -93,8 +93,13 @@ class DeviceInfo:
 
     @property
     def calibration_name(self) -> str:
-        """The name its forecast overheads are calibrated under (``ljperf plan --calibrate``): ``cpu`` for any CPU."""
-        return self.name if self.type == "cuda" else "cpu"
+        """The name its forecast overheads are calibrated under (``ljperf plan --calibrate``)."""
+        return calibration_name(self.torch_device)
+
+
+def calibration_name(device: torch.device) -> str:
+    """The name a device's forecast overheads are calibrated under: the GPU's name, ``cpu`` for any CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def default_device_type() -> str:

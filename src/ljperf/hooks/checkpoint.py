@@ -355,6 +355,7 @@ def model_recipe(model, *, micro_batch: int, seq_len: int, world: int, precision
     import torch
 
     from ljperf.forecast import Recipe
+    from ljperf.hardware import calibration_name
     from ljperf.models import ModelSpec
 
     config = model.config
@@ -373,8 +374,7 @@ def model_recipe(model, *, micro_batch: int, seq_len: int, world: int, precision
         attn_implementation=attn if attn in ("sdpa", "eager") else "sdpa",
         **recipe,
     )
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return spec, full, device, name
+    return spec, full, device, calibration_name(device)
 
 
 def plan_model(
