@@ -132,6 +132,7 @@ class Region:
         if self._eager is None:
             # Resolved at the first call: FSDP2's fully_shard swaps the module's class after compile is applied.
             self._eager = self._resolve()
+            _ds_ids_dynamic()
             self._compiled = torch.compile(self._eager, **self._session.options)
         if self._group.failed:
             return self._eager(*args, **kwargs)
@@ -147,6 +148,14 @@ class Region:
         if counters["frames"]["total"] != frames:
             self._session.collect(self.name)
         return out
+
+
+def _ds_ids_dynamic() -> None:
+    """Under DeepSpeed's memory-efficient linear (zero.Init puts it in place of ``F.linear`` unless the config
+    turns it off, as ljperf's engine does for compiled ZeRO-3) a block reads each weight's ``ds_id``: torch 2.11
+    guards on it, one recompile per block until ``recompile_limit``. As dynamic ints they cost one recompile."""
+    if getattr(torch.nn.functional.linear, "__module__", "") == "deepspeed.runtime.zero.linear":
+        torch._dynamo.config.allow_unspec_int_on_nn_module = True
 
 
 def _forward_resolver(module: torch.nn.Module) -> Callable[[], Callable]:

@@ -152,6 +152,11 @@ def resolved_config(run: RunContext) -> tuple[dict, list[deepspeed_config.Findin
     )
     source = f"--deepspeed-config {path}" if path else "ljperf's DeepSpeed config"
     config, findings = deepspeed_config.resolve(deepspeed_config.merge(run.deepspeed_user), opts, source=source)
+    if run.optim.compile_mode in ("regional", "whole") and run.engine_opts.zero_stage == 3:
+        # zero.Init swaps F.linear for DeepSpeed's memory-efficient linear, which reads each weight's ds_id:
+        # torch 2.11's dynamo guards on it, one recompile per block (2.13's does not). A compiled block saves
+        # its weights, not views of them, so plain F.linear keeps the same peak. A user's value stays.
+        config["zero_optimization"].setdefault("memory_efficient_linear", False)
     if run.optim.compile_mode == "deepspeed" and run.device.type == "cuda":
         # DeepCompile (CUDA only): ZeRO as graph passes instead of hooks; a user's "deepcompile": false stays
         config["compile"] = {"deepcompile": True, **config.get("compile", {})}
