@@ -97,10 +97,14 @@ def test_uncompilable_block_falls_back_and_training_completes(regional_run):
 @pytest.mark.slow
 def test_three_sequence_lengths_recompile_once_per_region(regional_run):
     result = regional_run["result"]
-    # The uncompilable block's class shares HF's forward wrapper with the others: its one attempt counts too.
-    by_length = [reason.split(":")[0] for reason in result["recompile_reasons"] if "size mismatch" in reason]
-    assert sorted(by_length) == ["loss", "model.layers.0"], result["recompile_reasons"]
-    assert result["recompiles"] == 3 and result["graph_breaks"] == 0
+    reasons = result["recompile_reasons"]
+    by_length = [reason.split(":")[0] for reason in reasons if "size mismatch" in reason]
+    assert sorted(by_length) == ["loss", "model.layers.0"], reasons
+    # The uncompilable block's class shares HF's forward wrapper with the others: torch 2.13 counts its one
+    # attempt as a recompile of that code object, torch 2.11 does not. Nothing else recompiles.
+    others = [reason.split(":")[0] for reason in reasons if "size mismatch" not in reason]
+    assert others in ([], ["model.layers.1"]), reasons
+    assert result["recompiles"] == len(reasons) and result["graph_breaks"] == 0
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch._dynamo
+import torch.utils.checkpoint
 from torch._dynamo.utils import counters, get_compilation_metrics
 
 from ljperf.checkpoint.apply import find_blocks
@@ -109,6 +110,14 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:400]
 
 
+# Not compile failures: OOM, and the exception a non-reentrant checkpoint's recompute stops early with (torch 2.11
+# raises it through a checkpointed block's compiled forward; caught, the recompute ran twice and failed).
+_PASS_THROUGH: tuple[type[BaseException], ...] = (
+    torch.OutOfMemoryError,
+    *filter(None, [getattr(torch.utils.checkpoint, "_StopRecomputationError", None)]),
+)
+
+
 class _Group:
     """Regions that run the same code (one block class): one failed compile sends them all to eager."""
 
@@ -139,7 +148,7 @@ class Region:
         frames = counters["frames"]["total"]
         try:
             out = self._compiled(*args, **kwargs)
-        except torch.OutOfMemoryError:
+        except _PASS_THROUGH:
             raise
         except Exception as exc:
             out = self._eager(*args, **kwargs)  # an error of the model itself raises here as well
