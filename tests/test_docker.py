@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -107,9 +108,8 @@ def test_manifest_steps_run_as_written(parsed, tmp_path):
         script = step.replace("/etc/ljperf", str(etc)).replace("python -m", f"{shlex.quote(sys.executable)} -m")
         proc = subprocess.run(["bash", "-ec", script], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
         assert proc.returncode == 0, proc.stderr
-    import torch
-
-    assert f"torch=={torch.__version__}" in (etc / "constraints.txt").read_text().split()
+    torch_dist = metadata.version("torch")  # a wheel's own version: 2.13.0+cpu, 2.11.0 (PyPI's CUDA build)
+    assert f"torch=={torch_dist}" in (etc / "constraints.txt").read_text().split()
     final = json.loads((etc / "manifest.json").read_text())
     assert final["kind"] == "manifest" and final["base_image"] == parsed.args["BASE_IMAGE"]
-    assert final["packages"]["torch"] == torch.__version__
+    assert final["packages"]["torch"] == torch_dist
