@@ -456,30 +456,47 @@ def corrected_scale(
     return scale * max(activations + measured - forecast, activations / 10) / activations
 
 
-def close_the_loop(run, model, decision: Decision, *, measured: int) -> tuple[Decision, dict] | None:
-    """After the first steady-state step: correct the activation coefficient from ``measured`` (this rank's
-    peak allocated bytes of that step; the largest of any rank is used, so every rank takes the same branch),
-    re-plan once and apply it to ``model`` (rank 0's plan on every rank). Returns the plan now running and what
-    ``results.recompute.closed_loop`` records; None when there is no solved plan."""
-    from ljperf.checkpoint.apply import apply_plan
+def judge_plan(
+    spec, recipe: Recipe, decision: Decision, *, measured: int, device_name: str
+) -> tuple[float | None, int]:
+    """The closed loop's verdict on the running ``decision`` (solved with a budget) after a measured steady-state
+    step at ``recipe``'s shape: (the corrected activation coefficient, None when the plan stands; the plan's
+    forecast peak allocated bytes)."""
     from ljperf.forecast import forecast
-    from ljperf.memory import reset_cuda_peak
 
-    device = run.device.torch_device
-    if decision.budget_bytes is None:
-        return None
-    (measured,) = max_over_ranks([measured], device)
-    first = forecast(
-        run.model, Recipe.from_run(run).with_(recompute=decision.plan), device_name=run.device.calibration_name
-    )
+    first = forecast(spec, recipe.with_(recompute=decision.plan), device_name=device_name)
     scale = corrected_scale(
         measured=measured,
         forecast=first.peak_allocated_bytes,
         activations=activation_bytes(first),
         budget=decision.budget_bytes - (first.device_bytes - first.peak_allocated_bytes),
     )
+    return scale, first.peak_allocated_bytes
+
+
+def loop_line(*, measured: int, forecast: int, scale: float | None) -> str:
+    """``closed loop: measured … vs forecast …`` and the verdict; a re-plan's own line follows the ``; ``."""
+    head = f"closed loop: measured {format_bytes(measured)} vs forecast {format_bytes(forecast)}"
+    return f"{head}; the plan stands" if scale is None else f"{head}; activations × {scale:.3f}; "
+
+
+def close_the_loop(run, model, decision: Decision, *, measured: int) -> tuple[Decision, dict] | None:
+    """After the first steady-state step: correct the activation coefficient from ``measured`` (this rank's
+    peak allocated bytes of that step; the largest of any rank is used, so every rank takes the same branch),
+    re-plan once and apply it to ``model`` (rank 0's plan on every rank). Returns the plan now running and what
+    ``results.recompute.closed_loop`` records; None when there is no solved plan."""
+    from ljperf.checkpoint.apply import apply_plan
+    from ljperf.memory import reset_cuda_peak
+
+    device = run.device.torch_device
+    if decision.budget_bytes is None:
+        return None
+    (measured,) = max_over_ranks([measured], device)
+    scale, first_peak = judge_plan(
+        run.model, Recipe.from_run(run), decision, measured=measured, device_name=run.device.calibration_name
+    )
     loop = {
-        "first": {"plan": list(decision.plan), "forecast_peak_bytes": first.peak_allocated_bytes},
+        "first": {"plan": list(decision.plan), "forecast_peak_bytes": first_peak},
         "first_measured_peak_bytes": measured,
         "activation_scale": scale,
         "replanned": scale is not None,
@@ -500,9 +517,5 @@ def close_the_loop(run, model, decision: Decision, *, measured: int) -> tuple[De
         loop["second"] = {"plan": list(again.plan), "forecast_peak_bytes": again.forecast_bytes, "fits": again.fits}
         decision = again
         if run.is_main:
-            print(
-                f"closed loop: measured {format_bytes(measured)} vs forecast"
-                f" {format_bytes(first.peak_allocated_bytes)}; activations × {scale:.3f}; {again.line()}",
-                flush=True,
-            )
+            print(loop_line(measured=measured, forecast=first_peak, scale=scale) + again.line(), flush=True)
     return decision, shared_from_rank0(loop)

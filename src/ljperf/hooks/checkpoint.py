@@ -21,9 +21,12 @@ import sys
 import warnings
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ljperf.hooks.imports import when_imported
+
+if TYPE_CHECKING:  # the hook imports ljperf's planning code only when it plans
+    from ljperf.checkpoint.solver import LayerCost
 
 PREFIX = "[ljperf]"
 
@@ -212,7 +215,7 @@ class _Planner:
             self.remove()
             warnings.warn(f"ljperf: CHECKPOINT_OPTIMIZATION left training unchanged: {exc}", stacklevel=2)
 
-    def plan(self, shape: tuple[int, int], *, prefix: str = "") -> None:
+    def plan(self, shape: tuple[int, int], *, prefix: str = "", cost: LayerCost | None = None) -> None:
         from ljperf.checkpoint.apply import apply_plan
         from ljperf.checkpoint.solver import shared_from_rank0
 
@@ -222,6 +225,7 @@ class _Planner:
             seq_len=shape[1],
             measures=self.measures,
             activation_scale=self.activation_scale,
+            cost=cost,
             **self.setup,
         )
         if _agreed(self.setup):
@@ -254,26 +258,17 @@ class _Planner:
         self.close_loop(measured, self.window.shape)
 
     def close_loop(self, measured: int, shape: tuple[int, int]) -> None:
-        from ljperf.checkpoint.solver import activation_bytes, corrected_scale, shared_from_rank0
-        from ljperf.forecast import forecast
-        from ljperf.units import format_bytes
+        from ljperf.checkpoint.solver import judge_plan, loop_line, shared_from_rank0
 
         spec, recipe, _, name = model_recipe(self.model, micro_batch=shape[0], seq_len=shape[1], **self.setup)
-        first = forecast(spec, recipe.with_(recompute=self.decision.plan), device_name=name)
-        scale = shared_from_rank0(
-            corrected_scale(
-                measured=measured,
-                forecast=first.peak_allocated_bytes,
-                activations=activation_bytes(first),
-                budget=self.decision.budget_bytes - (first.device_bytes - first.peak_allocated_bytes),
-            )
-        )
-        line = f"closed loop: measured {format_bytes(measured)} vs forecast {format_bytes(first.peak_allocated_bytes)}"
+        scale, first_peak = judge_plan(spec, recipe, self.decision, measured=measured, device_name=name)
+        scale = shared_from_rank0(scale)
+        line = loop_line(measured=measured, forecast=first_peak, scale=scale)
         if scale is None:
-            log(f"{line}; the plan stands")
+            log(line)
             return
         self.activation_scale = scale
-        self.plan(self.shape, prefix=f"{line}; activations × {scale:.3f}; ")
+        self.plan(self.shape, prefix=line, cost=self.decision.cost)
 
     def _state_tensors(self) -> list:
         """What lives between steps, for the CPU measurement (ZeRO-3 keeps its partitions in ``ds_tensor``)."""
@@ -296,14 +291,12 @@ class _Window:
     """The peak allocated bytes from its opening: CUDA's allocator counters, or live tensors on CPU."""
 
     def __init__(self, device, alive: list, *, step: int):
-        import torch
-
-        from ljperf.memory import LiveTensorBytes
+        from ljperf.memory import LiveTensorBytes, reset_cuda_peak
 
         self.device, self.step, self.shape = device, step, (0, 0)
         self.tracker, self.peak = None, 0
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+            reset_cuda_peak(device)
         else:
             self.tracker = LiveTensorBytes(alive)
             self.tracker.__enter__()
@@ -314,12 +307,12 @@ class _Window:
 
     def close(self) -> int:
         """The peak since opening; a CPU window stops tracking (closing twice is harmless)."""
-        import torch
+        from ljperf.memory import cuda_peaks
 
         if self.tracker is not None:
             self.tracker.__exit__(None, None, None)
             self.peak, self.tracker = self.tracker.peak, None
-        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else self.peak
+        return cuda_peaks(self.device)[0] if self.device.type == "cuda" else self.peak
 
 
 def _batch_ids(args: tuple, kwargs: dict):
@@ -384,10 +377,12 @@ def plan_model(
     seq_len: int,
     measures: tuple | None = None,
     activation_scale: float = 1.0,
+    cost: LayerCost | None = None,
     **setup: Any,
 ):
     """The solver's decision for this HF model at this batch shape (budget: ``LJPERF_MEMORY_BUDGET`` or device),
-    and the (budget, rates) it used: rank 0's, measured on the first call and passed back in on later ones."""
+    and the (budget, rates) it used: rank 0's, measured on the first call and passed back in on later ones.
+    ``cost``: the per-layer recompute cost at this shape when already traced (a re-plan at the same shape)."""
     from ljperf.checkpoint.solver import Rates, budget_bytes, shared_from_rank0, solve_recipe
 
     spec, recipe, device, name = model_recipe(model, micro_batch=micro_batch, seq_len=seq_len, **setup)
@@ -396,7 +391,7 @@ def plan_model(
         measures = shared_from_rank0((budget_bytes(device, local_world=local_world), Rates.measure(device)))
     budget, rates = measures
     decision = solve_recipe(
-        spec, recipe, budget=budget, rates=rates, device_name=name, activation_scale=activation_scale
+        spec, recipe, budget=budget, rates=rates, cost=cost, device_name=name, activation_scale=activation_scale
     )
     return decision, measures
 
