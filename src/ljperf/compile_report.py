@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from rich.markup import escape
 from rich.table import Table
 
 from ljperf import config as cfgmod
@@ -171,7 +172,7 @@ def explain_breaks(model: torch.nn.Module, tokens: torch.Tensor, run: RunContext
 
 def print_report(report: dict[str, Any]) -> None:
     cfg = report["config"]
-    table = Table(title=f"compile-report · {cfg['model']} · {cfg['compile_mode']} · {cfg['precision']}")
+    table = Table(title=escape(f"compile-report · {cfg['model']} · {cfg['compile_mode']} · {cfg['precision']}"))
     for col in ("seq len", "eager step", "compiled step", "speedup", "compile time", "recompiles"):
         table.add_column(col, justify="right")
     table.add_row("", "ms", "ms", "×", "s", "")
@@ -191,9 +192,9 @@ def print_report(report: dict[str, Any]) -> None:
     breaks = report["graph_breaks"]
     console.print(f"graph breaks (whole forward): {breaks['count']} in {breaks['graphs']} graph(s)")
     for br in breaks["reasons"]:
-        console.print(f"  - {br['reason']}  at {br['where']}" + (f": {br['line']}" if br["line"] else ""))
+        console.print(escape(f"  - {br['reason']}  at {br['where']}" + (f": {br['line']}" if br["line"] else "")))
     for row in report["lengths"]:
         for reason in row["recompiles"]:
-            console.print(f"recompile at seq {row['seq_len']}: {reason}")
+            console.print(escape(f"recompile at seq {row['seq_len']}: {reason}"))
     for fb in comp["fallbacks"]:
-        console.print(f"[yellow]eager fallback:[/] {fb['region']}: {fb['reason']}")
+        console.print(f"[yellow]eager fallback:[/] {escape(fb['region'])}: {escape(fb['reason'])}")

@@ -85,15 +85,17 @@ def launch(cfg: Any) -> int:
         return code
     except Exception as exc:
         reason, code = failure_reason(exc)
-        status = _keep_failed_record(cfg, record_path, run_dir, reason)
+        status, reason = _keep_failed_record(cfg, record_path, run_dir, reason)
         if status == "oom":
             code = EXIT_OOM
         raise RunFailed(reason + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code) from None
     return 0
 
 
-def _keep_failed_record(cfg: Any, record_path: Path, run_dir: Path, reason: str) -> str:
-    """Make sure a record with a failed status exists; returns that status."""
+def _keep_failed_record(cfg: Any, record_path: Path, run_dir: Path, reason: str) -> tuple[str, str]:
+    """Make sure a record with a failed status exists; returns that status and the record's reason: the
+    launcher's ``reason``, then rank 0's own when rank 0 recorded why it failed (a collective's timeout says
+    what happened, the launcher only which rank exited first)."""
     record = None
     if record_path.exists() and _finished(run_dir):
         record = read_json(record_path)
@@ -104,10 +106,12 @@ def _keep_failed_record(cfg: Any, record_path: Path, run_dir: Path, reason: str)
     results = record["results"]
     if results["status"] == "ok":
         results["status"] = "error"
+    elif results.get("reason") and results["status"] != "oom":
+        reason = f"{reason}; rank 0 reported {results['reason']}"
     results["reason"] = reason if results["status"] != "oom" else results["reason"]
     if cfg.output:
         write_json(record_path, record)
-    return results["status"]
+    return results["status"], results["reason"]
 
 
 def _finished(run_dir: Path) -> bool:

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -77,12 +78,13 @@ def print_result_table(record: dict) -> None:
         f"mb {cfg['train']['micro_batch']} × seq {cfg['train']['seq_len']} × accum {cfg['train']['grad_accum']} · "
         f"{cfg['train']['precision']}"
     )
-    table = Table(title=title, min_width=len(title) + 4)
+    table = Table(title=escape(title), min_width=len(title) + 4)
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_column("unit")
     rows = [
-        ("status", res["status"] + (f" ({res['reason']})" if res.get("reason") else ""), ""),
+        # A reason quotes errors (gloo's name source files in brackets): text, never rich markup.
+        ("status", escape(res["status"] + (f" ({res['reason']})" if res.get("reason") else "")), ""),
         ("steps measured", str(res["steps_completed"]), "steps"),
         ("step time p50", _fmt(res.get("step_time_s_p50") and res["step_time_s_p50"] * 1e3, ".1f"), "ms"),
         ("step time p90", _fmt(res.get("step_time_s_p90") and res["step_time_s_p90"] * 1e3, ".1f"), "ms"),

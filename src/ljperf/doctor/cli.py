@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 
+from rich.markup import escape
 from rich.table import Table
 
 from ljperf.doctor import checks
@@ -118,7 +119,7 @@ def print_table(rows: list[CheckResult], status: str) -> None:
     table.add_column("finding")
     table.add_column("fix")
     for r in rows:
-        table.add_row(r.check, f"[{_STYLE[r.status]}]{r.status}[/]", r.finding, r.fix)
+        table.add_row(r.check, f"[{_STYLE[r.status]}]{r.status}[/]", escape(r.finding), escape(r.fix))
     counts = Counter(r.status for r in rows)
     table.caption = f"{status} · " + " · ".join(f"{counts[s]} {s}" for s in (OK, WARN, FAIL, INFO))
     console.print(table)

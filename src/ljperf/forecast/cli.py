@@ -205,6 +205,7 @@ def plan_record(spec: ModelSpec, recipe: Recipe, result: Forecast, *, memory: in
 
 
 def print_plan(report: dict) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from ljperf.report import console
@@ -214,7 +215,7 @@ def print_plan(report: dict) -> None:
         f"{recipe['engine']}/{report['model']['name']} · {recipe['world']} × {recipe['device']} · "
         f"mb {recipe['micro_batch']} × seq {recipe['seq_len']} × accum {recipe['grad_accum']} · {recipe['precision']}"
     )
-    table = Table(title=title)
+    table = Table(title=escape(title))
     table.add_column("component")
     table.add_column("GiB", justify="right")
     table.add_column("share", justify="right")
@@ -244,7 +245,7 @@ def print_plan(report: dict) -> None:
     )
     lines += [f"note: {n}" for n in report["notes"]]
     for line in lines:
-        console.print(line, highlight=False)
+        console.print(escape(line), highlight=False)
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
