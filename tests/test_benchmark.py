@@ -43,6 +43,17 @@ def test_record_validates_against_the_documented_schema(twenty_steps):
     assert res["peak_reserved_bytes"] is None and res["mfu"] is None  # CPU: no allocator, no known peak
 
 
+def test_a_default_device_record_calibrates_the_cpu(twenty_steps, tmp_path):
+    """A CPU run without ``--device`` (``auto``) fits the overheads CPU forecasts use, named ``cpu``."""
+    from ljperf.forecast import calibrate
+
+    record, _ = twenty_steps
+    assert record["config"]["train"]["device"] == "auto"
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(record))
+    assert list(calibrate.calibrate([str(path)], out=tmp_path / "calibration.json")) == ["cpu"]
+
+
 def test_throughput_arithmetic(twenty_steps):
     record, _ = twenty_steps
     res, cfg = record["results"], record["config"]

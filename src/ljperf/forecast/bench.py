@@ -27,6 +27,7 @@ def benchmark_forecast(run, results: dict[str, Any], plan: tuple[str, ...] | Non
         "breakdown": result.breakdown,
         "phase": result.phase,
         "source": result.source,
+        "calibration_name": run.device.calibration_name,
         "error_pct": None,
     }
     measured = results.get("peak_allocated_bytes")

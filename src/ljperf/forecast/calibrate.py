@@ -84,9 +84,7 @@ def fit(records: list[dict]) -> dict[str, Overheads]:
         measured = results.get("peak_allocated_bytes")
         if results.get("status") != "ok" or not predicted or not measured:
             continue
-        devices = (record.get("env") or {}).get("devices") or ["unknown"]
-        device_type = ((record.get("config") or {}).get("train") or {}).get("device", "cpu")
-        name = "cpu" if device_type == "cpu" else devices[0]
+        name = results["forecast"].get("calibration_name") or _device_name(record)
         by_device.setdefault(name, []).append((predicted, measured, results.get("peak_reserved_bytes")))
     fitted = {}
     for name, rows in by_device.items():
@@ -105,6 +103,14 @@ def fit(records: list[dict]) -> dict[str, Overheads]:
             samples=len(rows),
         )
     return fitted
+
+
+def _device_name(record: dict) -> str:
+    """The calibration name of an older record, written before records named it: the first device's name
+    unless the run said ``--device cpu``."""
+    devices = (record.get("env") or {}).get("devices") or ["unknown"]
+    device_type = ((record.get("config") or {}).get("train") or {}).get("device", "cpu")
+    return "cpu" if device_type == "cpu" else devices[0]
 
 
 def calibrate(paths: list[str], *, out: Path | None = None) -> dict[str, Overheads]:
