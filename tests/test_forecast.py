@@ -154,6 +154,21 @@ def test_plan_json_fits_and_max_micro_batch(capsys):
     assert forecast(spec, recipe.with_(micro_batch=best + 1)).device_bytes > 40 * 1024**2
 
 
+def test_plan_with_gpu_memory_applies_the_saved_calibration(tmp_path, capsys):
+    """``--gpu-memory`` sizes the device; the overheads are still this machine's calibration (``cpu`` here)."""
+    argv = ["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--seq-len", "64", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["peak_allocated_bytes"]
+    saved = calibrate.calibration_path()
+    saved.write_text(json.dumps({"version": 1, "devices": {"cpu": {"scale": 1.25, "samples": 3}}}))
+    try:
+        for memory in ([], ["--gpu-memory", "1GiB"]):
+            assert main([*argv, *memory]) == 0
+            assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] == round(1.25 * plain)
+    finally:
+        saved.unlink()
+
+
 def test_plan_table_for_a_gpu_recipe(capsys):
     argv = ["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--gpu", "H100-80GB", "--seq-len", "64"]
     assert main(argv) == 0

@@ -42,7 +42,10 @@ def forecast(
             " (an upper bound)"
         )
     if recipe.device == "cuda" and not terms.samples:
-        notes.append("CUDA overheads are uncalibrated defaults: run ljperf plan --calibrate on benchmark records")
+        notes.append(
+            "CUDA overheads are uncalibrated defaults: run ljperf plan --calibrate on benchmark records, then plan"
+            " on that GPU or name it with --gpu"
+        )
     return replace(
         raw,
         peak_allocated_bytes=allocated,

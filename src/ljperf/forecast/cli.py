@@ -138,22 +138,27 @@ def zero_from_args(args: argparse.Namespace, *, engine: str) -> tuple[int, ZeroS
 
 
 def device_memory(args: argparse.Namespace) -> tuple[int, str | None]:
-    """(bytes per device, device name for calibration) from --gpu-memory, --gpu or this machine."""
+    """(bytes per device, the name its calibration is saved under) from --gpu-memory, --gpu or this machine;
+    --gpu-memory takes the name of this machine's device (a CUDA plan on a machine without a GPU: none)."""
     if args.gpu_memory and args.gpu:
         raise UsageError("give one of --gpu-memory SIZE or --gpu NAME")
     if args.gpu:
         if args.gpu not in hardware.GPU_MEMORY_BYTES:
             raise UsageError(f"--gpu {args.gpu!r} is not known; choose one of {', '.join(hardware.GPU_MEMORY_BYTES)}")
         return hardware.GPU_MEMORY_BYTES[args.gpu], args.gpu.split("-")[0]
-    if args.gpu_memory:
-        return parse_size(args.gpu_memory, what="--gpu-memory"), None
-    if args.device == "cuda":
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            raise UsageError("no GPU here to read its memory from: give --gpu-memory SIZE or --gpu NAME")
-        return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "cpu"
+    if args.device == "cpu":
+        here = "cpu"
+    else:
+        here = hardware.calibration_name(torch.device("cuda", 0)) if torch.cuda.is_available() else None
+    if args.gpu_memory:
+        return parse_size(args.gpu_memory, what="--gpu-memory"), here
+    if here is None:
+        raise UsageError("no GPU here to read its memory from: give --gpu-memory SIZE or --gpu NAME")
+    if here == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), here
+    return torch.cuda.get_device_properties(0).total_memory, here
 
 
 def max_micro_batch(spec: ModelSpec, recipe: Recipe, memory: int, *, device_name: str | None) -> int:
