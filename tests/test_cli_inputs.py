@@ -17,16 +17,26 @@ from ljperf import cli
 BAD_JSON = "{not: json"
 WRONG_BATCH = json.dumps({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
 MISSING_FIELDS = json.dumps({"model_type": "llama", "hidden_size": 64})
+ODD_HIDDEN = json.dumps(
+    {"model_type": "llama", "vocab_size": 64, "hidden_size": 7, "num_hidden_layers": 1, "num_attention_heads": 2}
+)
+NO_LAYERS = json.dumps(
+    {"model_type": "llama", "vocab_size": 64, "hidden_size": 8, "num_hidden_layers": 0, "num_attention_heads": 2}
+)
+GPT2 = json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 50257})  # layers at .h
 
 TINY = ["--model", "torch/llama-tiny"]
 
-# (argv, environment, text the one line must contain). "{bad}", "{wrong_batch}", "{missing}" are files.
+# (argv, environment, text the one line must contain). Names in braces ("{bad}", "{gpt2}", ...) are files.
 CASES = [
     (["no-such-command"], {}, "invalid choice"),
     (["benchmark", "--model", "torch/llama-tinyy"], {}, "closest: llama-tiny"),
     (["benchmark", "--model", "tpu/llama-tiny"], {}, "unknown engine"),
     (["benchmark", "--model-config", "{bad}"], {}, "not valid JSON"),
     (["benchmark", "--model-config", "{missing}"], {}, "missing"),
+    (["benchmark", "--model-config", "{gpt2}"], {}, "GPT2LMHeadModel keeps its decoder layers elsewhere"),
+    (["benchmark", "--model-config", "{odd}"], {}, "hidden size (7) is not a multiple"),
+    (["plan", "--model-config", "{empty}"], {}, "num_hidden_layers must be a whole number of 1 or more"),
     (["benchmark", *TINY, "--micro-batch", "-1"], {}, "--micro-batch"),
     (["benchmark", *TINY, "--seq-len", "0"], {}, "--seq-len"),
     (["benchmark", *TINY, "--grad-accum", "0"], {}, "--grad-accum"),
@@ -51,6 +61,7 @@ CASES = [
     (["benchmark", "--model-config", "/nonexistent/config.json"], {}, "no such file"),
     (["benchmark"], {}, "exactly one of --model"),
     (["plan", "--model", "torch/nope"], {}, "unknown model"),
+    (["plan", "--model-config", "{gpt2}", "--device", "cpu"], {}, "GPT2LMHeadModel keeps its decoder layers elsewhere"),
     (["plan", "--model", "torch/llama-tiny", "--gpu-memory", "80XB"], {}, "80XB"),
     (["plan", "--model", "torch/llama-tiny", "--gpus", "0"], {}, "--gpus"),
     (["plan", "--model", "torch/llama-tiny", "--micro-batch", "0"], {}, "--micro-batch"),
@@ -74,10 +85,20 @@ CASES = [
 
 @pytest.fixture
 def files(tmp_path):
-    paths = {"bad": tmp_path / "bad.json", "wrong_batch": tmp_path / "ds.json", "missing": tmp_path / "cfg.json"}
+    paths = {
+        "bad": tmp_path / "bad.json",
+        "wrong_batch": tmp_path / "ds.json",
+        "missing": tmp_path / "cfg.json",
+        "gpt2": tmp_path / "gpt2.json",
+        "odd": tmp_path / "odd.json",
+        "empty": tmp_path / "empty.json",
+    }
     paths["bad"].write_text(BAD_JSON)
     paths["wrong_batch"].write_text(WRONG_BATCH)
     paths["missing"].write_text(MISSING_FIELDS)
+    paths["gpt2"].write_text(GPT2)
+    paths["odd"].write_text(ODD_HIDDEN)
+    paths["empty"].write_text(NO_LAYERS)
     return {k: str(v) for k, v in paths.items()}
 
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import json
 import zlib
@@ -61,21 +62,30 @@ def read_config_dict(*, name: str | None = None, path: str | Path | None = None)
     return read_json_object(p, what=f"--model-config {str(path)!r}")
 
 
-_REQUIRED = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
 def hf_config(data: dict, *, source: str) -> PretrainedConfig:
     """Build a transformers config from a dict; unknown or incomplete configs are usage errors."""
     from transformers import AutoConfig
 
-    missing = [k for k in _REQUIRED if k not in data]
-    if missing:
-        raise UsageError(f"{source}: config is missing {', '.join(missing)} (an HF causal-LM config.json has them)")
+    if "model_type" not in data:
+        raise UsageError(f"{source}: config is missing model_type (an HF causal-LM config.json has it)")
     fields = {k: v for k, v in data.items() if k not in ("model_type", "auto_map", "architectures")}
     try:
         config = AutoConfig.for_model(data["model_type"], **fields)
-    except (ValueError, KeyError) as exc:
-        raise UsageError(f"{source}: transformers cannot build model_type {data['model_type']!r} ({exc})") from None
+    except Exception as exc:  # unknown types, and transformers 5's validation of the values (any error class)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        reason = lines[-1] if len(lines[-1]) <= 200 else lines[-1][:200] + "…"  # the last line names the cause
+        raise UsageError(f"{source}: transformers cannot build model_type {data['model_type']!r}: {reason}") from None
+    # The file must give them (the config class has defaults); its attribute map knows other names (GPT-2's n_embd).
+    missing = [k for k in _REQUIRED if k not in data and config.attribute_map.get(k) not in data]
+    if missing:
+        raise UsageError(f"{source}: config is missing {', '.join(missing)} (an HF causal-LM config.json has them)")
+    for key in _REQUIRED:
+        value = getattr(config, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UsageError(f"{source}: {key} must be a whole number of 1 or more (got {value!r})")
     from transformers import AutoModelForCausalLM
 
     if type(config) not in AutoModelForCausalLM._model_mapping:
@@ -154,10 +164,42 @@ class ParamCounts:
 
 
 def resolve(*, name: str | None = None, path: str | Path | None = None) -> ModelSpec:
-    """A ``ModelSpec`` from a catalog name or a local config path."""
+    """A ``ModelSpec`` from a catalog name or a local config path (whose layout is checked on a one-layer
+    meta-device build: about 0.1 s)."""
     data = read_config_dict(name=name, path=path)
     source = f"model {name!r}" if name else f"--model-config {str(path)!r}"
-    return ModelSpec(name=name or str(path), config=hf_config(data, source=source))
+    spec = ModelSpec(name=name or str(path), config=hf_config(data, source=source))
+    if path is not None:
+        try:
+            decoder_layers(build_meta(with_layers(spec, 1)))
+        except UsageError as exc:
+            raise UsageError(f"{source}: {exc}") from None
+    return spec
+
+
+def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
+    """The same architecture with ``layers`` decoder layers (per-layer config lists cut to match)."""
+    config = copy.deepcopy(spec.config)
+    config.num_hidden_layers = layers
+    for name in ("layer_types", "mlp_only_layers"):
+        value = getattr(config, name, None)
+        if isinstance(value, list) and len(value) > layers:
+            setattr(config, name, value[:layers])
+    return ModelSpec(name=f"{spec.name}[{layers} layers]", config=config)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of an HF causal LM (``model.model.layers``): what engines shard, the forecast traces
+    and recompute plans address."""
+    import torch
+
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise UsageError(
+            f"{type(model).__name__} keeps its decoder layers elsewhere than model.layers; ljperf runs decoder-only"
+            " causal LMs laid out as Llama, Qwen, Mistral, Gemma, Phi and GPT-NeoX are"
+        )
+    return layers
 
 
 def build_meta(spec: ModelSpec, *, attn_implementation: str | None = None) -> torch.nn.Module:

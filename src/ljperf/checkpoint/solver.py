@@ -185,7 +185,7 @@ def layer_cost(spec: models.ModelSpec, *, micro_batch: int, seq_len: int, attn: 
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry
 
-    from ljperf.forecast.trace import fake_model, shallow_spec
+    from ljperf.forecast.trace import fake_model
 
     totals = {"flops": 0.0, "bytes": 0.0}
     inside = [False]
@@ -209,7 +209,7 @@ def layer_cost(spec: models.ModelSpec, *, micro_batch: int, seq_len: int, attn: 
             return out
 
     fake_mode = FakeTensorMode()
-    model = fake_model(shallow_spec(spec, 1), attn=attn, fake_mode=fake_mode)
+    model = fake_model(models.with_layers(spec, 1), attn=attn, fake_mode=fake_mode)
     layer = model.get_decoder().layers[0]
     layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
     layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))

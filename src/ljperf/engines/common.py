@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from ljperf import models
 from ljperf.runtime import RunContext
 
 
@@ -44,7 +45,7 @@ def adamw(params, *, run: RunContext) -> torch.optim.AdamW:
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of an HF causal LM (``model.model.layers``): the unit engines shard by."""
-    return list(model.get_decoder().layers)
+    return list(models.decoder_layers(model))
 
 
 def parameter_names(model: torch.nn.Module) -> dict[tuple[int, str], str]:

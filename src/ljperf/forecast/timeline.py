@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ljperf import models
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
-from ljperf.forecast.trace import Patterns, architecture_key, cache_dir, shallow_spec
+from ljperf.forecast.trace import Patterns, architecture_key, cache_dir
 from ljperf.result import read_json, write_json
 
 FP32 = 4
@@ -74,7 +74,7 @@ def block_params(spec: models.ModelSpec) -> BlockParams:
 
 def _block_counts(spec: models.ModelSpec) -> dict[str, int]:
     """What ``BlockParams`` needs that does not depend on the depth (a one-layer build on the meta device)."""
-    model = models.build_meta(shallow_spec(spec, 1))
+    model = models.build_meta(models.with_layers(spec, 1))
     layer = model.get_decoder().layers[0]
     embed = model.get_input_embeddings().weight
     in_layer = {id(p) for p in layer.parameters()}

@@ -22,7 +22,6 @@ engines run, so the traced layers save exactly what training saves.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import hashlib
 import json
@@ -99,21 +98,6 @@ class LiveBytesTimeline(TorchDispatchMode):
         return out
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    return model.get_decoder().layers
-
-
-def shallow_spec(spec: models.ModelSpec, layers: int = TRACE_LAYERS) -> models.ModelSpec:
-    """The same architecture with ``layers`` decoder layers (per-layer config lists cut to match)."""
-    config = copy.deepcopy(spec.config)
-    config.num_hidden_layers = layers
-    for name in ("layer_types", "mlp_only_layers"):
-        value = getattr(config, name, None)
-        if isinstance(value, list) and len(value) > layers:
-            setattr(config, name, value[:layers])
-    return models.ModelSpec(name=f"{spec.name}[{layers} layers]", config=config)
-
-
 def fake_model(spec: models.ModelSpec, *, attn: str, fake_mode, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """``spec``'s model with fake CPU parameters (in ``dtype`` if given) and buffers (tied weights stay tied)."""
     model = models.build_meta(spec, attn_implementation=attn)
@@ -156,7 +140,7 @@ def trace_shape(
     from ljperf.hardware import DeviceInfo
     from ljperf.runtime import RunContext
 
-    shallow = shallow_spec(spec)
+    shallow = models.with_layers(spec, TRACE_LAYERS)
     fake_mode = FakeTensorMode()
     dtype = torch.bfloat16 if precision == "bf16-params" else None
     model = fake_model(shallow, attn=attn, fake_mode=fake_mode, dtype=dtype)
@@ -212,7 +196,7 @@ def _install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: d
 
     model.register_forward_pre_hook(model_pre, with_kwargs=True)
     model.register_forward_hook(model_post, with_kwargs=True)
-    for i, layer in enumerate(decoder_layers(model)):
+    for i, layer in enumerate(models.decoder_layers(model)):
 
         def pre(_module, args, i=i):
             if state["backward"]:
