@@ -7,6 +7,7 @@ and every compiled run uses the same shapes so inductor's on-disk cache serves t
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from ljperf import models
 from ljperf.checkpoint.apply import apply_plan
 from ljperf.compile import compile_model
+from ljperf.errors import Interrupted
 
 from conftest import read_record, run_ljperf
 
@@ -52,6 +54,36 @@ def make_uncompilable(block: torch.nn.Module) -> None:
             return super().forward(no_meta(hidden_states), *args, **kwargs)
 
     block.__class__ = Uncompilable
+
+
+@torch.library.custom_op("ljperf_test::signalled", mutates_args=())
+def signalled(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@signalled.register_fake
+def _(x):
+    raise Interrupted(signal.SIGINT)  # as ljperf benchmark's handler raises it, here while the compiler traces
+
+
+signalled.register_autograd(lambda ctx, grad: grad)
+
+
+def test_ctrl_c_while_compiling_stops_the_run_instead_of_falling_back():
+    """Ctrl-C during a compile comes out of torch.compile wrapped in its own error: the region re-raises it
+    (it fell back to eager, and the run went on and exited 0)."""
+    model = tiny_model()
+    block = model.model.layers[0]
+
+    class Signalled(type(block)):
+        def forward(self, hidden_states, *args, **kwargs):
+            return super().forward(signalled(hidden_states), *args, **kwargs)
+
+    block.__class__ = Signalled
+    session = compile_model(model, "regional", verbose=False)
+    with pytest.raises(Interrupted, match="SIGINT"):
+        train(model, (32,))
+    assert session.results()["fallbacks"] == []
 
 
 def train(model: torch.nn.Module, seq_lens: tuple[int, ...]) -> list[float]:

@@ -105,6 +105,20 @@ def test_a_killed_rank_is_named_and_the_record_kept(tmp_path):
 
 
 @pytest.mark.slow
+def test_an_oom_on_another_rank_is_the_runs_oom(tmp_path):
+    """Rank 1 runs out of memory: exit 3 and an ``oom`` record naming rank 1 (it said rank 0 was killed by
+    SIGTERM, the launcher's own signal, with exit 1)."""
+    out = tmp_path / "r.json"
+    args = [*TINY, "--nproc-per-node", "2", "--steps", "2", "--warmup", "0", "--output", str(out)]
+    proc = start(args, tmp_path, LJPERF_FAULT="oom,step=0,rank=1")
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 3, stderr[-2000:]
+    assert "rank 1 ran out of memory" in stderr.strip().splitlines()[-1]
+    res = read_record(out)["results"]
+    assert res["status"] == "oom" and "rank 1" in res["reason"]
+
+
+@pytest.mark.slow
 def test_a_hung_rank_ends_the_run_after_the_timeout(tmp_path):
     out = tmp_path / "r.json"
     proc = start(
@@ -159,13 +173,17 @@ def test_single_process_sigterm_keeps_the_record(tmp_path):
     assert res["status"] == "error" and "SIGTERM" in res["reason"] and res["steps_completed"] == 2
 
 
-def test_sigterm_during_start_up_exits_143(tmp_path):
-    proc = start([*TINY, "--steps", "5"], tmp_path)
-    time.sleep(0.5)  # still importing torch
-    os.kill(proc.pid, signal.SIGTERM)
+@pytest.mark.parametrize("delay", [0.5, 2.5, 4.5])  # importing torch; resolving the config; building the model
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_during_start_up_exits_with_one_line(tmp_path, sig, code, delay):
+    """Ctrl-C or SIGTERM before the first step: its exit code and one line, never a traceback (a signal inside
+    an import comes out of transformers as ModuleNotFoundError, which printed one)."""
+    proc = start([*TINY, "--steps", "400"], tmp_path)
+    time.sleep(delay)
+    os.kill(proc.pid, sig)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 143
-    assert "Traceback" not in stderr
+    assert proc.returncode == code, stderr[-3000:]
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
 
 
 def test_unwritable_output_fails_before_the_run(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from ljperf.checkpoint.solver import close_the_loop, prepare_run
 from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.data import SyntheticTokens
 from ljperf.engines import make_engine
-from ljperf.errors import EXIT_ERROR, EXIT_OK, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, UsageError
+from ljperf.errors import EXIT_ERROR, EXIT_OK, EXIT_OOM, EXIT_SIGINT, Interrupted, UsageError, interruption
 from ljperf.faults import Fault
 from ljperf.hooks import startup
 from ljperf.metrics import throughput
@@ -118,14 +119,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return run_worker(cfg)
 
 
-class Interrupted(Exception):
-    """SIGTERM or SIGINT arrived; the loop unwinds so the partial result is kept."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.exit_code = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
-
-
 def _raise_interrupted(signum: int, _frame: Any) -> None:
     raise Interrupted(signum)
 
@@ -147,12 +140,15 @@ class LoopState:
 def run_worker(cfg: BenchmarkConfig) -> int:
     """One rank of a run: build, train, measure, and (on rank 0) print and write the record."""
     previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
-    run = init_process(run_context(cfg), need_group=cfg.engine != "torch")
-    record = new_record(cfg, run)
+    run = run_context(cfg)
+    record: dict[str, Any] | None = None
+    reporter: ProgressReporter | None = None
     state = LoopState()
-    reporter = ProgressReporter(run)
     status, reason, exit_code = "ok", None, EXIT_OK
     try:
+        init_process(run, need_group=cfg.engine != "torch")  # sets the rank first: a failure here still knows it
+        record = new_record(cfg, run)
+        reporter = ProgressReporter(run)
         state.recompute = prepare_run(run)
         engine = make_engine(run)
         engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
@@ -167,12 +163,23 @@ def run_worker(cfg: BenchmarkConfig) -> int:
     except UsageError:
         raise
     except Exception as exc:  # the record must be written whatever failed
-        status, reason, exit_code = "error", f"{type(exc).__name__}: {first_line(exc)}", EXIT_ERROR
+        if (stop := interruption(exc)) is not None:  # a signal that came out wrapped (in an import, in a library)
+            status, reason, exit_code = "error", str(stop), stop.exit_code
+        else:
+            status, reason, exit_code = "error", f"{type(exc).__name__}: {first_line(exc)}", EXIT_ERROR
     finally:
-        reporter.close()
+        if reporter is not None:
+            reporter.close()
     # A second Ctrl-C must not interrupt writing the record; the caller's handlers come back after.
     for sig in previous:
         signal.signal(sig, signal.SIG_IGN)
+    if record is None:  # stopped before the run began (a signal, or the process group failed to form)
+        try:
+            record = new_record(cfg, run)
+        except Exception:  # an import the signal cut short stays broken; nothing ran, so nothing is lost
+            print(f"ljperf benchmark: {reason} before the run began; no record written", file=sys.stderr)
+            return exit_code
+        reporter = ProgressReporter(run)
     recompute = state.recompute
     rflops = recompute.recompute_flops_per_token if recompute else 0.0
     record["results"] = results_section(cfg, run, state, status=status, reason=reason, recompute_flops_per_token=rflops)
@@ -191,6 +198,8 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         print_result_table(record)
         if record["results"].get("forecast"):
             print(forecast_line(record["results"]))
+        if status != "ok" and not reporter.watched:  # ljperf's launcher prints its own line
+            print(f"ljperf benchmark: {status}: {reason}", file=sys.stderr)
     if status == "ok":
         shutdown_process()
     for sig, handler in previous.items():

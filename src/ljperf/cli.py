@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from ljperf import __version__
-from ljperf.errors import EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed, UsageError
+from ljperf.errors import EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed, UsageError, interruption
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,17 @@ def _terminated(signum: int, _frame: object) -> None:
     # re-raise it as ModuleNotFoundError, with a traceback). Commands with something to clean up (benchmark
     # and ablation runs, torch elastic's agent) install their own handler before they start anything.
     sys.stderr.flush()
-    os._exit(EXIT_SIGTERM)
+    os.write(2, f"ljperf: interrupted by {signal.Signals(signum).name}\n".encode())
+    os._exit(EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
-    # SIGTERM before a command installs its own handler (e.g. while torch imports): exit 143, no traceback.
+    # A signal while the command's module imports (torch, transformers): exit 130/143, no traceback. Ctrl-C is
+    # a KeyboardInterrupt again once the command runs (ablation stops its running benchmark on it).
     signal.signal(signal.SIGTERM, _terminated)
+    interrupt = signal.getsignal(signal.SIGINT)
+    if interrupt is not signal.SIG_IGN:  # a background job started with Ctrl-C ignored keeps ignoring it
+        signal.signal(signal.SIGINT, _terminated)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(command)
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     module = importlib.import_module(COMMANDS[args.command].module)
     prog = f"ljperf {args.command}"
+    signal.signal(signal.SIGINT, interrupt)
     try:
         return module.run(args, argv)
     except UsageError as exc:
@@ -91,3 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_SIGINT
+    except Exception as exc:
+        if (stop := interruption(exc)) is None:  # a bug: its traceback is what a report needs
+            raise
+        print(f"{prog}: {stop}", file=sys.stderr)
+        return stop.exit_code

@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 
 from ljperf.checkpoint.apply import find_blocks
 from ljperf.config import COMPILE_MODES
-from ljperf.errors import UsageError
+from ljperf.errors import UsageError, interruption
 
 
 @dataclass
@@ -151,6 +151,8 @@ class Region:
         except _PASS_THROUGH:
             raise
         except Exception as exc:
+            if (stop := interruption(exc)) is not None:  # Ctrl-C while compiling ends the run, as anywhere else
+                raise stop from None
             out = self._eager(*args, **kwargs)  # an error of the model itself raises here as well
             self._group.failed = True
             self._session.fallback(self._group.label, exc)
@@ -243,6 +245,8 @@ def compile_deepspeed_engine(engine: Any, *, verbose: bool) -> CompileSession:
     try:
         engine.compile()
     except Exception as exc:
+        if (stop := interruption(exc)) is not None:
+            raise stop from None
         sess.fallback("model", exc)
     return sess
 

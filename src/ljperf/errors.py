@@ -1,5 +1,7 @@
 """Errors that ljperf turns into exit codes and one-line messages (see ``ljperf.cli.main``)."""
 
+import signal
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -18,3 +20,26 @@ class RunFailed(Exception):
     def __init__(self, reason: str, *, exit_code: int = EXIT_ERROR):
         super().__init__(reason)
         self.exit_code = exit_code
+
+
+class Interrupted(Exception):
+    """SIGTERM or SIGINT arrived (``ljperf benchmark``'s handler raises it); the run unwinds so the partial result
+    is kept. Code that turns failures into fallbacks (compile) must let it through: see ``interruption``."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.exit_code = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
+
+
+def interruption(exc: BaseException) -> Interrupted | None:
+    """The ``Interrupted`` that ``exc`` is or wraps (torch.compile re-raises errors of its workers as its own;
+    transformers' lazy imports re-raise a ``KeyboardInterrupt`` as ``ModuleNotFoundError``), else None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, Interrupted):
+            return exc
+        if isinstance(exc, KeyboardInterrupt):
+            return Interrupted(signal.SIGINT)
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None

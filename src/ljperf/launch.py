@@ -34,9 +34,13 @@ def failure_reason(exc: Exception) -> tuple[str, int]:
         return f"interrupted by {exc.sigval.name}", code
     if not isinstance(exc, ChildFailedError):
         return f"launcher failed: {type(exc).__name__}: {exc}", EXIT_ERROR
-    rank, failure = min(exc.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    # The agent ends the other ranks with SIGTERM once one fails: those are not the cause (unless all are).
+    failures = {r: f for r, f in exc.failures.items() if f.exitcode != -signal.SIGTERM} or exc.failures
+    rank, failure = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
+    elif failure.exitcode == EXIT_OOM:
+        how = f"ran out of memory (exit code {EXIT_OOM})"
     else:
         how = f"exited with code {failure.exitcode}"
     code = EXIT_OOM if failure.exitcode == EXIT_OOM else EXIT_ERROR
@@ -85,17 +89,19 @@ def launch(cfg: Any) -> int:
         return code
     except Exception as exc:
         reason, code = failure_reason(exc)
-        status, reason = _keep_failed_record(cfg, record_path, run_dir, reason)
+        status, reason = _keep_failed_record(cfg, record_path, run_dir, reason, oom=code == EXIT_OOM)
         if status == "oom":
             code = EXIT_OOM
         raise RunFailed(reason + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code) from None
     return 0
 
 
-def _keep_failed_record(cfg: Any, record_path: Path, run_dir: Path, reason: str) -> tuple[str, str]:
-    """Make sure a record with a failed status exists; returns that status and the record's reason: the
-    launcher's ``reason``, then rank 0's own when rank 0 recorded why it failed (a collective's timeout says
-    what happened, the launcher only which rank exited first)."""
+def _keep_failed_record(
+    cfg: Any, record_path: Path, run_dir: Path, reason: str, *, oom: bool = False
+) -> tuple[str, str]:
+    """Make sure a record with a failed status exists (``oom`` when a rank ran out of memory); returns that
+    status and the record's reason: the launcher's ``reason``, then rank 0's own when rank 0 recorded why it
+    failed (a collective's timeout says what happened, the launcher only which rank exited first)."""
     record = None
     if record_path.exists() and _finished(run_dir):
         record = read_json(record_path)
@@ -104,11 +110,14 @@ def _keep_failed_record(cfg: Any, record_path: Path, run_dir: Path, reason: str)
 
         record = results_from_progress(cfg, run_dir / "progress.jsonl")
     results = record["results"]
-    if results["status"] == "ok":
-        results["status"] = "error"
-    elif results.get("reason") and results["status"] != "oom":
-        reason = f"{reason}; rank 0 reported {results['reason']}"
-    results["reason"] = reason if results["status"] != "oom" else results["reason"]
+    if results["status"] == "oom":
+        pass
+    elif oom:  # another rank ran out of memory; rank 0 only saw its peer vanish
+        results["status"], results["reason"] = "oom", reason
+    elif results["status"] == "ok" or not results.get("reason"):
+        results["status"], results["reason"] = "error", reason
+    else:
+        results["reason"] = f"{reason}; rank 0 reported {results['reason']}"
     if cfg.output:
         write_json(record_path, record)
     return results["status"], results["reason"]

@@ -28,6 +28,8 @@ class ProgressReporter:
         self._task = None
         self._log = None
         run_dir = os.environ.get(PROGRESS_FILE_ENV)
+        self.watched = bool(run_dir)
+        """A launcher watches the run (and reports its failure)."""
         if self.enabled and run_dir:
             self._log = open(os.path.join(run_dir, "progress.jsonl"), "a", buffering=1)
 
