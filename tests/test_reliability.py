@@ -226,6 +226,14 @@ def test_a_killed_writer_never_leaves_half_a_file(tmp_path):
     assert json.loads(target.read_text()) == {"version": "old"}
 
 
+def test_written_files_get_the_mode_a_plain_open_gives(tmp_path):
+    """Records on a shared cluster folder are readable by the team (mkstemp alone makes them 0600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    write_json(tmp_path / "r.json", {})
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
 def test_secrets_never_reach_records_or_logs(tmp_path):
     secrets = {"HF_TOKEN": "hf_s3cr3tvalue", "AWS_SECRET_ACCESS_KEY": "aws-s3cr3t-key", "MY_TEAM_TOKEN": "tok-777"}
     out = tmp_path / "r.json"

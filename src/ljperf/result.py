@@ -14,9 +14,10 @@ import platform
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from ljperf.errors import UsageError
 
@@ -91,14 +92,24 @@ def check_writable(path: str | os.PathLike) -> None:
         raise UsageError(f"--output {str(path)!r} is not writable ({exc.strerror or exc})") from None
 
 
-def write_json(path: str | os.PathLike, data: Any) -> None:
-    """Write JSON atomically: a temporary file in the same folder, fsync, then rename over ``path``."""
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once, at import: os.umask can only be read by setting it
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Write a file atomically: ``write`` fills a temporary file in the same folder, fsync, then rename over
+    ``path`` (with the mode a plain ``open`` gives: mkstemp's own is 0600)."""
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=f".{target.name}.")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.write("\n")
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -106,6 +117,11 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+    """Write JSON atomically (``write_atomic``)."""
+    write_atomic(path, lambda f: f.write((json.dumps(data, indent=2, default=str) + "\n").encode()))
 
 
 def read_json_object(path: str | os.PathLike, *, what: str) -> dict:

@@ -18,7 +18,7 @@ from ljperf import __version__
 from ljperf.ablation.stats import Ratio, Spread, VariantStats, summarize
 from ljperf.errors import EXIT_OK, UsageError
 from ljperf.report import console
-from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_json
+from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_atomic, write_json
 from ljperf.units import format_bytes
 
 SUMMARY, MARKDOWN, CHART = "summary.json", "report.md", "ablation.png"
@@ -53,7 +53,7 @@ def render(out: Path, records: list[dict[str, Any]], *, command: list[str] | Non
     """Statistics, then the three outputs and the terminal table."""
     stats = summarize(records)
     write_json(out / SUMMARY, summary(records, stats, command=command))
-    (out / MARKDOWN).write_text(markdown(records, stats, command=command))
+    write_atomic(out / MARKDOWN, lambda f: f.write(markdown(records, stats, command=command).encode()))
     chart(stats, out / CHART)
     print_table(records, stats)
     console.print(f"report: {out / MARKDOWN} · chart: {out / CHART} · summary: {out / SUMMARY}")
@@ -286,5 +286,5 @@ def chart(stats: list[VariantStats], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
         ax.margins(y=0.12)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_atomic(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     plt.close(fig)
