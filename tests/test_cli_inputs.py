@@ -45,6 +45,9 @@ CASES = [
     (["benchmark", *TINY, "--seq-len", "10000000"], {}, "max positions"),
     (["benchmark", *TINY, "--lr", "-1"], {}, "--lr"),
     (["benchmark", *TINY, "--timeout", "0"], {}, "--timeout"),
+    (["benchmark", *TINY, "--timeout", "inf"], {}, "--timeout"),  # OverflowError when the group formed
+    (["benchmark", *TINY, "--lr", "nan"], {}, "--lr"),
+    (["benchmark", *TINY, "--micro-batch", "99999999999999999999"], {}, "--micro-batch"),
     (["benchmark", *TINY, "--nproc-per-node", "100000"], {}, "--nproc-per-node"),
     (["benchmark", *TINY, "--nnodes", "2"], {}, "--rdzv-endpoint"),
     (["benchmark", *TINY, "--nnodes", "2", "--node-rank", "5", "--rdzv-endpoint", "h:1"], {}, "--node-rank"),
@@ -76,6 +79,7 @@ CASES = [
     (["ablation", *TINY, "--variants", "base,nope"], {}, "nope"),
     (["ablation", *TINY, "--variant", "novalue"], {}, "--variant"),
     (["ablation", *TINY, "--repeat", "0"], {}, "--repeat"),
+    (["ablation", *TINY, "--timeout", "nan"], {}, "--timeout"),
     (["ablation", *TINY, "--env", "noequals"], {}, "--env"),
     (["report", "/nonexistent/run-dir"], {}, "run-dir"),
     (["compile-report", *TINY, "--seq-lens", "12,abc"], {}, "abc"),

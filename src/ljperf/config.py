@@ -26,9 +26,15 @@ def opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
+LARGEST = 2**31 - 1
+"""The largest count or number of seconds a flag takes (kernels index with 32-bit ints; a week is 604800 s)."""
+
+
 def _positive(name: str, value: int | float | None) -> None:
-    if value is not None and value <= 0:
-        raise UsageError(f"--{name.replace('_', '-')} must be larger than zero (got {value})")
+    """``value`` (None: unset) must be a finite number in (0, LARGEST]: nan, inf and 1e20 fail later, deep in
+    torch or the C library, with a traceback."""
+    if value is not None and not 0 < value <= LARGEST:
+        raise UsageError(f"--{name.replace('_', '-')} must be larger than zero and at most {LARGEST} (got {value})")
 
 
 def _not_negative(name: str, value: int) -> None:

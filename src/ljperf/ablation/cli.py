@@ -13,6 +13,7 @@ from pathlib import Path
 from ljperf import benchmark
 from ljperf.ablation import report, runner
 from ljperf.ablation.variants import BUILTIN, DEFAULT_VARIANTS, Variant, parse_environments, parse_variants
+from ljperf.config import LARGEST
 from ljperf.errors import EXIT_ERROR, EXIT_OK, RunFailed, UsageError
 
 
@@ -98,8 +99,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``ljperf ablation``."""
     if args.repeat < 1:
         raise UsageError(f"--repeat must be at least 1 (got {args.repeat})")
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be larger than zero (got {args.timeout:g})")
+    if not 0 < args.timeout <= LARGEST:
+        raise UsageError(f"--timeout must be larger than zero and at most {LARGEST} (got {args.timeout:g})")
     shared = split_argv(argv, args.command)
     variants = parse_variants(args.variants, args.variant)
     configs = [check_variant(shared, v) for v in variants]
