@@ -71,6 +71,9 @@ CASES = [
     (["plan", "--model", "torch/llama-tiny", "--gpu", "NOPE-GPU"], {}, "NOPE-GPU"),
     (["plan", "--calibrate", "/nonexistent/results.json"], {}, "results.json"),
     (["plan", "--calibrate", "{bad}"], {}, "JSON"),
+    (["plan", "--calibrate", "{folder}"], {}, "cannot read it"),
+    (["plan", "--calibrate", "{listed}"], {}, "must hold a JSON object"),
+    (["plan", "--model", "deepspeed/llama-tiny", "--deepspeed-config", "{zero_null}"], {}, "zero_optimization must be"),
     (["doctor", "--deepspeed-config", "/nonexistent/ds.json"], {}, "ds.json"),
     (["doctor", "--deepspeed-config", "{bad}"], {}, "JSON"),
     (["comm", "--ops", "all_nothing"], {}, "all_nothing"),
@@ -96,6 +99,9 @@ def files(tmp_path):
         "gpt2": tmp_path / "gpt2.json",
         "odd": tmp_path / "odd.json",
         "empty": tmp_path / "empty.json",
+        "folder": tmp_path,
+        "listed": tmp_path / "list.json",
+        "zero_null": tmp_path / "zero_null.json",
     }
     paths["bad"].write_text(BAD_JSON)
     paths["wrong_batch"].write_text(WRONG_BATCH)
@@ -103,6 +109,8 @@ def files(tmp_path):
     paths["gpt2"].write_text(GPT2)
     paths["odd"].write_text(ODD_HIDDEN)
     paths["empty"].write_text(NO_LAYERS)
+    paths["listed"].write_text("[1, 2]")
+    paths["zero_null"].write_text(json.dumps({"zero_optimization": None}))
     return {k: str(v) for k, v in paths.items()}
 
 

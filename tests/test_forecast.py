@@ -169,6 +169,19 @@ def test_plan_with_gpu_memory_applies_the_saved_calibration(tmp_path, capsys):
         saved.unlink()
 
 
+def test_a_damaged_calibration_entry_counts_as_none_saved(capsys):
+    argv = ["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--seq-len", "64", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["peak_allocated_bytes"]
+    saved = calibrate.calibration_path()
+    saved.write_text(json.dumps({"version": 1, "devices": {"cpu": {"scale": "x"}}}))
+    try:
+        assert main(argv) == 0  # it crashed with a TypeError in every plan
+        assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] == plain
+    finally:
+        saved.unlink()
+
+
 def test_plan_table_for_a_gpu_recipe(capsys):
     argv = ["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--gpu", "H100-80GB", "--seq-len", "64"]
     assert main(argv) == 0

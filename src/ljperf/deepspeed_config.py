@@ -204,8 +204,15 @@ def _prefetch(config: dict) -> Finding:
 
 
 def load(path: str | Path) -> dict:
-    """Read a DeepSpeed JSON config; a missing or malformed file is a usage error."""
-    return read_json_object(path, what=f"--deepspeed-config {str(path)!r}")
+    """Read a DeepSpeed JSON config; a missing or malformed file, or a section (``zero_optimization``, ``bf16``,
+    ...) that is not an object, is a usage error."""
+    what = f"--deepspeed-config {str(path)!r}"
+    config = read_json_object(path, what=what)
+    sections = template()
+    for key, value in config.items():
+        if isinstance(sections.get(key), dict) and not isinstance(value, dict):
+            raise UsageError(f"{what}: {key} must be a JSON object (got {json.dumps(value)[:40]})")
+    return config
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ljperf.errors import UsageError
-from ljperf.result import read_json, write_json
+from ljperf.result import read_json, read_json_object, write_json
 
 MiB = 1024**2
 CALIBRATION_VERSION = 1
@@ -54,15 +54,29 @@ def calibration_path() -> Path:
 
 
 def load(path: Path | None = None) -> dict[str, Overheads]:
-    """Saved overheads by device name ({} when none were saved)."""
+    """Saved overheads by device name ({} when none were saved); a damaged file or entry counts as none saved
+    (``--calibrate`` writes it anew)."""
     path = path or calibration_path()
     if not path.exists():
         return {}
     try:
-        data = read_json(path)
-        return {name: Overheads(**values) for name, values in data["devices"].items()}
-    except (OSError, ValueError, KeyError, TypeError):
+        entries = read_json(path)["devices"].items()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
+    saved = {}
+    for name, values in entries:
+        try:
+            terms = Overheads(**values)
+            terms.apply(1)  # every term a number
+        except (TypeError, ValueError):
+            continue
+        saved[name] = terms
+    return saved
+
+
+def _count(value) -> int | None:
+    """A byte count from a record (None unless a positive int)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def overheads_for(device_type: str, device_name: str | None) -> Overheads:
@@ -79,13 +93,15 @@ def fit(records: list[dict]) -> dict[str, Overheads]:
     """Fit the overheads per device name from benchmark records that hold a forecast and a measured peak."""
     by_device: dict[str, list[tuple[int, int, int | None]]] = {}
     for record in records:
-        results = record.get("results") or {}
-        predicted = (results.get("forecast") or {}).get("traced_peak_allocated_bytes")
-        measured = results.get("peak_allocated_bytes")
-        if results.get("status") != "ok" or not predicted or not measured:
+        results = record.get("results")
+        fc = results.get("forecast") if isinstance(results, dict) else None
+        if not isinstance(fc, dict) or results.get("status") != "ok":
             continue
-        name = results["forecast"].get("calibration_name") or _device_name(record)
-        by_device.setdefault(name, []).append((predicted, measured, results.get("peak_reserved_bytes")))
+        predicted, measured = _count(fc.get("traced_peak_allocated_bytes")), _count(results.get("peak_allocated_bytes"))
+        if predicted is None or measured is None:
+            continue
+        name = str(fc.get("calibration_name") or _device_name(record))
+        by_device.setdefault(name, []).append((predicted, measured, _count(results.get("peak_reserved_bytes"))))
     fitted = {}
     for name, rows in by_device.items():
         xs, ys = [r[0] for r in rows], [r[1] for r in rows]
@@ -108,26 +124,24 @@ def fit(records: list[dict]) -> dict[str, Overheads]:
 def _device_name(record: dict) -> str:
     """The calibration name of an older record, written before records named it: the first device's name
     unless the run said ``--device cpu``."""
-    devices = (record.get("env") or {}).get("devices") or ["unknown"]
-    device_type = ((record.get("config") or {}).get("train") or {}).get("device", "cpu")
-    return "cpu" if device_type == "cpu" else devices[0]
+    env, config = record.get("env"), record.get("config")
+    devices = (env.get("devices") if isinstance(env, dict) else None) or ["unknown"]
+    train = config.get("train") if isinstance(config, dict) else None
+    return "cpu" if isinstance(train, dict) and train.get("device") == "cpu" else str(devices[0])
 
 
 def calibrate(paths: list[str], *, out: Path | None = None) -> dict[str, Overheads]:
     """Read benchmark records (JSON), fit, merge into the saved calibration and save it atomically."""
-    records = []
-    for p in paths:
-        try:
-            records.append(read_json(p))
-        except FileNotFoundError:
-            raise UsageError(f"--calibrate: no such file {p!r}") from None
-        except ValueError:
-            raise UsageError(f"--calibrate: {p!r} is not a JSON benchmark record") from None
+    records = [read_json_object(p, what=f"--calibrate {p!r}") for p in paths]
     fitted = fit(records)
     if not fitted:
         raise UsageError("--calibrate: no record holds both a forecast and a measured peak (run ljperf benchmark)")
     out = out or calibration_path()
     merged = {**load(out), **fitted}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, {"version": CALIBRATION_VERSION, "devices": {k: asdict(v) for k, v in merged.items()}})
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(out, {"version": CALIBRATION_VERSION, "devices": {k: asdict(v) for k, v in merged.items()}})
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise UsageError(f"--calibrate: cannot save {str(out)!r} ({reason}); set LJPERF_CACHE_DIR") from None
     return fitted
