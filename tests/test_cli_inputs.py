@@ -7,6 +7,8 @@ each input must be refused before anything runs), plus a property-based test ove
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -158,3 +160,13 @@ def test_parser_never_tracebacks_on_invalid_values(flags, capsys):
     code, err = run_main(argv, capsys)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """``ljperf models --json | head``: the closed pipe ends the command quietly (141, as a shell reports it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ljperf", "models", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and stderr == ""

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from ljperf import __version__
 from ljperf.errors import EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed, UsageError, interruption
 
+EXIT_SIGPIPE = 141
+"""What a shell reports for a command whose reader closed the pipe (``ljperf models --json | head``)."""
+
 
 @dataclass(frozen=True)
 class Command:
@@ -87,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"ljperf {args.command}"
     signal.signal(signal.SIGINT, interrupt)
     try:
-        return module.run(args, argv)
+        code = module.run(args, argv)
+        sys.stdout.flush()  # a reader that stopped early (| head) shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_SIGPIPE
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -46,7 +46,7 @@ def _not_negative(name: str, value: int) -> None:
 class LaunchConfig:
     """How many processes to start and where (passed through to torchrun)."""
 
-    nproc_per_node: int = opt(1, "processes on this node; >1 starts torchrun (DDP/FSDP/ZeRO)")
+    nproc_per_node: int = opt(1, "processes on this node; >1 starts them through torchrun's launcher")
     nnodes: int = opt(1, "number of nodes (multi-node: run the same command on every node)")
     node_rank: int = opt(0, "rank of this node, 0..nnodes-1")
     rdzv_endpoint: str | None = opt(None, "HOST:PORT of the c10d rendezvous for multi-node runs")
@@ -111,8 +111,9 @@ class OptimConfig:
 
     recompute: str = opt(
         "none",
-        "activation recompute: none, full, auto (fastest plan under the budget) or K; CHECKPOINT_OPTIMIZATION=true "
-        "makes auto the default",
+        "activation recompute: none, full, selective (save matmuls, recompute the rest), K (the first K layers full), "
+        "a mode per layer (full,selective,none,...) or auto (the fastest plan under the budget); "
+        "CHECKPOINT_OPTIMIZATION=true makes auto the default",
     )
     memory_budget: str | None = opt(
         None, "memory budget of --recompute auto, e.g. 70GiB (default: $LJPERF_MEMORY_BUDGET, else the device's)"
@@ -144,7 +145,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
         default = f.default if f.default is not dataclasses.MISSING else None
         shown = "" if default in (None, False) else f" (default: {default})"
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            shown = f" (default: {'on' if default else 'off'})"
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"] + shown
+            )
             continue
         group.add_argument(flag, type=_base_type(kind), default=default, help=f.metadata["help"] + shown, **extra)
 

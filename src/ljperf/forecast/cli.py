@@ -42,7 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default: min(4096, the model's max positions))")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default: 1)")
     g.add_argument(
-        "--recompute", default="none", help="none, full, selective, K (the first K layers full) or auto (fastest fit)"
+        "--recompute",
+        default="none",
+        help="none, full, selective, K (the first K layers full), a mode per layer (full,selective,none,...) or auto"
+        " (the fastest plan that fits)",
     )
     g.add_argument("--attn-implementation", choices=("sdpa", "eager"), default="sdpa", help="default: sdpa")
     g.add_argument(
