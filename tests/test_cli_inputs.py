@@ -85,6 +85,8 @@ CASES = [
     (["ablation", *TINY, "--variant", "novalue"], {}, "--variant"),
     (["ablation", *TINY, "--repeat", "0"], {}, "--repeat"),
     (["ablation", *TINY, "--timeout", "nan"], {}, "--timeout"),
+    (["ablation", *TINY, "--out", "/proc/ljperf-ablation"], {}, "--out"),
+    (["report", "{damaged_runs}"], {}, "holds no ablation runs"),
     (["ablation", *TINY, "--env", "noequals"], {}, "--env"),
     (["report", "/nonexistent/run-dir"], {}, "run-dir"),
     (["compile-report", *TINY, "--seq-lens", "12,abc"], {}, "abc"),
@@ -104,6 +106,7 @@ def files(tmp_path):
         "folder": tmp_path,
         "listed": tmp_path / "list.json",
         "zero_null": tmp_path / "zero_null.json",
+        "damaged_runs": tmp_path / "ablation",
     }
     paths["bad"].write_text(BAD_JSON)
     paths["wrong_batch"].write_text(WRONG_BATCH)
@@ -113,6 +116,9 @@ def files(tmp_path):
     paths["empty"].write_text(NO_LAYERS)
     paths["listed"].write_text("[1, 2]")
     paths["zero_null"].write_text(json.dumps({"zero_optimization": None}))
+    (paths["damaged_runs"] / "runs" / "local").mkdir(parents=True)
+    (paths["damaged_runs"] / "runs" / "local" / "base.r1.json").write_text('{"trunc')
+    (paths["damaged_runs"] / "runs" / "local" / "base.r2.json").write_text("[]")
     return {k: str(v) for k, v in paths.items()}
 
 

@@ -75,21 +75,21 @@ def environment(*, devices: list[str], world_size: int) -> dict[str, Any]:
     }
 
 
-def check_writable(path: str | os.PathLike) -> None:
-    """Fail before a run starts (exit 2) when its result file could not be written."""
+def check_writable(path: str | os.PathLike, *, what: str = "--output") -> None:
+    """Fail before a run starts (exit 2) when its result file could not be written (``what`` names the flag)."""
     target = Path(path)
     folder = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
-        raise UsageError(f"--output {str(path)!r} is a directory; give a file name such as result.json")
+        raise UsageError(f"{what} {str(path)!r} is a directory; give a file name such as result.json")
     if not folder.is_dir():
-        raise UsageError(f"--output {str(path)!r}: folder {str(folder)!r} does not exist")
+        raise UsageError(f"{what} {str(path)!r}: folder {str(folder)!r} does not exist")
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".ljperf-probe-", delete=True) as f:
             f.write(b"x" * 65536)  # about the size of a long run's record
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
-        raise UsageError(f"--output {str(path)!r} is not writable ({exc.strerror or exc})") from None
+        raise UsageError(f"{what} {str(path)!r} is not writable ({exc.strerror or exc})") from None
 
 
 def _umask() -> int:

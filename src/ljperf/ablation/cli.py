@@ -15,6 +15,7 @@ from ljperf.ablation import report, runner
 from ljperf.ablation.variants import BUILTIN, DEFAULT_VARIANTS, Variant, parse_environments, parse_variants
 from ljperf.config import LARGEST
 from ljperf.errors import EXIT_ERROR, EXIT_OK, RunFailed, UsageError
+from ljperf.result import check_writable
 
 
 def add_ablation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +109,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     out = Path(args.out or f"ablation-{configs[0].engine}-{configs[0].model.name}")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {str(out)!r} is a file; give a folder")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        check_writable(out / report.SUMMARY, what="--out")
+    except OSError as exc:
+        raise UsageError(f"--out {str(out)!r}: cannot create it ({exc.strerror or exc})") from None
     plan = runner.plan(shared=shared, variants=variants, environments=environments, repeat=args.repeat)
     records = runner.run_all(plan, out=out, timeout=args.timeout, force=args.force)
     report.render(out, records, command=argv)

@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ljperf import __version__
+from ljperf.ablation import runner
 from ljperf.ablation.stats import Ratio, Spread, VariantStats, summarize
 from ljperf.errors import EXIT_OK, UsageError
 from ljperf.report import console
@@ -38,7 +39,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if not records:
         raise UsageError(f"{out} holds no ablation runs (runs/*/*.json); give the --out folder of ljperf ablation")
     previous = out / SUMMARY
-    command = read_json(previous).get("args") if previous.exists() else None
+    try:
+        command = read_json(previous).get("args")
+    except (OSError, ValueError, AttributeError):  # none yet, or damaged: the report is written anew
+        command = None
     render(out, records, command=command)
     return EXIT_OK
 
@@ -46,7 +50,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 def load_records(out: Path) -> list[dict[str, Any]]:
     """Every finished run in ``out`` (pending files of unfinished runs start with a dot)."""
     paths = sorted(p for p in out.glob("runs/*/*.json") if not p.name.startswith("."))
-    return [rec for rec in map(read_json, paths) if "ablation" in rec]
+    return [rec for rec in map(runner.read_record, paths) if rec is not None]
 
 
 def render(out: Path, records: list[dict[str, Any]], *, command: list[str] | None) -> list[VariantStats]:

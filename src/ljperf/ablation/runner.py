@@ -110,13 +110,23 @@ def _interrupt(_signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A run's record, or None for a file that is not one (damaged outside ljperf, which writes atomically)."""
+    try:
+        record = read_json(path)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("ablation"), dict)
+    return record if ok and isinstance(record.get("results"), dict) else None
+
+
 def finished(run: PlannedRun, out: Path) -> dict[str, Any] | None:
     """The record of ``run`` if an earlier invocation finished it; refuses a folder of another ablation."""
     path = run.path(out)
-    if not path.exists():
+    record = read_record(path) if path.exists() else None
+    if record is None:  # none yet, or a damaged file: run it (again)
         return None
-    record = read_json(path)
-    meta = record.get("ablation", {})
+    meta = record["ablation"]
     if meta.get("command") != list(run.command) or meta.get("environment", {}).get("python") != (
         run.environment.python
     ):
