@@ -99,6 +99,10 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
         check_writable(cfg.output)
     if cfg.optim.compile_mode == "deepspeed" and engine != "deepspeed":
         raise UsageError(f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{spec.name}")
+    if cfg.optim.memory_budget and cfg.optim.recompute != "auto":
+        raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
+    if cfg.engine_opts.deepspeed_config and engine != "deepspeed":
+        raise UsageError(f"--deepspeed-config is for the deepspeed engine, not {engine}")
     if cfg.optim.compile_mode != "off" and cfg.train.warmup < 1:
         raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
     if engine == "deepspeed" and not under_torchrun():

@@ -66,6 +66,10 @@ class LaunchConfig:
         return self.nproc_per_node * self.nnodes > 1
 
 
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+"""transformers attention implementations ljperf runs (flash_attention_2: CUDA and the flash-attn package)."""
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """What one benchmark run trains: batch, sequence, precision, steps."""
@@ -90,6 +94,9 @@ class TrainConfig:
             raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"--device {self.device!r}: choose cpu, cuda or auto")
+        if self.attn_implementation not in ATTENTION:
+            choices = ", ".join(ATTENTION)
+            raise UsageError(f"--attn-implementation {self.attn_implementation!r}: choose one of {choices}")
 
 
 @dataclass(kw_only=True)
