@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     module = importlib.import_module(COMMANDS[args.command].module)
     prog = f"ljperf {args.command}"
-    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler if interrupt is None else interrupt)  # None: set in C
     try:
         code = module.run(args, argv)
         sys.stdout.flush()  # a reader that stopped early (| head) shows here, not in the interpreter's exit
