@@ -25,7 +25,16 @@ from ljperf.checkpoint.solver import close_the_loop, prepare_run
 from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.data import SyntheticTokens
 from ljperf.engines import make_engine
-from ljperf.errors import EXIT_ERROR, EXIT_OK, EXIT_OOM, EXIT_SIGINT, Interrupted, UsageError, interruption
+from ljperf.errors import (
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_OOM,
+    EXIT_SIGINT,
+    EXIT_SIGTERM,
+    Interrupted,
+    UsageError,
+    interruption,
+)
 from ljperf.faults import Fault
 from ljperf.hooks import startup
 from ljperf.metrics import throughput
@@ -177,13 +186,12 @@ def run_worker(cfg: BenchmarkConfig) -> int:
     # A second Ctrl-C must not interrupt writing the record; the caller's handlers come back after.
     for sig in previous:
         signal.signal(sig, signal.SIG_IGN)
-    if record is None:  # stopped before the run began (a signal, or the process group failed to form)
-        try:
-            record = new_record(cfg, run)
-        except Exception:  # an import the signal cut short stays broken; nothing ran, so nothing is lost
-            print(f"ljperf benchmark: {reason} before the run began; no record written", file=sys.stderr)
-            return exit_code
-        reporter = ProgressReporter(run)
+    if record is None and exit_code in (EXIT_SIGINT, EXIT_SIGTERM):
+        # Nothing ran, so nothing is lost; and an import the signal cut short is broken (retried, it warns or fails).
+        print(f"ljperf benchmark: {reason} before the run began; no record written", file=sys.stderr)
+        return exit_code
+    if record is None:  # the process group failed to form
+        record, reporter = new_record(cfg, run), ProgressReporter(run)
     recompute = state.recompute
     rflops = recompute.recompute_flops_per_token if recompute else 0.0
     record["results"] = results_section(cfg, run, state, status=status, reason=reason, recompute_flops_per_token=rflops)
