@@ -73,6 +73,8 @@ CASES = [
     (["plan", "--model", "torch/llama-tiny", "--gpu-memory", "80XB"], {}, "80XB"),
     (["plan", "--model", "torch/llama-tiny", "--gpus", "0"], {}, "--gpus"),
     (["plan", "--model", "torch/llama-tiny", "--micro-batch", "0"], {}, "--micro-batch"),
+    (["plan", "--model", "torch/llama-tiny", "--seq-len", "0"], {}, "--seq-len"),
+    (["plan", "--model", "deepspeed/llama-tiny", "--zero-stage", "0"], {}, "--zero-stage 0"),
     (["plan", "--model", "torch/llama-tiny", "--gpu", "NOPE-GPU"], {}, "NOPE-GPU"),
     (["plan", "--calibrate", "/nonexistent/results.json"], {}, "results.json"),
     (["plan", "--calibrate", "{bad}"], {}, "JSON"),

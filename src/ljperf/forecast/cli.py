@@ -96,8 +96,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def recipe_from_args(args: argparse.Namespace, *, engine: str, spec: ModelSpec) -> Recipe:
-    if args.gpus <= 0:
-        raise UsageError(f"--gpus must be larger than zero (got {args.gpus})")
+    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--grad-accum", args.grad_accum)):
+        if value is not None and value <= 0:  # 0 fell through ``or`` to the default
+            raise UsageError(f"{flag} must be larger than zero (got {value})")
+    if args.zero_stage is not None and args.zero_stage not in (1, 2, 3):
+        raise UsageError(f"--zero-stage {args.zero_stage}: choose 1, 2 or 3")
     seq_len = args.seq_len or min(4096, spec.max_positions or 4096)
     if spec.max_positions and seq_len > spec.max_positions:
         raise UsageError(f"--seq-len {seq_len} is longer than {spec.name}'s {spec.max_positions} max positions")
