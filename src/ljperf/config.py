@@ -30,11 +30,16 @@ LARGEST = 2**31 - 1
 """The largest count or number of seconds a flag takes (kernels index with 32-bit ints; a week is 604800 s)."""
 
 
-def _positive(name: str, value: int | float | None) -> None:
+def positive(name: str, value: int | float | None) -> None:
     """``value`` (None: unset) must be a finite number in (0, LARGEST]: nan, inf and 1e20 fail later, deep in
     torch or the C library, with a traceback."""
     if value is not None and not 0 < value <= LARGEST:
         raise UsageError(f"--{name.replace('_', '-')} must be larger than zero and at most {LARGEST} (got {value})")
+
+
+def check_zero_stage(stage: int) -> None:
+    if stage not in (1, 2, 3):
+        raise UsageError(f"--zero-stage {stage}: choose 1, 2 or 3")
 
 
 def _not_negative(name: str, value: int) -> None:
@@ -53,9 +58,9 @@ class LaunchConfig:
     timeout: float = opt(600.0, "seconds a collective may wait before the run is failed (hung rank)")
 
     def __post_init__(self) -> None:
-        _positive("nproc_per_node", self.nproc_per_node)
-        _positive("nnodes", self.nnodes)
-        _positive("timeout", self.timeout)
+        positive("nproc_per_node", self.nproc_per_node)
+        positive("nnodes", self.nnodes)
+        positive("timeout", self.timeout)
         if not 0 <= self.node_rank < self.nnodes:
             raise UsageError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
@@ -88,7 +93,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "grad_accum", "steps", "lr", "peak_tflops"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         _not_negative("warmup", self.warmup)
         if self.precision is not None and self.precision not in PRECISIONS:
             raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
@@ -108,8 +113,7 @@ class EngineConfig:
     reshard_after_forward: bool = opt(True, "FSDP2: free gathered parameters after forward (re-gather in backward)")
 
     def __post_init__(self) -> None:
-        if self.zero_stage not in (1, 2, 3):
-            raise UsageError(f"--zero-stage {self.zero_stage}: choose 1, 2 or 3")
+        check_zero_stage(self.zero_stage)
 
 
 @dataclass(kw_only=True)

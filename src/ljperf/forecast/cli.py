@@ -15,6 +15,7 @@ from dataclasses import asdict
 from ljperf import hardware, models
 from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import fixed_plan
+from ljperf.config import check_zero_stage, positive
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
 from ljperf.models import ModelSpec
@@ -96,11 +97,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def recipe_from_args(args: argparse.Namespace, *, engine: str, spec: ModelSpec) -> Recipe:
-    for flag, value in (("--gpus", args.gpus), ("--seq-len", args.seq_len), ("--grad-accum", args.grad_accum)):
-        if value is not None and value <= 0:  # 0 fell through ``or`` to the default
-            raise UsageError(f"{flag} must be larger than zero (got {value})")
-    if args.zero_stage is not None and args.zero_stage not in (1, 2, 3):
-        raise UsageError(f"--zero-stage {args.zero_stage}: choose 1, 2 or 3")
+    for name in ("gpus", "seq_len", "grad_accum"):  # checked here: 0 would fall through ``or`` to the default
+        positive(name, getattr(args, name))
+    if args.zero_stage is not None:
+        check_zero_stage(args.zero_stage)
     seq_len = args.seq_len or min(4096, spec.max_positions or 4096)
     if spec.max_positions and seq_len > spec.max_positions:
         raise UsageError(f"--seq-len {seq_len} is longer than {spec.name}'s {spec.max_positions} max positions")
