@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -76,6 +77,19 @@ def test_breakdown_adds_up_and_recompute_saves_activations():
     assert costs["full"].saved_bytes < costs["none"].saved_bytes
     # Full recompute keeps the layer input (fp32 hidden state) and nothing else.
     assert costs["full"].saved_bytes == 2 * 64 * spec.hidden * 4
+
+
+@pytest.mark.parametrize(("engine", "zero_stage"), [("torch", 1), ("fsdp", 1), ("deepspeed", 2), ("deepspeed", 3)])
+def test_many_micro_steps_cost_no_more_time_than_five(engine, zero_stage):
+    """Micro-steps 2 .. G-1 repeat; the forecast must not walk each (G = 10⁶ once took minutes)."""
+    spec = models.resolve(name="llama-tiny")
+    recipe = Recipe(engine=engine, zero_stage=zero_stage, world=2, device="cpu", micro_batch=2, seq_len=64)
+    peaks = {g: forecast(spec, recipe.with_(grad_accum=g)).peak_allocated_bytes for g in (5, 6, 7)}
+    started = time.perf_counter()
+    many = forecast(spec, recipe.with_(grad_accum=10**6)).peak_allocated_bytes
+    assert time.perf_counter() - started < 2
+    assert peaks[7] - peaks[6] == peaks[6] - peaks[5]
+    assert many == peaks[5] + (10**6 - 5) * (peaks[6] - peaks[5])
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

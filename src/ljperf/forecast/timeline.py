@@ -325,6 +325,8 @@ class _Walk:
     peak: int = -1
     peak_parts: dict[str, int] | None = None
     phase: str = ""
+    mark: tuple[int, dict[str, int]] = (0, {})
+    """The level and its parts at the start of a micro-step that repeats."""
 
     def visit(self, above: int, phase: str) -> None:
         if self.level + above > self.peak:
@@ -336,6 +338,14 @@ class _Walk:
         """Bytes that join (or leave, negative) the running level as ``part``."""
         self.level += nbytes
         self.parts[part] += nbytes
+
+    def repeat(self, *, times: int) -> None:
+        """Move the level ``times`` more by what it moved since ``mark`` (no new highs in between: the walk after
+        the repeats reaches higher, or the one before did)."""
+        level, parts = self.mark
+        self.level += (self.level - level) * times
+        for name, value in self.parts.items():
+            self.parts[name] += (value - parts.get(name, 0)) * times
 
     def step(self, seg: tuple[int, int], phase: str, *, extra: int = 0, **attributed: int) -> None:
         """Visit a segment ``(peak above start, net change)``; ``attributed`` moves bytes into named parts."""
@@ -405,7 +415,15 @@ def compose(
     n = spec.layers
     position = ["f0"] + ["f1"] * (n - 2) + ["f2"] if n >= 2 else ["f1"]
     replicated = shard.grad_keep == 1.0
-    for micro in range(1, recipe.grad_accum + 1):
+    last = recipe.grad_accum
+    # Micro-steps 2 .. last-1 walk the same way, each moving the level by the same few bytes (what a step keeps), so
+    # only the first two and the last two are walked and the ones between are added as that amount each.
+    micros = range(1, last + 1) if last <= 4 else (1, 2, last - 1, last)
+    for micro in micros:
+        if micro == 2:
+            walk.mark = (walk.level, dict(walk.parts))
+        elif micro == last - 1 and last > 4:
+            walk.repeat(times=last - 4)
         # Sharded engines make each block's full gradient anew every micro-step, then reduce it away.
         k = "1" if micro == 1 or not replicated else "2"
         where = f"micro-step {micro}"
@@ -445,7 +463,7 @@ def compose(
         if shard.root_reduced_last:
             walk.visit(grads.reduce_root(blocks.pre + blocks.post), f"backward, {where}, root reduce-scatter")
         grads.settle(walk, blocks.pre + (blocks.post if shard.root_reduced_last else 0))
-        if micro == recipe.grad_accum or not shard.bucket_until_boundary:
+        if micro == last or not shard.bucket_until_boundary:
             walk.add("comm_buffers", -shard.backward_bucket)
         walk.step(edge[f"gap@{k}"], f"backward, {where}")
         walk.add("gathered_parameters", -shard.resident)
