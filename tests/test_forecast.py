@@ -200,7 +200,8 @@ def test_plan_table_for_a_gpu_recipe(capsys):
     argv = ["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--gpu", "H100-80GB", "--seq-len", "64"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "peak allocated per rank" in out and "fits in 80.00 GiB" in out
+    # The capacity torch reports on an H100 (the driver keeps the rest of the 80 GiB), not the nominal size.
+    assert "peak allocated per rank" in out and "fits in 79.11 GiB" in out
 
 
 @pytest.mark.parametrize(

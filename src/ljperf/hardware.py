@@ -46,17 +46,22 @@ PEAK_MEMORY_TBPS: tuple[tuple[str, float], ...] = (
     (r"MI300X", 5.3),
 )
 
-# Known accelerators by memory, for ``--gpu NAME`` in ``ljperf plan`` (bytes as the driver reports them).
+# Known accelerators by memory, for ``--gpu NAME`` in ``ljperf plan``: the capacity torch reports
+# (``total_memory``, the "GPU 0 has a total capacity of ... GiB" of CUDA OOM messages), not the marketing size:
+# the driver keeps the rest, and a plan within a GiB of the nominal size would say "fits" and then fail.
 GPU_MEMORY_BYTES: dict[str, int] = {
-    "A100-40GB": 40 * 1024**3,
-    "A100-80GB": 80 * 1024**3,
-    "H100-80GB": 80 * 1024**3,
-    "H800-80GB": 80 * 1024**3,
-    "H20-96GB": 96 * 1024**3,
-    "H200-141GB": 141 * 1024**3,
-    "L20-48GB": 48 * 1024**3,
-    "L40S-48GB": 48 * 1024**3,
-    "B200-180GB": 180 * 1024**3,
+    name: round(gib * 1024**3)
+    for name, gib in {
+        "A100-40GB": 39.39,
+        "A100-80GB": 79.15,
+        "H100-80GB": 79.11,
+        "H800-80GB": 79.11,
+        "H20-96GB": 94.97,
+        "H200-141GB": 139.80,
+        "L20-48GB": 44.39,
+        "L40S-48GB": 44.39,
+        "B200-180GB": 178.35,
+    }.items()
 }
 
 

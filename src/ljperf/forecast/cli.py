@@ -58,7 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", choices=("single", "foreach", "fused"), help="AdamW kind (default: torch's pick)")
     m = parser.add_argument_group("memory")
     m.add_argument("--gpu-memory", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's)")
-    m.add_argument("--gpu", metavar="NAME", help=f"a known GPU instead: {', '.join(hardware.GPU_MEMORY_BYTES)}")
+    m.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="a known GPU instead, at the capacity torch reports (H100-80GB: 79.11 GiB): "
+        + ", ".join(hardware.GPU_MEMORY_BYTES),
+    )
     m.add_argument("--memory-budget", metavar="SIZE", help="budget of --recompute auto (docs/checkpoint.md)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
