@@ -5,7 +5,7 @@ PYTHON ?= python3
 
 .PHONY: run test lint format clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile src/ljperf/hooks/ljperf_startup.pth
 	$(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first (a local file here); GPU users install their own CUDA build.
 	$(PY) -m pip install -q torch==2.13.0

@@ -47,6 +47,16 @@ def test_unset_imports_nothing():
     assert out.stdout.split() == ["[]", "False"]
 
 
+@pytest.mark.parametrize(("value", "warns"), [("maybe", True), ("false", False), ("0", False), (" ON ", False)])
+def test_a_value_neither_on_nor_off_warns_once_and_stays_off(value, warns):
+    env = cli_env(CHECKPOINT_OPTIMIZATION=value)
+    code = "import sys; print([m for m in sys.modules if m.startswith('ljperf.hooks.')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    lines = out.stderr.splitlines()
+    assert len(lines) == warns and all(f"CHECKPOINT_OPTIMIZATION={value!r} is neither on" in line for line in lines)
+    assert ("ljperf.hooks.checkpoint" in out.stdout) == (value.strip().lower() == "on")
+
+
 def test_set_patches_trainer_only_when_imported():
     code = "import sys; a = 'transformers.trainer' in sys.modules; import transformers.trainer as t; "
     code += "print(a, hasattr(t.Trainer.__init__, '__wrapped__'), 'torch' in sys.modules)"

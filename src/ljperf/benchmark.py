@@ -83,14 +83,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfgmod.add_arguments(parser, OptimConfig)
     if startup.enabled("CHECKPOINT_OPTIMIZATION"):
         parser.set_defaults(recompute="auto")
-    parser.add_argument(
-        "--compile", dest="compile_mode", action="store_const", const="regional", help="same as --compile-mode regional"
-    )
+    parser.add_argument("--compile", action="store_true", help="same as --compile-mode regional")
+    parser.set_defaults(compile_mode=None)  # to tell an explicit --compile-mode from the default
     cfgmod.add_arguments(parser, LaunchConfig)
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConfig:
     engine, spec = models.model_from_args(args)
+    if args.compile and args.compile_mode not in (None, "regional"):
+        raise UsageError(f"--compile is --compile-mode regional: it contradicts --compile-mode {args.compile_mode}")
+    args.compile_mode = "regional" if args.compile else args.compile_mode or OptimConfig.compile_mode
     cfg = BenchmarkConfig(
         engine=engine,
         model=spec,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -65,10 +66,23 @@ class LaunchConfig:
             raise UsageError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        if self.rdzv_endpoint is not None:
+            check_endpoint(self.rdzv_endpoint)
 
     @property
     def distributed(self) -> bool:
         return self.nproc_per_node * self.nnodes > 1
+
+
+# HOST or HOST:PORT as torchrun reads it; an IPv6 address in brackets.
+_ENDPOINT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+)(?::(\d{1,5}))?")
+
+
+def check_endpoint(text: str) -> None:
+    """A rendezvous endpoint torchrun can read: a malformed one would hang every node at the rendezvous."""
+    match = _ENDPOINT.fullmatch(text)
+    if not match or (match[1] and not 1 <= int(match[1]) <= 65535):
+        raise UsageError(f"--rdzv-endpoint {text!r}: write HOST:PORT with a port in 1..65535 (e.g. node0:29500)")
 
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import warnings
 
 HOOKS = {
@@ -17,11 +18,24 @@ HOOKS = {
 """Environment variable → module whose ``register()`` installs the hook (``imports.when_imported``)."""
 
 
-def enabled(variable: str) -> bool:
-    return os.environ.get(variable, "").strip().lower() in ("1", "true", "yes", "on")
-
-
+ON = ("1", "true", "yes", "on")
+OFF = ("", "0", "false", "no", "off")
 _installed: set[str] = set()
+_warned: set[str] = set()
+
+
+def enabled(variable: str) -> bool:
+    """Whether ``variable`` turns its hook on; a value that is neither on nor off warns once and counts as off."""
+    value = os.environ.get(variable, "").strip().lower()
+    # One warning per node: every rank of a job reads the same variable.
+    if value not in ON + OFF and variable not in _warned and os.environ.get("LOCAL_RANK", "0") == "0":
+        _warned.add(variable)
+        print(
+            f"ljperf: warning: {variable}={os.environ[variable]!r} is neither on ({', '.join(ON)}) nor off"
+            f" ({', '.join(OFF[1:])}): the hook stays off",
+            file=sys.stderr,
+        )
+    return value in ON
 
 
 def install() -> None:
