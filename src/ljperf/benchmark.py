@@ -34,6 +34,7 @@ from ljperf.errors import (
     Interrupted,
     UsageError,
     interruption,
+    out_of_memory,
 )
 from ljperf.faults import Fault
 from ljperf.hooks import startup
@@ -169,8 +170,6 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
         record["config"]["engine"] = engine.describe()
         train_loop(run, engine, state, reporter)
-    except torch.OutOfMemoryError:
-        status, reason, exit_code = "oom", "out of device memory (torch.OutOfMemoryError)", EXIT_OOM
     except Interrupted as exc:
         status, reason, exit_code = "error", str(exc), exc.exit_code
     except KeyboardInterrupt:
@@ -180,6 +179,8 @@ def run_worker(cfg: BenchmarkConfig) -> int:
     except Exception as exc:  # the record must be written whatever failed
         if (stop := interruption(exc)) is not None:  # a signal that came out wrapped (in an import, in a library)
             status, reason, exit_code = "error", str(stop), stop.exit_code
+        elif oom := out_of_memory(exc):
+            status, reason, exit_code = "oom", oom, EXIT_OOM
         else:
             status, reason, exit_code = "error", f"{type(exc).__name__}: {first_line(exc)}", EXIT_ERROR
     finally:

@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 
 from ljperf.checkpoint.apply import find_blocks
 from ljperf.config import COMPILE_MODES
-from ljperf.errors import UsageError, interruption
+from ljperf.errors import UsageError, interruption, out_of_memory
 
 
 @dataclass
@@ -153,6 +153,8 @@ class Region:
         except Exception as exc:
             if (stop := interruption(exc)) is not None:  # Ctrl-C while compiling ends the run, as anywhere else
                 raise stop from None
+            if out_of_memory(exc):  # wrapped by inductor: not a compile failure either
+                raise
             out = self._eager(*args, **kwargs)  # an error of the model itself raises here as well
             self._group.failed = True
             self._session.fallback(self._group.label, exc)

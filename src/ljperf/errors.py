@@ -31,15 +31,34 @@ class Interrupted(Exception):
         self.exit_code = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
 
 
-def interruption(exc: BaseException) -> Interrupted | None:
-    """The ``Interrupted`` that ``exc`` is or wraps (torch.compile re-raises errors of its workers as its own;
-    transformers' lazy imports re-raise a ``KeyboardInterrupt`` as ``ModuleNotFoundError``), else None."""
+def _chain(exc: BaseException | None):
+    """``exc`` and what it wraps (torch.compile re-raises its workers' errors as its own; transformers' lazy
+    imports re-raise a ``KeyboardInterrupt`` as ``ModuleNotFoundError``)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, Interrupted):
-            return exc
-        if isinstance(exc, KeyboardInterrupt):
-            return Interrupted(signal.SIGINT)
+        yield exc
         seen.add(id(exc))
         exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+
+
+def interruption(exc: BaseException) -> Interrupted | None:
+    """The ``Interrupted`` that ``exc`` is or wraps (a ``KeyboardInterrupt`` counts as SIGINT), else None."""
+    for inner in _chain(exc):
+        if isinstance(inner, Interrupted):
+            return inner
+        if isinstance(inner, KeyboardInterrupt):
+            return Interrupted(signal.SIGINT)
+    return None
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """Why ``exc`` is (or wraps) running out of memory: the device's (``torch.OutOfMemoryError``) or the host's
+    (the CPU allocator raises a plain ``RuntimeError``); None for any other error."""
+    for inner in _chain(exc):
+        if type(inner).__name__ == "OutOfMemoryError":
+            return "out of device memory (torch.OutOfMemoryError)"
+        text = str(inner)
+        if "DefaultCPUAllocator: can't allocate memory" in text:
+            tried = text.partition("you tried to allocate ")[2].partition(" bytes")[0]
+            return f"out of host memory (DefaultCPUAllocator could not allocate {tried or 'a tensor'} bytes)"
     return None
