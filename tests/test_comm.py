@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import resource
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +16,7 @@ from ljperf import comm
 from ljperf.cli import main
 from ljperf.errors import UsageError
 
-from conftest import run_ljperf
+from conftest import cli_env, run_ljperf
 
 
 @pytest.mark.parametrize(
@@ -129,6 +134,63 @@ def test_two_process_gloo_run(tmp_path):
         assert r["busbw_gbps"] == pytest.approx(algbw * comm.BUS_FACTOR[r["op"]](2))
     for op, value in results["avg_busbw_gbps"].items():
         assert value == pytest.approx(sum(r["busbw_gbps"] for r in rows if r["op"] == op) / 4)
+
+
+def test_memory_running_out_keeps_the_sizes_measured_before(tmp_path):
+    """A real allocation failure at 512 MiB under a 3 GB address-space limit: exit 3, one line, and the record
+    and table hold the sizes done before it."""
+    out = tmp_path / "c.json"
+
+    def limit_address_space() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 * 10**9, 3 * 10**9))
+
+    sizes = ["--min-bytes", "128M", "--max-bytes", "4G", "--iters", "1", "--warmup-iters", "0"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ljperf",
+            "comm",
+            "--device",
+            "cpu",
+            "--ops",
+            "all_reduce",
+            *sizes,
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=cli_env(),
+        preexec_fn=limit_address_space,
+        check=False,
+    )
+    res = json.loads(out.read_text())["results"]
+    assert proc.returncode == 3 and proc.stderr.strip().splitlines() == [f"ljperf comm: failed: {res['reason']}"]
+    assert res["status"] == "oom" and res["reason"].startswith("out of host memory")
+    assert [r["size_bytes"] for r in res["rows"]] == [2**27, 2**28] and "268435456" in proc.stdout
+
+
+def test_a_signal_keeps_the_sizes_measured_before(tmp_path, monkeypatch, capsys):
+    """A real SIGTERM while the third size is measured (sent by the process to itself at that point)."""
+    calls = []
+
+    def measure(*args, **kwargs):
+        calls.append(args[:2])
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    real = comm.measure
+    monkeypatch.setattr(comm, "measure", measure)
+    out = tmp_path / "c.json"
+    sizes = ["--min-bytes", "1K", "--max-bytes", "4K", "--iters", "1", "--warmup-iters", "0"]
+    assert main(["comm", "--device", "cpu", "--ops", "all_reduce,all_gather", *sizes, "--output", str(out)]) == 143
+    res = json.loads(out.read_text())["results"]
+    assert res["status"] == "error" and res["reason"] == "interrupted by SIGTERM"
+    assert [(r["op"], r["size_bytes"]) for r in res["rows"]] == [("all_reduce", 1024), ("all_reduce", 2048)]
+    assert capsys.readouterr().err.strip().splitlines() == ["ljperf comm: failed: interrupted by SIGTERM"]
 
 
 def test_bad_flag_exits_2(capsys):

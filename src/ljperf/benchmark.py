@@ -26,15 +26,12 @@ from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.data import SyntheticTokens
 from ljperf.engines import make_engine
 from ljperf.errors import (
-    EXIT_ERROR,
     EXIT_OK,
-    EXIT_OOM,
     EXIT_SIGINT,
     EXIT_SIGTERM,
-    Interrupted,
     UsageError,
-    interruption,
-    out_of_memory,
+    failure,
+    raise_interrupted,
 )
 from ljperf.faults import Fault
 from ljperf.hooks import startup
@@ -135,10 +132,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return run_worker(cfg)
 
 
-def _raise_interrupted(signum: int, _frame: Any) -> None:
-    raise Interrupted(signum)
-
-
 @dataclass
 class LoopState:
     """What the loop has measured so far; kept when a run fails half-way."""
@@ -155,7 +148,7 @@ class LoopState:
 
 def run_worker(cfg: BenchmarkConfig) -> int:
     """One rank of a run: build, train, measure, and (on rank 0) print and write the record."""
-    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     run = run_context(cfg)
     record: dict[str, Any] | None = None
     reporter: ProgressReporter | None = None
@@ -170,19 +163,10 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
         record["config"]["engine"] = engine.describe()
         train_loop(run, engine, state, reporter)
-    except Interrupted as exc:
-        status, reason, exit_code = "error", str(exc), exc.exit_code
-    except KeyboardInterrupt:
-        status, reason, exit_code = "error", "interrupted by SIGINT", EXIT_SIGINT
     except UsageError:
         raise
-    except Exception as exc:  # the record must be written whatever failed
-        if (stop := interruption(exc)) is not None:  # a signal that came out wrapped (in an import, in a library)
-            status, reason, exit_code = "error", str(stop), stop.exit_code
-        elif oom := out_of_memory(exc):
-            status, reason, exit_code = "oom", oom, EXIT_OOM
-        else:
-            status, reason, exit_code = "error", f"{type(exc).__name__}: {first_line(exc)}", EXIT_ERROR
+    except (Exception, KeyboardInterrupt) as exc:  # the record must be written whatever failed
+        status, reason, exit_code = failure(exc)
     finally:
         if reporter is not None:
             reporter.close()
@@ -220,11 +204,6 @@ def run_worker(cfg: BenchmarkConfig) -> int:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
     return exit_code
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else ""
 
 
 def run_context(cfg: BenchmarkConfig, **known: Any) -> RunContext:

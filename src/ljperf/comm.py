@@ -9,6 +9,7 @@ nccl-tests' definitions (docs/comm.md). ``--output FILE`` writes the JSON record
 from __future__ import annotations
 
 import argparse
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -20,7 +21,7 @@ from rich.table import Table
 from ljperf import config as cfgmod
 from ljperf import hardware
 from ljperf.config import LaunchConfig, TrainConfig, opt
-from ljperf.errors import RunFailed, UsageError
+from ljperf.errors import EXIT_ERROR, EXIT_OK, RunFailed, UsageError, failure, raise_interrupted
 from ljperf.report import console
 from ljperf.result import SCHEMA_VERSION, check_writable, environment, now_iso, write_json
 from ljperf.runtime import (
@@ -262,10 +263,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, output: str | None, argv: list[str]) -> int:
-    """One rank: join the group, measure every op and size, print and write the record on rank 0."""
+    """One rank: join the group, measure every op and size, print and write the record on rank 0. A failure
+    (a signal, memory running out, a lost peer) keeps the rows measured before it in the record."""
     context = RunContext(engine="comm", model=None, train=TrainConfig(device=device_type), launch=launch)
     run = init_process(context, need_group=True)
-    device = run.device.torch_device
     record = {
         "schema_version": SCHEMA_VERSION,
         "kind": "comm",
@@ -278,25 +279,42 @@ def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, outpu
             "launch": {**asdict(launch), "world_size": run.world},
         },
     }
-    rows = []
-    for op in cfg.op_list:
-        op_rows = [measure(op, size, cfg, rank=run.rank, world=run.world, device=device) for size in cfg.sizes]
-        if run.is_main:
-            print_table(op, op_rows, world=run.world, backend=dist.get_backend())
-        rows += op_rows
+    rows: list[Row] = []
+    status, reason, exit_code = "ok", None, EXIT_OK
+    previous = {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for op in cfg.op_list:
+            start = len(rows)
+            try:
+                for size in cfg.sizes:
+                    rows.append(measure(op, size, cfg, rank=run.rank, world=run.world, device=run.device.torch_device))
+            finally:  # also the sizes an op measured before it failed
+                if run.is_main and rows[start:]:
+                    print_table(op, rows[start:], world=run.world, backend=dist.get_backend())
+    except (Exception, KeyboardInterrupt) as exc:
+        status, reason, exit_code = failure(exc)
+    for sig in previous:  # a second signal must not interrupt writing the record
+        signal.signal(sig, signal.SIG_IGN)
     wrong = sum(r.wrong or 0 for r in rows)
+    if status == "ok" and wrong:
+        status, reason, exit_code = "error", f"{wrong} wrong element(s)", EXIT_ERROR
     record["results"] = {
-        "status": "ok" if wrong == 0 else "error",
-        "reason": None if wrong == 0 else f"{wrong} wrong element(s)",
+        "status": status,
+        "reason": reason,
         "wrong": wrong if cfg.check else None,
-        "avg_busbw_gbps": {op: average_busbw([r for r in rows if r.op == op]) for op in cfg.op_list},
+        "avg_busbw_gbps": {op: average_busbw(r) for op in cfg.op_list if (r := [x for x in rows if x.op == op])},
         "rows": [asdict(r) for r in rows],
     }
     if run.is_main and output:
         write_json(output, record)
-    shutdown_process()
+    if status == "ok":
+        shutdown_process()
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
     if wrong:
         raise RunFailed(f"{wrong} element(s) differ from the expected result (see the #wrong column)")
+    if status != "ok":
+        raise RunFailed(reason, exit_code=exit_code)
     return 0
 
 

@@ -62,3 +62,24 @@ def out_of_memory(exc: BaseException) -> str | None:
             tried = text.partition("you tried to allocate ")[2].partition(" bytes")[0]
             return f"out of host memory (DefaultCPUAllocator could not allocate {tried or 'a tensor'} bytes)"
     return None
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: first line of the message`` (300 characters at most): an error in one line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+
+
+def failure(exc: BaseException) -> tuple[str, str, int]:
+    """(status, reason, exit code) of a run that ``exc`` ended: a signal (also wrapped), memory running out, or
+    any other error."""
+    if (stop := interruption(exc)) is not None:
+        return "error", str(stop), stop.exit_code
+    if oom := out_of_memory(exc):
+        return "oom", oom, EXIT_OOM
+    return "error", describe(exc), EXIT_ERROR
+
+
+def raise_interrupted(signum: int, _frame: object) -> None:
+    """A SIGTERM/SIGINT handler for runs that keep a partial result: the run unwinds, then writes it."""
+    raise Interrupted(signum)

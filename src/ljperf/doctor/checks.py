@@ -23,6 +23,7 @@ from ljperf.doctor.tables import (
     DRIVER_RULES,
     IFNAME_BY_GPU_COUNT,
 )
+from ljperf.errors import describe
 from ljperf.result import read_json
 
 OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "INFO"
@@ -46,11 +47,6 @@ class CheckResult:
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, not {self.status!r}")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
 
 
 # --- NVIDIA driver against the CUDA version of torch ---------------------------------------------------
@@ -318,7 +314,7 @@ def check_versions() -> CheckResult:
         return CheckResult(
             check="versions",
             status=WARN,
-            finding=f"image manifest {path} is unreadable ({_first_line(exc)})",
+            finding=f"image manifest {path} is unreadable ({describe(exc)})",
             fix=f"rebuild the image, or point {manifest_mod.MANIFEST_ENV} at a manifest written by "
             "`python -m ljperf.doctor.manifest write`",
         )
@@ -347,7 +343,7 @@ def check_compile() -> CheckResult:
         return CheckResult(
             check="compile",
             status=FAIL,
-            finding=f"torch.compile failed on {device}: {_first_line(exc)}",
+            finding=f"torch.compile failed on {device}: {describe(exc)}",
             fix="install a working C++ compiler (CXX) and Triton for GPUs, or run with COMPILE_OPTIMIZATION=false",
         )
     seconds = time.perf_counter() - start
