@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,19 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_ljperf(*args: str, timeout: float = 300, env: dict[str, str] | None = None, cwd: str | Path | None = None):
-    """Run ``python -m ljperf ARGS``; returns the CompletedProcess (text output captured)."""
+def run_ljperf(
+    *args: str,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    address_space: int | None = None,
+):
+    """Run ``python -m ljperf ARGS``; returns the CompletedProcess (text output captured). ``address_space``
+    (bytes) limits its memory, so that a large enough tensor really fails to allocate."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
     return subprocess.run(
         [sys.executable, "-m", "ljperf", *args],
         capture_output=True,
@@ -28,6 +40,7 @@ def run_ljperf(*args: str, timeout: float = 300, env: dict[str, str] | None = No
         timeout=timeout,
         env=env or cli_env(),
         cwd=cwd,
+        preexec_fn=limit if address_space else None,
         check=False,
     )
 

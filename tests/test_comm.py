@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ from ljperf import comm
 from ljperf.cli import main
 from ljperf.errors import UsageError
 
-from conftest import cli_env, run_ljperf
+from conftest import run_ljperf
 
 
 @pytest.mark.parametrize(
@@ -140,32 +137,9 @@ def test_memory_running_out_keeps_the_sizes_measured_before(tmp_path):
     """A real allocation failure at 512 MiB under a 3 GB address-space limit: exit 3, one line, and the record
     and table hold the sizes done before it."""
     out = tmp_path / "c.json"
-
-    def limit_address_space() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (3 * 10**9, 3 * 10**9))
-
     sizes = ["--min-bytes", "128M", "--max-bytes", "4G", "--iters", "1", "--warmup-iters", "0"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ljperf",
-            "comm",
-            "--device",
-            "cpu",
-            "--ops",
-            "all_reduce",
-            *sizes,
-            "--output",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=cli_env(),
-        preexec_fn=limit_address_space,
-        check=False,
-    )
+    args = ["comm", "--device", "cpu", "--ops", "all_reduce", *sizes, "--output", str(out)]
+    proc = run_ljperf(*args, timeout=120, address_space=3 * 10**9)
     res = json.loads(out.read_text())["results"]
     assert proc.returncode == 3 and proc.stderr.strip().splitlines() == [f"ljperf comm: failed: {res['reason']}"]
     assert res["status"] == "oom" and res["reason"].startswith("out of host memory")

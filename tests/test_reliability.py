@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -190,20 +189,9 @@ def test_a_signal_during_start_up_exits_with_one_line(tmp_path, sig, code, delay
 def test_host_memory_running_out_is_an_oom(tmp_path):
     """The CPU allocator raises a plain RuntimeError, not torch.OutOfMemoryError; the run is still ``oom``."""
     out = tmp_path / "r.json"
-
-    def limit_address_space() -> None:  # 3 GB: torch imports; a 64 × 2048-token batch does not fit
-        resource.setrlimit(resource.RLIMIT_AS, (3 * 10**9, 3 * 10**9))
-
     big = ["--micro-batch", "64", "--seq-len", "2048", "--steps", "1", "--warmup", "0", "--output", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "ljperf", *TINY, *big],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=cli_env(),
-        preexec_fn=limit_address_space,
-        check=False,
-    )
+    # 3 GB: torch imports; a 64 × 2048-token batch does not fit.
+    proc = run_ljperf(*TINY, *big, timeout=120, address_space=3 * 10**9)
     assert proc.returncode == 3, proc.stderr[-3000:]
     res = read_record(out)["results"]
     assert res["status"] == "oom" and res["reason"].startswith("out of host memory (DefaultCPUAllocator"), res
