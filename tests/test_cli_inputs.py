@@ -98,6 +98,8 @@ CASES = [
     (["ablation", *TINY, "--env", "noequals"], {}, "--env"),
     (["report", "/nonexistent/run-dir"], {}, "run-dir"),
     (["compile-report", *TINY, "--seq-lens", "12,abc"], {}, "abc"),
+    (["compile-report", *TINY, "--steps", "99999999999999999999"], {}, "--steps"),
+    (["compile-report", *TINY, "--seq-lens", "64,99999999999"], {}, "lengths from 2 to"),
     (["models", "--bogus-flag"], {}, "--bogus-flag"),
 ]
 

@@ -21,7 +21,7 @@ from rich.table import Table
 from ljperf import config as cfgmod
 from ljperf import hardware, models
 from ljperf.compile import compile_model
-from ljperf.config import COMPILE_MODES, LaunchConfig, TrainConfig, opt
+from ljperf.config import COMPILE_MODES, LARGEST, LaunchConfig, TrainConfig, opt, positive
 from ljperf.data import SyntheticTokens
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.errors import UsageError
@@ -48,10 +48,10 @@ class ReportConfig:
             raise UsageError(
                 f"--seq-lens {self.seq_lens!r} must be integers separated by commas, e.g. 512,1024"
             ) from None
-        if not lens or min(lens) < 2:
-            raise UsageError(f"--seq-lens {self.seq_lens!r}: give one or more lengths of at least 2")
-        if self.steps < 1 or self.micro_batch < 1:
-            raise UsageError("--steps and --micro-batch must be larger than zero")
+        if not lens or not 2 <= min(lens) <= max(lens) <= LARGEST:
+            raise UsageError(f"--seq-lens {self.seq_lens!r}: give one or more lengths from 2 to {LARGEST}")
+        positive("steps", self.steps)
+        positive("micro_batch", self.micro_batch)
 
     @property
     def lengths(self) -> list[int]:
