@@ -124,7 +124,13 @@ def lint(config: dict, *, world_size: int | None = None) -> list[Finding]:
     """
     if not isinstance(config, dict):
         return [Finding(level="fail", message="a DeepSpeed config must be a JSON object", fix="write {...}")]
-    return [_unknown_keys(config), _batch_identity(config, world_size), _precision(config), _prefetch(config)]
+    return [
+        _unknown_keys(config),
+        _batch_identity(config, world_size),
+        _precision(config),
+        _prefetch(config),
+        _types(config),
+    ]
 
 
 def _unknown_keys(config: dict) -> Finding:
@@ -201,6 +207,53 @@ def _prefetch(config: dict) -> Finding:
             "fails DeepSpeed's integer check)",
         )
     return Finding(level="ok", message="stage3_prefetch_bucket_size is left to DeepSpeed", fix="")
+
+
+# Settings with one JSON type. DeepSpeed 0.19 reads some by pydantic's lax rules ("yes", 1 and "3" pass: bf16,
+# fp16, zero_optimization) and others as they are (gradient_clipping "x" fails only when the step clips).
+TYPED: dict[tuple[str, ...], str] = {
+    ("bf16", "enabled"): "bool",
+    ("fp16", "enabled"): "bool",
+    ("zero_optimization", "stage"): "int",
+    ("zero_optimization", "overlap_comm"): "bool",
+    ("zero_optimization", "contiguous_gradients"): "bool",
+    ("zero_optimization", "reduce_bucket_size"): "number",
+    ("zero_optimization", "allgather_bucket_size"): "number",
+    ("zero_optimization", "stage3_max_live_parameters"): "number",
+    ("zero_optimization", "stage3_max_reuse_distance"): "number",
+    ("zero_optimization", "stage3_param_persistence_threshold"): "number",
+    ("gradient_clipping",): "number",
+    ("steps_per_print",): "int",
+    ("optimizer", "type"): "str",
+    ("optimizer", "params"): "object",
+}
+_WANT = {"bool": "true or false", "int": "an integer", "number": "a number", "str": "a string", "object": "an object"}
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    return {
+        "bool": isinstance(value, bool),
+        "int": _number(value) and value == int(value),
+        "number": _number(value),
+        "str": isinstance(value, str),
+        "object": isinstance(value, dict),
+    }[kind]
+
+
+def _types(config: dict) -> Finding:
+    wrong = []
+    for path, kind in TYPED.items():
+        section = config if len(path) == 1 else _section(config, path[0])
+        if path[-1] in section and section[path[-1]] != AUTO and not _has_type(section[path[-1]], kind):
+            wrong.append(f"{'.'.join(path)} is {json.dumps(section[path[-1]])[:40]} (want {_WANT[kind]})")
+    if not wrong:
+        return Finding(level="ok", message="the settings ljperf knows have JSON values of the right type", fix="")
+    return Finding(
+        level="warn",
+        message="; ".join(wrong),
+        fix='write JSON numbers, true/false and objects without quotes, or "auto": DeepSpeed converts some quoted'
+        " values and fails on others only when it uses them",
+    )
 
 
 def load(path: str | Path) -> dict:
