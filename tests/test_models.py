@@ -11,6 +11,8 @@ import torch
 from ljperf import models
 from ljperf.errors import UsageError
 
+from conftest import run_ljperf
+
 REQUIRED = [
     "llama3-8b",
     "llama3.1-8b",
@@ -120,6 +122,11 @@ def test_model_config_path(tmp_path):
             '"num_attention_heads": 1}',
             "cannot build",
         ),
+        (  # accepted by transformers' config validation, fails when the model is built
+            '{"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1, '
+            '"num_attention_heads": 1, "rope_scaling": {"type": "bogus"}}',
+            "cannot build the model: KeyError: 'bogus'",
+        ),
     ],
 )
 def test_bad_model_configs_are_usage_errors(tmp_path, content, message):
@@ -127,6 +134,19 @@ def test_bad_model_configs_are_usage_errors(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(UsageError, match=message):
         models.resolve(path=path)
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_transformers_warnings_show_only_for_an_accepted_config(tmp_path, refused):
+    """eos_token_id outside the vocabulary (and an unknown rope type) make transformers warn; with a refused
+    config only the error line is printed, with an accepted one the warning is."""
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 8, "num_hidden_layers": 1}
+    config |= {"num_attention_heads": 2, "eos_token_id": 100} | ({"rope_scaling": {"type": "bogus"}} if refused else {})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = run_ljperf("plan", "--model-config", str(tmp_path), "--device", "cpu", "--seq-len", "8", "--json")
+    (line,) = proc.stderr.strip().splitlines()
+    assert proc.returncode == (2 if refused else 0), proc.stderr
+    assert ("eos_token_id must be" in line) != refused and ("KeyError: 'bogus'" in line) == refused
 
 
 def test_unknown_model_names_the_closest():

@@ -7,17 +7,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import difflib
 import json
+import logging
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ljperf.errors import UsageError
+from ljperf.errors import UsageError, describe
 from ljperf.result import read_json_object
 
 if TYPE_CHECKING:
@@ -168,13 +171,41 @@ def resolve(*, name: str | None = None, path: str | Path | None = None) -> Model
     meta-device build: about 1 s, mostly importing the model's code, which a run imports anyway)."""
     data = read_config_dict(name=name, path=path)
     source = f"model {name!r}" if name else f"--model-config {str(path)!r}"
-    spec = ModelSpec(name=name or str(path), config=hf_config(data, source=source))
-    if path is not None:
-        try:
-            decoder_layers(build_meta(with_layers(spec, 1)))
-        except UsageError as exc:
-            raise UsageError(f"{source}: {exc}") from None
+    with _warnings_only_if_accepted():
+        spec = ModelSpec(name=name or str(path), config=hf_config(data, source=source))
+        if path is not None:
+            try:
+                decoder_layers(build_meta(with_layers(spec, 1)))
+            except UsageError as exc:
+                raise UsageError(f"{source}: {exc}") from None
+            except Exception as exc:  # a value transformers' validation let through, e.g. an unknown rope type
+                raise UsageError(f"{source}: transformers cannot build the model: {describe(exc)}") from None
     return spec
+
+
+@contextlib.contextmanager
+def _warnings_only_if_accepted() -> Iterator[None]:
+    """Hold transformers' warnings about a config; print them once it is accepted. When it is refused, the one
+    error line says what is wrong (the warnings were about the same file, above that line)."""
+    from transformers.utils import logging as hf_logging
+
+    handlers = hf_logging.get_logger("transformers").handlers  # configures them on first use
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    for handler in handlers:
+        handler.addFilter(hold)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(hold)
+    for record in dict.fromkeys(held):  # each handler saw each record
+        for handler in handlers:
+            handler.handle(record)
 
 
 def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
