@@ -174,14 +174,14 @@ def test_deepspeed_config_rows(tmp_path):
         "fp16": {"enabled": True},
         "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7},
         "train_batch_sze": 16,
-        "gradient_clipping": "1.0",
+        "gradient_clipping": float("nan"),  # JSON's NaN, which Python's json reads
         "steps_per_print": "10",
     }
     rows = checks.check_deepspeed_config(write_config(tmp_path, "bad.json", bad), world_size=4)
     by_status = {r.status: [x.finding for x in rows if x.status == r.status] for r in rows}
     assert any("stage3_prefetch_bucket_size" in f for f in by_status[WARN])
     assert any("train_batch_sze" in f for f in by_status[WARN])
-    assert any('gradient_clipping is "1.0" (want a number)' in f for f in by_status[WARN])
+    assert any("gradient_clipping is NaN (want a number)" in f for f in by_status[WARN])
     assert any('steps_per_print is "10" (want an integer)' in f for f in by_status[WARN])
     assert any("bf16 and fp16" in f for f in by_status[FAIL])
     assert any("train_batch_size 16 ≠" in f for f in by_status[FAIL])

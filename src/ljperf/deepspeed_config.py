@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -231,13 +232,13 @@ _WANT = {"bool": "true or false", "int": "an integer", "number": "a number", "st
 
 
 def _has_type(value: Any, kind: str) -> bool:
-    return {
-        "bool": isinstance(value, bool),
-        "int": _number(value) and value == int(value),
-        "number": _number(value),
-        "str": isinstance(value, str),
-        "object": isinstance(value, dict),
-    }[kind]
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return _number(value) and math.isfinite(value) and value == int(value)
+    if kind == "number":
+        return _number(value) and math.isfinite(value)
+    return isinstance(value, str if kind == "str" else dict)
 
 
 def _types(config: dict) -> Finding:
