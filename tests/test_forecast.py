@@ -183,6 +183,19 @@ def test_plan_with_gpu_memory_applies_the_saved_calibration(tmp_path, capsys):
         saved.unlink()
 
 
+def test_a_calibration_applies_to_its_gpu_model_only():
+    """Matched by whole words: H100 is "NVIDIA H100 80GB HBM3"; H20 is not H200, nor L4 L40S."""
+    saved = calibrate.calibration_path()
+    devices = {name: {"scale": scale, "samples": 1} for name, scale in (("NVIDIA H200", 1.5), ("NVIDIA L40S", 1.25))}
+    saved.write_text(json.dumps({"version": 1, "devices": devices | {"NVIDIA H100 80GB HBM3": {"scale": 1.125}}}))
+    try:
+        scales = {name: calibrate.overheads_for("cuda", name).scale for name in ("H20", "L4", "H200", "H100")}
+    finally:
+        saved.unlink()
+    default = calibrate.DEFAULTS["cuda"].scale
+    assert scales == {"H20": default, "L4": default, "H200": 1.5, "H100": 1.125}
+
+
 def test_a_damaged_calibration_entry_counts_as_none_saved(capsys):
     argv = ["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--seq-len", "64", "--json"]
     assert main(argv) == 0

@@ -8,6 +8,7 @@ terms are saved as JSON in the cache folder (``calibration.json``) and applied t
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -82,11 +83,19 @@ def _count(value) -> int | None:
 def overheads_for(device_type: str, device_name: str | None) -> Overheads:
     """The calibrated terms of ``device_name`` if any, else the defaults of ``device_type``."""
     saved = load()
-    if device_name:
-        for name, terms in saved.items():
-            if name == device_name or name.lower() in device_name.lower() or device_name.lower() in name.lower():
-                return terms
+    if device_name in saved:
+        return saved[device_name]
+    for name, terms in saved.items():
+        if device_name and _same_model(name, device_name):
+            return terms
     return DEFAULTS[device_type]
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether the shorter name is a whole word of the longer: ``H100`` is ``NVIDIA H100 80GB HBM3``, while
+    ``H20`` is not ``NVIDIA H200`` nor ``L4`` ``NVIDIA L40S``."""
+    short, long = sorted((a.lower(), b.lower()), key=len)
+    return re.search(rf"(?<!\w){re.escape(short)}(?!\w)", long) is not None
 
 
 def fit(records: list[dict]) -> dict[str, Overheads]:
