@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_SIGPIPE
     except UsageError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank finds the same (the launcher names any other's)
+            print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except RunFailed as exc:
         print(f"{prog}: failed: {exc}", file=sys.stderr)

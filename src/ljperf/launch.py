@@ -10,7 +10,9 @@ Other multi-process commands (``ljperf comm``) call ``run_workers`` and ``failur
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ljperf.config import LaunchConfig
-from ljperf.errors import EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, RunFailed
+from ljperf.errors import EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed
 from ljperf.report import PROGRESS_FILE_ENV
 from ljperf.result import read_json, write_json
 
@@ -43,7 +45,8 @@ def failure_reason(exc: Exception) -> tuple[str, int]:
         how = f"ran out of memory (exit code {EXIT_OOM})"
     else:
         how = f"exited with code {failure.exitcode}"
-    code = EXIT_OOM if failure.exitcode == EXIT_OOM else EXIT_ERROR
+    # Out of memory, and a usage error only a rank could find (a recompute plan that cannot fit), keep their codes.
+    code = failure.exitcode if failure.exitcode in (EXIT_OOM, EXIT_USAGE) else EXIT_ERROR
     return f"rank {rank} {how}", code
 
 
@@ -67,7 +70,14 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
         monitor_interval=0.1,
         start_method="spawn",
     )
+    # The agent logs "failed (exitcode: N) local_rank: ..." and "Sending process P closing signal SIGTERM" with
+    # its own timestamp format; ljperf's one line names the failing rank and why (``failure_reason``).
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_the_agents_failure_lines)
     elastic_launch(config, sys.executable)("-m", "ljperf", *argv)
+
+
+def _not_the_agents_failure_lines(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
 
 
 def launch(cfg: Any) -> int:
@@ -77,7 +87,7 @@ def launch(cfg: Any) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="ljperf-run-"))
     os.environ[PROGRESS_FILE_ENV] = str(run_dir)
     record_path = Path(cfg.output) if cfg.output else run_dir / "result.json"
-    argv = [a for a in cfg.argv]
+    argv = list(cfg.argv)
     if not cfg.output:
         argv += ["--output", str(record_path)]
     try:
@@ -85,14 +95,21 @@ def launch(cfg: Any) -> int:
     except SignalException as exc:
         reason, code = failure_reason(exc)
         _keep_failed_record(cfg, record_path, run_dir, reason)
-        print(f"ljperf benchmark: {reason}; partial result kept", file=sys.stderr)
+        print(
+            f"ljperf benchmark: {reason}" + (f"; partial result kept: {record_path}" if cfg.output else ""),
+            file=sys.stderr,
+        )
         return code
     except Exception as exc:
         reason, code = failure_reason(exc)
         status, reason = _keep_failed_record(cfg, record_path, run_dir, reason, oom=code == EXIT_OOM)
         if status == "oom":
             code = EXIT_OOM
+        if code == EXIT_USAGE and reason.startswith("rank 0 "):  # rank 0 printed its one line
+            return code
         raise RunFailed(reason + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code) from None
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     return 0
 
 
