@@ -149,6 +149,18 @@ def test_transformers_warnings_show_only_for_an_accepted_config(tmp_path, refuse
     assert ("eos_token_id must be" in line) != refused and ("KeyError: 'bogus'" in line) == refused
 
 
+def test_building_a_model_leaves_the_specs_config_alone():
+    """build_meta sets use_cache and the attention on its model's config, not the spec's: the spec's keys the
+    forecast cache, so ``plan`` and ``benchmark`` (which builds first) would trace the same model twice."""
+    from ljperf.forecast.trace import architecture_key
+
+    spec = models.resolve(name="llama-tiny")
+    before = architecture_key(spec)
+    model = models.build_meta(spec, attn_implementation="eager")
+    assert model.config.use_cache is False and model.config._attn_implementation == "eager"
+    assert architecture_key(spec) == before
+
+
 def test_unknown_model_names_the_closest():
     with pytest.raises(UsageError, match="closest: llama3-8b"):
         models.split_model_arg("torch/llama3-8")

@@ -238,7 +238,7 @@ def build_meta(spec: ModelSpec, *, attn_implementation: str | None = None) -> to
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    config = spec.config
+    config = copy.deepcopy(spec.config)  # the spec's own is shared (its dict keys the forecast cache)
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     config.use_cache = False
