@@ -72,7 +72,8 @@ def _trainer_setup(trainer) -> dict[str, Any]:
 
         setup |= {
             "engine": "deepspeed",
-            "zero_stage": ds.config.get("zero_optimization", {}).get("stage", 0),
+            # Stage 0 (DeepSpeed's data parallelism) is planned as ZeRO-1, as ``_deepspeed_setup`` does.
+            "zero_stage": max(ds.config.get("zero_optimization", {}).get("stage", 0), 1),
             "zero": ZeroSettings.from_config(ds.config),
         }
     return setup
