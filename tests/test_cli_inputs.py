@@ -6,6 +6,7 @@ each input must be refused before anything runs), plus a property-based test ove
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -186,3 +187,18 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     proc.stdout.close()
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and stderr == ""
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_help_explains_every_flag_and_shows_its_default(command):
+    parser = cli.build_parser(command)
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for action in sub.choices[command]._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{command} {action.option_strings}: no help"
+        default = action.default
+        if default not in (None, argparse.SUPPRESS, "", []) and not isinstance(action, argparse._StoreTrueAction):
+            shown = {("on" if default else "off")} if isinstance(default, bool) else {str(default)}
+            shown |= {f"{default:g}"} if isinstance(default, float) else set()
+            assert any(f"(default: {s})" in action.help for s in shown), f"{command} {action.option_strings}"

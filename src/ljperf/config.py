@@ -168,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
         extra = {k: v for k, v in f.metadata.items() if k != "help"}
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
-        shown = "" if default in (None, False) else f" (default: {default})"
+        shown = "" if default is None or default is False else f" (default: {default})"
         if kind is bool:
             shown = f" (default: {'on' if default else 'off'})"
             group.add_argument(

@@ -46,14 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--recompute",
         default="none",
         help="none, full, selective, K (the first K layers full), a mode per layer (full,selective,none,...) or auto"
-        " (the fastest plan that fits)",
+        " (the fastest plan that fits) (default: none)",
     )
-    g.add_argument("--attn-implementation", choices=("sdpa", "eager"), default="sdpa", help="default: sdpa")
+    g.add_argument(
+        "--attn-implementation",
+        choices=("sdpa", "eager"),
+        default="sdpa",
+        help="transformers attention: eager keeps the seq² attention weights (default: sdpa)",
+    )
     g.add_argument(
         "--reshard-after-forward",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="FSDP2: free gathered parameters after forward",
+        help="FSDP2: free gathered parameters after forward (default: on)",
     )
     g.add_argument("--optimizer", choices=("single", "foreach", "fused"), help="AdamW kind (default: torch's pick)")
     m = parser.add_argument_group("memory")
