@@ -86,7 +86,7 @@ def test_variant_lists():
         parse_variants(None, ["--micro-batch 2"])
 
 
-def test_usage_errors_exit_2(tmp_path):
+def test_usage_errors_exit_2(tmp_path, monkeypatch):
     unknown = run_ljperf("ablation", *SHORT, "--variants", "base,turbo", "--out", str(tmp_path / "a"))
     assert unknown.returncode == 2 and "unknown variant 'turbo'" in unknown.stderr and "ckpt-full" in unknown.stderr
     assert not (tmp_path / "a").exists()
@@ -95,6 +95,10 @@ def test_usage_errors_exit_2(tmp_path):
         check_variant(list(SHORT), *parse_variants(None, ["x=--micro-batch 0"]))
     with pytest.raises(UsageError, match="unrecognized arguments: --no-such-flag"):
         check_variant(list(SHORT), *parse_variants(None, ["x=--no-such-flag"]))
+    # The runs start without CHECKPOINT_OPTIMIZATION, so it cannot make --memory-budget valid here either.
+    monkeypatch.setenv("CHECKPOINT_OPTIMIZATION", "true")
+    with pytest.raises(UsageError, match="--memory-budget is the budget of --recompute auto"):
+        check_variant(list(SHORT), *parse_variants(None, ["x=--memory-budget 1GiB"]))
     with pytest.raises(UsageError, match="no such interpreter"):
         parse_environments(["x=/nonexistent/python"], default_python=sys.executable)
     with pytest.raises(UsageError, match="cannot import ljperf"):

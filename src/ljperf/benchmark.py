@@ -72,14 +72,15 @@ class BenchmarkConfig:
     """The command line, recorded in ``args``."""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``ljperf benchmark``."""
+def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) -> None:
+    """The flags of ``ljperf benchmark``; ``environment``: ``CHECKPOINT_OPTIMIZATION=true`` makes ``--recompute``
+    default to ``auto`` (off for a command whose runs are started without the variable)."""
     models.add_model_arguments(parser)
     parser.add_argument("--output", metavar="FILE", help="write the JSON result record here (atomically)")
     cfgmod.add_arguments(parser, TrainConfig)
     cfgmod.add_arguments(parser, EngineConfig)
     cfgmod.add_arguments(parser, OptimConfig)
-    if startup.enabled("CHECKPOINT_OPTIMIZATION"):
+    if environment and startup.enabled("CHECKPOINT_OPTIMIZATION"):
         parser.set_defaults(recompute="auto")
     parser.add_argument("--compile", action="store_true", help="same as --compile-mode regional")
     parser.set_defaults(compile_mode=None)  # to tell an explicit --compile-mode from the default

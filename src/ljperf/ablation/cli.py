@@ -85,7 +85,7 @@ def split_argv(argv: list[str], command: str) -> list[str]:
 def check_variant(shared: list[str], variant: Variant) -> benchmark.BenchmarkConfig:
     """Parse and validate the variant's benchmark command here, before any run starts."""
     parser = _Strict(prog="ljperf benchmark", allow_abbrev=False)
-    benchmark.add_arguments(parser)
+    benchmark.add_arguments(parser, environment=False)  # the runs start without CHECKPOINT_OPTIMIZATION
     try:
         args = parser.parse_args([*shared, *variant.flags])
         if args.output:
@@ -106,7 +106,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     variants = parse_variants(args.variants, args.variant)
     configs = [check_variant(shared, v) for v in variants]
     environments = parse_environments(args.env, default_python=sys.executable)
-    out = Path(args.out or f"ablation-{configs[0].engine}-{configs[0].model.name}")
+    # A --model-config path names its folder or file, not a folder tree under the working directory.
+    out = Path(args.out or f"ablation-{configs[0].engine}-{Path(configs[0].model.name).name.removesuffix('.json')}")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {str(out)!r} is a file; give a folder")
     try:
