@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ljperf.result import read_json, versions
+from ljperf.result import read_json, versions, write_atomic
 
 MODES = ("off", "regional", "whole")
 DEEPSPEED_MODES = ("off", "regional", "deepspeed")
@@ -124,7 +124,7 @@ def main() -> None:
     text = table(rows, header)
     print(text)
     if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+        write_atomic(args.markdown, lambda f: f.write((text + "\n").encode()))
 
 
 if __name__ == "__main__":

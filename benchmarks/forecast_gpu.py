@@ -27,7 +27,7 @@ from ljperf import benchmark, hardware, models
 from ljperf.config import LaunchConfig, OptimConfig, TrainConfig
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.forecast import Recipe, forecast
-from ljperf.result import environment, write_json
+from ljperf.result import environment, write_atomic, write_json
 from ljperf.runtime import RunContext
 
 SHAPES = {"cuda": ((1, 2048), (2, 2048), (1, 4096)), "cpu": ((1, 128), (2, 256))}
@@ -127,7 +127,9 @@ def main() -> None:
                     },
                 }
                 write_json(out_dir / stamp / f"{name}-b{micro_batch}-s{seq_len}.json", record)
-            (out_dir / f"{stamp}.md").write_text(table(rows, title=title))  # after every run: partial results stay
+            write_atomic(
+                out_dir / f"{stamp}.md", lambda f: f.write(table(rows, title=title).encode())
+            )  # after every run: partial results stay
     print((out_dir / f"{stamp}.md").read_text())
 
 

@@ -25,6 +25,7 @@ from ljperf import hardware, models
 from ljperf.checkpoint.apply import summary
 from ljperf.checkpoint.solver import Rates, solve_recipe
 from ljperf.forecast import Recipe, forecast
+from ljperf.result import write_atomic
 from ljperf.units import format_bytes, parse_size
 
 
@@ -109,7 +110,7 @@ def main() -> int:
     default = Path(__file__).parent / "results" / f"recompute_{args.model}_{args.device}_{time.strftime('%Y%m%d')}.md"
     out = Path(args.out) if args.out else default
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    write_atomic(out, lambda f: f.write((text + "\n").encode()))
     print(f"written {out}")
     return 0
 
