@@ -2,13 +2,15 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
+TORCH ?= torch==2.13.0
 
 .PHONY: run test lint format clean
 
 $(VENV)/.installed: pyproject.toml Makefile src/ljperf/hooks/ljperf_startup.pth
 	$(PYTHON) -m venv $(VENV)
-	# The CPU build of torch first (a local file here); GPU users install their own CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first: on the project's machines torch==2.13.0 is a local CPU-build file; elsewhere pass
+	# TORCH='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu' to avoid PyPI's CUDA build.
+	$(PY) -m pip install -q $(TORCH)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[dev]'
 	touch $@
 

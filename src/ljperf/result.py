@@ -22,7 +22,6 @@ from typing import IO, Any
 from ljperf.errors import UsageError
 
 SCHEMA_VERSION = 1
-STATUSES = ("ok", "oom", "error")
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "triton", "ljperf")
 # Variables that shape a run's performance and carry no secrets.
 ENV_VARIABLES = re.compile(

@@ -75,10 +75,6 @@ class VariantStats:
     def label(self) -> str:
         return self.variant if self.environment == LOCAL_ENV else f"{self.environment}/{self.variant}"
 
-    @property
-    def ok(self) -> int:
-        return self.statuses.get("ok", 0)
-
 
 def summarize(records: list[dict[str, Any]]) -> list[VariantStats]:
     """Group run records by (environment, variant) in plan order and compute every figure."""

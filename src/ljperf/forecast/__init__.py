@@ -2,7 +2,7 @@
 
 Run: ``ljperf plan --model torch/llama3-8b --gpus 8 --micro-batch 1 --seq-len 8192`` (docs/forecast.md).
 
-API (stable; the checkpoint optimization's solver uses it):
+API (stable; ``plan``, ``benchmark`` and the checkpoint optimization's solver use ``forecast``):
 
 - ``Recipe`` (keyword-only dataclass): engine, zero_stage, world, device, precision, micro_batch, seq_len,
   grad_accum, attn_implementation, reshard_after_forward, ``recompute`` (one of none/full/selective per
@@ -10,8 +10,7 @@ API (stable; the checkpoint optimization's solver uses it):
 - ``forecast(spec, recipe) -> Forecast``: ``peak_allocated_bytes``, ``peak_reserved_bytes`` (CUDA),
   ``context_bytes``, ``breakdown`` (bytes per component at the peak), ``phase`` (where the peak is), ``source``.
 - ``layer_costs(spec, recipe) -> {mode: LayerCost}``: per decoder layer and recompute mode, the activation
-  bytes it keeps until its backward and the extra bytes its backward needs; cheap once traced, so a solver can
-  search per-layer plans and call ``forecast`` only to confirm.
+  bytes it keeps until its backward; cheap once traced (the recompute benchmark and the tests read it).
 - Recompute modes are traced through ``ljperf.checkpoint.apply.apply_plan`` (what the engines run).
 """
 

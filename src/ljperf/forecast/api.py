@@ -7,14 +7,12 @@ from dataclasses import dataclass, replace
 from ljperf import models
 from ljperf.errors import UsageError
 from ljperf.forecast import analytic, timeline
-from ljperf.forecast.calibrate import Overheads, overheads_for
+from ljperf.forecast.calibrate import overheads_for
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.forecast.trace import TraceError, traced_patterns
 
 
-def forecast(
-    spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None = None, overheads: Overheads | None = None
-) -> Forecast:
+def forecast(spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None = None) -> Forecast:
     """Peak memory of one rank running ``recipe``; overheads: calibrated for ``device_name``, else defaults."""
     try:
         patterns = {
@@ -27,10 +25,10 @@ def forecast(
             )
             for mode in dict.fromkeys(recipe.layer_modes(spec.layers))
         }
-        raw = timeline.compose(spec, recipe, patterns, sharding=timeline.engine_sharding(spec, recipe))
+        raw = timeline.compose(spec, recipe, patterns)
     except TraceError as exc:
         raw = analytic_forecast(spec, recipe, reason=str(exc))
-    terms = overheads or overheads_for(recipe.device, device_name)
+    terms = overheads_for(recipe.device, device_name)
     allocated, reserved = terms.apply(raw.peak_allocated_bytes)
     breakdown = dict(raw.breakdown)
     if allocated != raw.peak_allocated_bytes:
@@ -100,13 +98,11 @@ class LayerCost:
 
     saved_bytes: int
     """Bytes it keeps from its forward until its backward."""
-    forward_peak_bytes: int
-    """Peak above the level before its forward."""
-    backward_peak_bytes: int
-    """Peak above the level before its backward (recomputed activations included)."""
 
 
-def layer_costs(spec: models.ModelSpec, recipe: Recipe, modes: tuple[str, ...] = ("none", "full")) -> dict:
+def layer_costs(
+    spec: models.ModelSpec, recipe: Recipe, *, modes: tuple[str, ...] = ("none", "full")
+) -> dict[str, LayerCost]:
     """``{mode: LayerCost}`` for a solver: cheap once the patterns are cached."""
     out = {}
     for mode in modes:
@@ -121,7 +117,5 @@ def layer_costs(spec: models.ModelSpec, recipe: Recipe, modes: tuple[str, ...] =
         except TraceError as exc:
             raise UsageError(f"cannot trace {spec.name}: {exc}") from None
         values = pats.evaluate(recipe.micro_batch, recipe.seq_len)
-        out[mode] = LayerCost(
-            saved_bytes=values["f1@1"][1], forward_peak_bytes=values["f1@1"][0], backward_peak_bytes=values["b1@1"][0]
-        )
+        out[mode] = LayerCost(saved_bytes=values["f1@1"][1])
     return out

@@ -37,7 +37,8 @@ def benchmark_forecast(run, results: dict[str, Any], plan: tuple[str, ...] | Non
 
 
 def forecast_line(results: dict[str, Any]) -> str | None:
-    """``memory forecast 30.9 MiB vs measured 30.9 MiB (+0.0%)``, or None without a forecast."""
+    """``memory forecast 30.94 MiB (peak at optimizer step) vs measured 30.94 MiB (+0.0%)``, or None without a
+    forecast."""
     from ljperf.units import format_bytes
 
     fc = results.get("forecast")

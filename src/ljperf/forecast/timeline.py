@@ -388,12 +388,10 @@ class _Grads:
         walk.level -= made - kept
 
 
-def compose(
-    spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns], *, sharding: Sharding | None = None
-) -> Forecast:
+def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns]) -> Forecast:
     """The forecast of ``recipe`` from the traced patterns of each recompute mode it uses."""
     blocks = block_params(spec)
-    shard = sharding or engine_sharding(spec, recipe)
+    shard = engine_sharding(spec, recipe)
     modes = recipe.layer_modes(spec.layers)
     values = {mode: pats.evaluate(recipe.micro_batch, recipe.seq_len) for mode, pats in patterns.items()}
     edge = values[modes[0]]
