@@ -38,7 +38,7 @@ from ljperf.hooks import startup
 from ljperf.metrics import throughput
 from ljperf.models import ModelSpec
 from ljperf.report import ProgressReporter, print_result_table
-from ljperf.result import SCHEMA_VERSION, check_writable, environment, now_iso, write_json
+from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import (
     RunContext,
     check_process_count,
@@ -228,11 +228,7 @@ def new_record(cfg: BenchmarkConfig, run: RunContext) -> dict[str, Any]:
     train = cfg.train
     tokens_per_step = train.micro_batch * train.seq_len * train.grad_accum * run.world
     return {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "benchmark",
-        "start_time": now_iso(),
-        "args": cfg.argv,
-        "env": environment(devices=[run.device.name], world_size=run.world),
+        **record_header("benchmark", args=cfg.argv, devices=[run.device.name], world_size=run.world),
         "config": {
             "model": {
                 "name": spec.name,

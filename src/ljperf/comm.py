@@ -23,7 +23,7 @@ from ljperf import hardware
 from ljperf.config import LaunchConfig, TrainConfig, opt
 from ljperf.errors import EXIT_ERROR, EXIT_OK, RunFailed, UsageError, failure, raise_interrupted
 from ljperf.report import console
-from ljperf.result import SCHEMA_VERSION, check_writable, environment, now_iso, write_json
+from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import (
     RunContext,
     check_process_count,
@@ -268,11 +268,7 @@ def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, outpu
     context = RunContext(engine="comm", model=None, train=TrainConfig(device=device_type), launch=launch)
     run = init_process(context, need_group=True)
     record = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "comm",
-        "start_time": now_iso(),
-        "args": argv,
-        "env": environment(devices=[run.device.name], world_size=run.world),
+        **record_header("comm", args=argv, devices=[run.device.name], world_size=run.world),
         "config": {
             **asdict(cfg),
             "backend": dist.get_backend(),

@@ -26,7 +26,7 @@ from ljperf.data import SyntheticTokens
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.errors import UsageError
 from ljperf.report import console
-from ljperf.result import SCHEMA_VERSION, check_writable, environment, now_iso, write_json
+from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import RunContext, init_process, resolve_device_type, resolve_train
 
 
@@ -85,16 +85,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         device=hardware.local_device(device_type, 0),
     )
     run_ctx = init_process(run_ctx, need_group=False)
-    report = compile_report(run_ctx, cfg)
-    report["args"] = argv
+    report = compile_report(run_ctx, cfg, argv=argv)
     print_report(report)
     if args.output:
         write_json(args.output, report)
     return 0
 
 
-def compile_report(run: RunContext, cfg: ReportConfig) -> dict[str, Any]:
+def compile_report(run: RunContext, cfg: ReportConfig, *, argv: list[str]) -> dict[str, Any]:
     """Explain, time eager, compile in place, time compiled; returns the report record."""
+    header = record_header("compile-report", args=argv, devices=[run.device.name], world_size=1)
     engine = TorchEngine(run)
     engine.setup(models.build_meta(run.model, attn_implementation=run.train.attn_implementation))
     model = engine.model
@@ -121,10 +121,7 @@ def compile_report(run: RunContext, cfg: ReportConfig) -> dict[str, Any]:
             }
         )
     return {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "compile-report",
-        "start_time": now_iso(),
-        "env": environment(devices=[run.device.name], world_size=1),
+        **header,
         "config": {"model": run.model.name, **asdict(cfg), "precision": run.train.precision},
         "graph_breaks": explained,
         "lengths": lengths,

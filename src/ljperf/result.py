@@ -74,6 +74,17 @@ def environment(*, devices: list[str], world_size: int) -> dict[str, Any]:
     }
 
 
+def record_header(kind: str, *, args: list[str], devices: list[str], world_size: int) -> dict[str, Any]:
+    """What every record starts with: schema version, kind, start time, command line and environment."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": kind,
+        "start_time": now_iso(),
+        "args": args,
+        "env": environment(devices=devices, world_size=world_size),
+    }
+
+
 def check_writable(path: str | os.PathLike, *, what: str = "--output") -> None:
     """Fail before a run starts (exit 2) when its result file could not be written (``what`` names the flag)."""
     target = Path(path)

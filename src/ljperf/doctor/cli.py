@@ -20,7 +20,7 @@ from ljperf.doctor import checks
 from ljperf.doctor.checks import FAIL, INFO, OK, WARN, CheckResult
 from ljperf.errors import EXIT_ERROR, EXIT_OK, UsageError
 from ljperf.report import console
-from ljperf.result import SCHEMA_VERSION, check_writable, environment, now_iso, write_json
+from ljperf.result import check_writable, record_header, write_json
 
 # Machine checks in the order they are shown; the DeepSpeed lint runs first when a file is given.
 CHECKS: dict[str, Callable[[], CheckResult]] = {
@@ -86,11 +86,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     rows = run_checks(deepspeed=args.deepspeed_config, world_size=args.world_size, skip=skip)
     status = overall(rows)
     record = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "doctor",
-        "start_time": now_iso(),
-        "args": argv,
-        "env": environment(devices=_devices(), world_size=1),
+        **record_header("doctor", args=argv, devices=_devices(), world_size=1),
         "results": {"status": status, "checks": [asdict(r) for r in rows]},
     }
     if args.output:
