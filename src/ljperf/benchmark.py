@@ -71,6 +71,19 @@ class BenchmarkConfig:
     argv: list[str] = field(default_factory=list)
     """The command line, recorded in ``args``."""
 
+    def __post_init__(self) -> None:
+        engine, optim = self.engine, self.optim
+        if optim.compile_mode == "deepspeed" and engine != "deepspeed":
+            raise UsageError(
+                f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{self.model.name}"
+            )
+        if optim.memory_budget and optim.recompute != "auto":
+            raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
+        if self.engine_opts.deepspeed_config and engine != "deepspeed":
+            raise UsageError(f"--deepspeed-config is for the deepspeed engine, not {engine}")
+        if optim.compile_mode != "off" and self.train.warmup < 1:
+            raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
+
 
 def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) -> None:
     """The flags of ``ljperf benchmark``; ``environment``: ``CHECKPOINT_OPTIMIZATION=true`` makes ``--recompute``
@@ -107,14 +120,6 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
     check_process_count(cfg.launch, device_type)
     if cfg.output and not under_torchrun():
         check_writable(cfg.output)
-    if cfg.optim.compile_mode == "deepspeed" and engine != "deepspeed":
-        raise UsageError(f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{spec.name}")
-    if cfg.optim.memory_budget and cfg.optim.recompute != "auto":
-        raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
-    if cfg.engine_opts.deepspeed_config and engine != "deepspeed":
-        raise UsageError(f"--deepspeed-config is for the deepspeed engine, not {engine}")
-    if cfg.optim.compile_mode != "off" and cfg.train.warmup < 1:
-        raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
     if engine == "deepspeed" and not under_torchrun():
         # A contradicting DeepSpeed config fails here (exit 2), before any process starts.
         from ljperf.engines.deepspeed_engine import resolved_config
