@@ -19,7 +19,7 @@ import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._dynamo
@@ -29,6 +29,9 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 from ljperf.checkpoint.apply import find_blocks
 from ljperf.config import COMPILE_MODES
 from ljperf.errors import UsageError, interruption, out_of_memory
+
+if TYPE_CHECKING:
+    from ljperf.runtime import RunContext
 
 
 @dataclass
@@ -223,7 +226,7 @@ def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True, **
     return sess
 
 
-def apply_compile(model: torch.nn.Module, run: Any) -> torch.nn.Module:
+def apply_compile(model: torch.nn.Module, run: RunContext) -> torch.nn.Module:
     """The compile step of ``optimize.apply_optimizations`` (after checkpointing, before the engine wraps)."""
     mode = run.optim.compile_mode
     if mode != "off" and run.engine == "deepspeed" and run.engine_opts.zero_stage == 3:
