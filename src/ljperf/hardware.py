@@ -67,18 +67,16 @@ GPU_MEMORY_BYTES: dict[str, int] = {
 
 def peak_tflops(device_name: str) -> float | None:
     """Peak dense BF16 TFLOPS of a device by name, or None when unknown."""
-    for pattern, tflops in PEAK_BF16_TFLOPS:
-        if re.search(pattern, device_name):
-            return tflops
-    return None
+    return _lookup(PEAK_BF16_TFLOPS, device_name)
 
 
 def peak_memory_tbps(device_name: str) -> float | None:
     """Peak memory bandwidth (TB/s) of a device by name, or None when unknown."""
-    for pattern, tbps in PEAK_MEMORY_TBPS:
-        if re.search(pattern, device_name):
-            return tbps
-    return None
+    return _lookup(PEAK_MEMORY_TBPS, device_name)
+
+
+def _lookup(table: tuple[tuple[str, float], ...], device_name: str) -> float | None:
+    return next((value for pattern, value in table if re.search(pattern, device_name)), None)
 
 
 @dataclass(frozen=True, kw_only=True)
