@@ -235,14 +235,13 @@ SEGMENTS = (
 def split_segments(raw: RawTrace) -> dict[str, list[int]]:
     """``{"<segment>@<micro>": [bytes relative to the segment start, ...]}`` including start and end points."""
     names = [name for name, _ in raw.marks if name != "loss"]
-    want = MARKS
-    if names != want * MICRO_STEPS:
+    if names != MARKS * MICRO_STEPS:
         raise TraceError(f"unexpected block order in the trace: {names[:20]}")
     out: dict[str, list[int]] = {}
     marks = [(n, i) for n, i in raw.marks if n != "loss"]
     for micro in range(MICRO_STEPS):
-        at = dict(marks[micro * len(want) : (micro + 1) * len(want)])
-        nxt = marks[(micro + 1) * len(want)][1] if micro + 1 < MICRO_STEPS else len(raw.points) - 1
+        at = dict(marks[micro * len(MARKS) : (micro + 1) * len(MARKS)])
+        nxt = marks[(micro + 1) * len(MARKS)][1] if micro + 1 < MICRO_STEPS else len(raw.points) - 1
         at["next"] = nxt
         for name, start, end in SEGMENTS:
             lo, hi = at[start], at[end]
