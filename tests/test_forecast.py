@@ -135,6 +135,24 @@ def test_optimizer_temporaries_match_a_traced_adamw_step(foreach):
     assert max(tracker.points) - before == pytest.approx(expected, rel=1e-3)
 
 
+def test_a_damaged_cache_file_is_made_again(tmp_path, monkeypatch):
+    """Cache files edited or cut short outside ljperf are traced again, not a KeyError in every plan."""
+    from ljperf.forecast import trace
+
+    monkeypatch.setenv("LJPERF_CACHE_DIR", str(tmp_path))
+    spec, recipe = models.resolve(name="llama-tiny"), Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64)
+    peaks = []
+    for _ in range(2):
+        monkeypatch.setattr(timeline, "_BLOCKS", {})
+        monkeypatch.setattr(trace, "_PATTERNS", {})
+        peaks.append(forecast(spec, recipe).peak_allocated_bytes)
+        files = list((tmp_path / "forecast").glob("*.json"))
+        assert len(files) == 2  # the block counts and one family's patterns
+        for path in files:
+            path.write_text('{"pre": "x", "segments": 1}')
+    assert peaks[0] == peaks[1]
+
+
 def test_cached_forecast_builds_no_model(monkeypatch):
     """Once traced, a forecast is config arithmetic over the cached coefficients (what keeps ljperf plan fast)."""
     from ljperf.forecast import trace

@@ -8,13 +8,11 @@ communication buffers) is the base level, computed from the parameter counts.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 from ljperf import models
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
-from ljperf.forecast.trace import Patterns, architecture_key, cache_dir
-from ljperf.result import read_json, write_json
+from ljperf.forecast.trace import Patterns, architecture_key, cache_dir, cached
 
 FP32 = 4
 TOKEN_BYTES = 8  # int64 token ids
@@ -52,14 +50,12 @@ def block_params(spec: models.ModelSpec) -> BlockParams:
     key = architecture_key(spec)
     if key not in _BLOCKS:
         path = cache_dir() / f"{spec.architecture}-blocks-{key}.json"
-        try:
-            data = read_json(path)
-        except (OSError, ValueError):
-            data = _block_counts(spec)
-            with contextlib.suppress(OSError):
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_json(path, data)
-        _BLOCKS[key] = data
+        _BLOCKS[key] = cached(
+            path,
+            load=lambda data: {k: int(data[k]) for k in _BLOCK_FIELDS},
+            make=lambda: _block_counts(spec),
+            dump=dict,
+        )
     data = _BLOCKS[key]
     return BlockParams(
         pre=data["pre"],
@@ -70,6 +66,9 @@ def block_params(spec: models.ModelSpec) -> BlockParams:
         largest=data["largest"],
         buffer_bytes=data["buffer_bytes"],
     )
+
+
+_BLOCK_FIELDS = ("pre", "layer", "post", "other_tensors", "layer_tensors", "largest", "buffer_bytes")
 
 
 def _block_counts(spec: models.ModelSpec) -> dict[str, int]:

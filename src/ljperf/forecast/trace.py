@@ -27,9 +27,11 @@ import hashlib
 import json
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any, TypeVar
 from unittest import mock
 
 import torch
@@ -38,6 +40,8 @@ from torch.utils._pytree import tree_leaves
 
 from ljperf import models
 from ljperf.result import read_json, write_json
+
+T = TypeVar("T")
 
 TRACE_VERSION = 1
 TRACE_LAYERS = 3
@@ -324,19 +328,33 @@ def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: 
     fam = family(micro_batch)
     key = family_key(spec, precision=precision, attn=attn, mode=mode)
     path = cache_dir() / f"{spec.architecture}-{mode}-{fam}-{key}.json"
-    if path in _PATTERNS:
-        return _PATTERNS[path]
-    if path.exists():
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            data = read_json(path)
-            _PATTERNS[path] = Patterns(segments=data["segments"], base=data["base"])
-            return _PATTERNS[path]
-    traces = {
-        (b, s): trace_shape(spec, micro_batch=b, seq_len=s, precision=precision, attn=attn, mode=mode)
-        for b, s in FAMILIES[fam]
-    }
-    patterns = _PATTERNS[path] = fit_patterns(traces)
+    if path not in _PATTERNS:
+
+        def trace() -> Patterns:
+            shapes = FAMILIES[fam]
+            return fit_patterns(
+                {
+                    (b, s): trace_shape(spec, micro_batch=b, seq_len=s, precision=precision, attn=attn, mode=mode)
+                    for b, s in shapes
+                }
+            )
+
+        _PATTERNS[path] = cached(
+            path,
+            load=lambda data: Patterns(segments=data["segments"], base=data["base"]),
+            make=trace,
+            dump=lambda p: {"trace_version": TRACE_VERSION, "segments": p.segments, "base": p.base},
+        )
+    return _PATTERNS[path]
+
+
+def cached(path: Path, *, load: Callable[[Any], T], make: Callable[[], T], dump: Callable[[T], Any]) -> T:
+    """``load`` of the JSON file at ``path``; when it is missing, unreadable or damaged, ``make()``, saved there
+    through ``dump`` (a cache that cannot be written is only slower)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return load(read_json(path))
+    value = make()
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"trace_version": TRACE_VERSION, "segments": patterns.segments, "base": patterns.base})
-    return patterns
+        write_json(path, dump(value))
+    return value
