@@ -120,14 +120,16 @@ def test_an_oom_on_another_rank_is_the_runs_oom(tmp_path):
 
 def test_a_plan_that_cannot_fit_is_exit_2_in_one_line_with_two_ranks(tmp_path):
     """A usage error only the ranks can find keeps exit 2 through the launcher (it was 1), in one line (each
-    rank, the agent's own log and the launcher each printed one), and the launcher's folder is removed."""
+    rank, the agent's own log and the launcher each printed one; whichever rank exits first, and a rank's exit
+    once aborted with SIGABRT), and the launcher's folder is removed. Run 3 times: the ranks race."""
     args = ["benchmark", "--model", "fsdp/llama-tiny", "--nproc-per-node", "2", "--seq-len", "32", "--steps", "1"]
-    proc = start([*args, "--recompute", "auto", "--memory-budget", "1MiB"], tmp_path)
-    _, stderr = proc.communicate(timeout=180)
-    assert proc.returncode == 2, stderr[-2000:]
-    (line,) = stderr.strip().splitlines()
-    assert line.startswith("ljperf benchmark: error: recomputing 4/4 layers") and "does not fit" in line
-    assert not list(tmp_path.glob("ljperf-run-*"))
+    for _ in range(3):
+        proc = start([*args, "--recompute", "auto", "--memory-budget", "1MiB"], tmp_path)
+        _, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 2, stderr[-2000:]
+        assert len(stderr.strip().splitlines()) == 1, stderr[-2000:]
+        assert stderr.startswith("ljperf benchmark: error: recomputing 4/4 layers") and "does not fit" in stderr
+        assert not list(tmp_path.glob("ljperf-run-*"))
 
 
 @pytest.mark.slow

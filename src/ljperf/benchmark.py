@@ -8,6 +8,7 @@ Flow: CLI flags → ``BenchmarkConfig`` → engine build → timed loop → resu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import sys
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.launch.distributed and not under_torchrun():
         from ljperf.launch import launch
 
-        return launch(cfg)
+        return launch(cfg, record_from_progress=functools.partial(results_from_progress, cfg))
     return run_worker(cfg)
 
 

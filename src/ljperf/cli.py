@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from ljperf import __version__
 from ljperf.errors import EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed, UsageError, interruption
@@ -72,6 +73,21 @@ def _terminated(signum: int, _frame: object) -> None:
     os._exit(EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM)
 
 
+def _hand_to_launcher(exc: UsageError) -> bool:
+    """Under ljperf's launcher, leave a rank's usage error in the run folder: the ranks all find the same one,
+    and whichever exits first, the launcher prints it once. False anywhere else."""
+    from ljperf.report import PROGRESS_FILE_ENV
+
+    run_dir, rank = os.environ.get(PROGRESS_FILE_ENV), os.environ.get("RANK")
+    if not run_dir or rank is None:
+        return False
+    try:
+        (Path(run_dir) / f"usage-error.{rank}").write_text(str(exc))
+    except OSError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     # A signal while the command's module imports (torch, transformers): exit 130/143, no traceback. Ctrl-C is
     # a KeyboardInterrupt again once the command runs (ablation stops its running benchmark on it).
@@ -97,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_SIGPIPE
     except UsageError as exc:
-        if os.environ.get("RANK", "0") == "0":  # every rank finds the same (the launcher names any other's)
+        if _hand_to_launcher(exc):
+            sys.stdout.flush()
+            os._exit(EXIT_USAGE)  # gloo's threads can abort the interpreter's exit (SIGABRT, a second failure)
+        if os.environ.get("RANK", "0") == "0":  # under a user's torchrun every rank finds the same
             print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except RunFailed as exc:

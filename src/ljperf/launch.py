@@ -17,13 +17,17 @@ import signal
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ljperf.config import LaunchConfig
 from ljperf.errors import EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed
 from ljperf.report import PROGRESS_FILE_ENV
 from ljperf.result import read_json, write_json
+
+if TYPE_CHECKING:
+    from ljperf.benchmark import BenchmarkConfig
 
 
 def failure_reason(exc: Exception) -> tuple[str, int]:
@@ -80,8 +84,9 @@ def _not_the_agents_failure_lines(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
 
 
-def launch(cfg: Any) -> int:
-    """Run ``cfg`` on ``nproc_per_node`` processes of this node (one node of ``nnodes``)."""
+def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[str, Any]]) -> int:
+    """Run ``cfg`` on ``nproc_per_node`` processes of this node (one node of ``nnodes``); when rank 0 died before
+    writing its record, ``record_from_progress(progress.jsonl)`` makes one from the steps it reported."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     run_dir = Path(tempfile.mkdtemp(prefix="ljperf-run-"))
@@ -94,7 +99,7 @@ def launch(cfg: Any) -> int:
         run_workers(argv, cfg.launch, cpu=cfg.train.device != "cuda")
     except SignalException as exc:
         reason, code = failure_reason(exc)
-        _keep_failed_record(cfg, record_path, run_dir, reason)
+        _keep_failed_record(cfg, record_path, run_dir, reason, record_from_progress)
         print(
             f"ljperf benchmark: {reason}" + (f"; partial result kept: {record_path}" if cfg.output else ""),
             file=sys.stderr,
@@ -102,10 +107,13 @@ def launch(cfg: Any) -> int:
         return code
     except Exception as exc:
         reason, code = failure_reason(exc)
-        status, reason = _keep_failed_record(cfg, record_path, run_dir, reason, oom=code == EXIT_OOM)
+        status, reason = _keep_failed_record(
+            cfg, record_path, run_dir, reason, record_from_progress, oom=code == EXIT_OOM
+        )
         if status == "oom":
             code = EXIT_OOM
-        if code == EXIT_USAGE and reason.startswith("rank 0 "):  # rank 0 printed its one line
+        if code == EXIT_USAGE and (found := sorted(run_dir.glob("usage-error.*"))):
+            print(f"ljperf benchmark: error: {found[0].read_text()}", file=sys.stderr)  # from cli._hand_to_launcher
             return code
         raise RunFailed(reason + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code) from None
     finally:
@@ -114,7 +122,13 @@ def launch(cfg: Any) -> int:
 
 
 def _keep_failed_record(
-    cfg: Any, record_path: Path, run_dir: Path, reason: str, *, oom: bool = False
+    cfg: BenchmarkConfig,
+    record_path: Path,
+    run_dir: Path,
+    reason: str,
+    record_from_progress: Callable[[Path], dict[str, Any]],
+    *,
+    oom: bool = False,
 ) -> tuple[str, str]:
     """Make sure a record with a failed status exists (``oom`` when a rank ran out of memory); returns that
     status and the record's reason: the launcher's ``reason``, then rank 0's own when rank 0 recorded why it
@@ -123,9 +137,7 @@ def _keep_failed_record(
     if record_path.exists() and _finished(run_dir):
         record = read_json(record_path)
     if record is None:
-        from ljperf.benchmark import results_from_progress
-
-        record = results_from_progress(cfg, run_dir / "progress.jsonl")
+        record = record_from_progress(run_dir / "progress.jsonl")
     results = record["results"]
     if results["status"] == "oom":
         pass
