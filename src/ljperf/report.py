@@ -71,15 +71,19 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def run_title(cfg: dict) -> str:
+    """``engine/model · N process(es) · mb × seq × accum · precision`` of a benchmark record's ``config``."""
+    train = cfg["train"]
+    return (
+        f"{cfg['engine']['name']}/{cfg['model']['name']} · {cfg['launch']['world_size']} process(es) · "
+        f"mb {train['micro_batch']} × seq {train['seq_len']} × accum {train['grad_accum']} · {train['precision']}"
+    )
+
+
 def print_result_table(record: dict) -> None:
     """The result of a benchmark run as a table: metric, value, unit."""
     res = record["results"]
-    cfg = record["config"]
-    title = (
-        f"{cfg['engine']['name']}/{cfg['model']['name']} · {cfg['launch']['world_size']} process(es) · "
-        f"mb {cfg['train']['micro_batch']} × seq {cfg['train']['seq_len']} × accum {cfg['train']['grad_accum']} · "
-        f"{cfg['train']['precision']}"
-    )
+    title = run_title(record["config"])
     table = Table(title=escape(title), min_width=len(title) + 4)
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -18,7 +18,7 @@ from ljperf import __version__
 from ljperf.ablation import runner
 from ljperf.ablation.stats import Ratio, Spread, VariantStats, summarize
 from ljperf.errors import EXIT_OK, UsageError
-from ljperf.report import console
+from ljperf.report import console, run_title
 from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_atomic, write_json
 from ljperf.units import format_bytes
 
@@ -158,11 +158,7 @@ def title(records: list[dict]) -> str:
     if not cfg:
         return f"ablation · {repeats} repeat(s)"
     train = cfg["train"]
-    return (
-        f"{cfg['engine']['name']}/{cfg['model']['name']} · {cfg['launch']['world_size']} process(es) · "
-        f"mb {train['micro_batch']} × seq {train['seq_len']} × accum {train['grad_accum']} · {train['precision']} · "
-        f"{train['steps']} steps (+{train['warmup']} warm-up) × {repeats} repeat(s)"
-    )
+    return f"{run_title(cfg)} · {train['steps']} steps (+{train['warmup']} warm-up) × {repeats} repeat(s)"
 
 
 def print_table(records: list[dict], stats: list[VariantStats]) -> None:
