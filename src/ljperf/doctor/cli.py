@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ljperf.doctor import checks
 from ljperf.doctor.checks import FAIL, INFO, OK, WARN, CheckResult
-from ljperf.errors import EXIT_ERROR, EXIT_OK, UsageError
+from ljperf.errors import EXIT_ERROR, EXIT_OK, UsageError, describe
 from ljperf.report import console
 from ljperf.result import check_writable, record_header, write_json
 
@@ -65,7 +65,7 @@ def guarded(name: str, check: Callable[[], CheckResult]) -> CheckResult:
         return CheckResult(
             check=name,
             status=FAIL,
-            finding=f"the check itself failed: {type(exc).__name__}: {str(exc).strip()[:300]}",
+            finding=f"the check itself failed: {describe(exc)}",
             fix="report it with the output of `ljperf doctor --json`",
         )
 
