@@ -8,6 +8,7 @@ an unchanged HF Trainer or DeepSpeed script (docs/checkpoint.md).
 from ljperf.errors import UsageError
 
 MODES = ("none", "selective", "full")
+"""Per-layer activation recomputation: keep everything, op-level SAC, or keep only the layer input."""
 
 
 def parse_recompute(value: str) -> str | int | tuple[str, ...]:

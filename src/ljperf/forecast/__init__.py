@@ -15,6 +15,6 @@ API (stable; ``plan``, ``benchmark`` and the checkpoint optimization's solver us
 """
 
 from ljperf.forecast.api import LayerCost, forecast, layer_costs
-from ljperf.forecast.recipe import RECOMPUTE_MODES, Forecast, Recipe
+from ljperf.forecast.recipe import Forecast, Recipe
 
-__all__ = ["RECOMPUTE_MODES", "Forecast", "LayerCost", "Recipe", "forecast", "layer_costs"]
+__all__ = ["Forecast", "LayerCost", "Recipe", "forecast", "layer_costs"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from ljperf.checkpoint import MODES
 from ljperf.config import PRECISIONS
 from ljperf.errors import UsageError
 from ljperf.models import ENGINES
@@ -16,8 +17,6 @@ from ljperf.models import ENGINES
 if TYPE_CHECKING:
     from ljperf.runtime import RunContext
 
-RECOMPUTE_MODES = ("none", "full", "selective")
-"""Per-layer activation recomputation: keep everything, keep only the layer input, or op-level SAC."""
 OPTIMIZER_IMPLS = ("single", "foreach", "fused")
 """torch AdamW implementations; they differ in the optimizer step's temporaries."""
 
@@ -128,9 +127,9 @@ class Recipe:
                 raise UsageError(f"--{name.replace('_', '-')} must be larger than zero (got {getattr(self, name)})")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise UsageError(f"--attn-implementation {self.attn_implementation!r}: the forecast knows sdpa and eager")
-        bad = sorted(set(self.recompute) - set(RECOMPUTE_MODES))
+        bad = sorted(set(self.recompute) - set(MODES))
         if bad:
-            raise UsageError(f"recompute mode {bad[0]!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
+            raise UsageError(f"recompute mode {bad[0]!r}: choose one of {', '.join(MODES)}")
         if self.optimizer is not None and self.optimizer not in OPTIMIZER_IMPLS:
             raise UsageError(f"optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZER_IMPLS)}")
 
