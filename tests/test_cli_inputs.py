@@ -101,6 +101,7 @@ CASES = [
     (["compile-report", *TINY, "--seq-lens", "12,abc"], {}, "abc"),
     (["compile-report", *TINY, "--steps", "99999999999999999999"], {}, "--steps"),
     (["compile-report", *TINY, "--seq-lens", "64,99999999999"], {}, "lengths from 2 to"),
+    (["compile-report", *TINY, "--seq-lens", "64,100000"], {}, "--seq-lens 100000 is longer"),
     (["models", "--bogus-flag"], {}, "--bogus-flag"),
 ]
 

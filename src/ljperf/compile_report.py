@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     run_ctx = RunContext(
         engine="torch",
         model=spec,
-        train=resolve_train(train, model=spec, device_type=device_type),
+        train=resolve_train(train, model=spec, device_type=device_type, seq_flag="--seq-lens"),
         launch=LaunchConfig(),
         device=hardware.local_device(device_type, 0),
     )
