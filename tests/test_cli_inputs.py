@@ -50,6 +50,7 @@ CASES = [
     (["benchmark", *TINY, "--timeout", "0"], {}, "--timeout"),
     (["benchmark", *TINY, "--timeout", "inf"], {}, "--timeout"),  # OverflowError when the group formed
     (["benchmark", *TINY, "--lr", "nan"], {}, "--lr"),
+    (["benchmark", *TINY, "--seed", "1180591620717411303424"], {}, "--seed must be in"),  # a ValueError in the run
     (["benchmark", *TINY, "--micro-batch", "99999999999999999999"], {}, "--micro-batch"),
     (["benchmark", *TINY, "--nproc-per-node", "100000"], {}, "--nproc-per-node"),
     (["benchmark", *TINY, "--nnodes", "2"], {}, "--rdzv-endpoint"),

@@ -101,7 +101,7 @@ class TrainConfig:
     precision: str | None = opt(None, "fp32 or bf16-mixed (default: bf16-mixed on GPU, fp32 on CPU)")
     device: str = opt("auto", "cpu, cuda or auto (cuda when available)")
     lr: float = opt(3e-4, "AdamW learning rate")
-    seed: int = opt(0, "seed of the weights and of the synthetic token stream")
+    seed: int = opt(0, "seed of the weights and of the synthetic token stream, 0..2^63-1")
     attn_implementation: str = opt("sdpa", "transformers attention: sdpa, eager or flash_attention_2")
     peak_tflops: float | None = opt(None, "peak TFLOPS per device for MFU (default: the known-device table)")
 
@@ -109,6 +109,8 @@ class TrainConfig:
         for name in ("micro_batch", "seq_len", "grad_accum", "steps", "lr", "peak_tflops"):
             positive(name, getattr(self, name))
         _not_negative("warmup", self.warmup)
+        if not 0 <= self.seed < 2**63:  # torch's generators take a 64-bit seed
+            raise UsageError(f"--seed must be in 0..2^63-1 (got {self.seed})")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.device not in ("auto", "cpu", "cuda"):
