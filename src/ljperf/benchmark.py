@@ -302,7 +302,7 @@ def train_loop(run: RunContext, engine: Any, state: LoopState, reporter: Progres
         state.peak_allocated, state.peak_reserved = memory.cuda_peaks(device)
 
 
-def measured_memory_step(run: RunContext, engine: Any, batches: list[torch.Tensor], state: LoopState):
+def measured_memory_step(run: RunContext, engine: Any, batches: list[torch.Tensor], state: LoopState) -> torch.Tensor:
     """An untimed step whose peak memory is the run's figure (CPU: live tensors; CUDA: allocator)."""
     device = run.device.torch_device
     if device.type == "cuda":

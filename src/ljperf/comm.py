@@ -149,7 +149,9 @@ def expected(op: str, index: torch.Tensor, *, rank: int, world: int, chunk: int)
     raise ValueError(op)
 
 
-def buffers(op: str, count: int, world: int, dtype: torch.dtype, device: torch.device):
+def buffers(
+    op: str, count: int, world: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(input, output) of ``op`` for a size of ``count`` elements; in-place ops share one tensor."""
     if op in ("all_reduce", "broadcast"):
         buf = torch.zeros(count, dtype=dtype, device=device)

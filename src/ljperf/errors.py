@@ -1,6 +1,7 @@
 """Errors that ljperf turns into exit codes and one-line messages (see ``ljperf.cli.main``)."""
 
 import signal
+from collections.abc import Iterator
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -31,7 +32,7 @@ class Interrupted(Exception):
         self.exit_code = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
 
 
-def _chain(exc: BaseException | None):
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
     """``exc`` and what it wraps (torch.compile re-raises its workers' errors as its own; transformers' lazy
     imports re-raise a ``KeyboardInterrupt`` as ``ModuleNotFoundError``)."""
     seen: set[int] = set()

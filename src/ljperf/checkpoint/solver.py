@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -24,8 +25,13 @@ from ljperf import models
 from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import SAVE_OPS, Plan, fixed_plan, summary
 from ljperf.errors import UsageError
-from ljperf.forecast.recipe import Recipe
+from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.units import format_bytes, parse_size
+
+if TYPE_CHECKING:
+    from ljperf.runtime import RunContext
+
+T = TypeVar("T")
 
 BUDGET_ENV = "LJPERF_MEMORY_BUDGET"
 GPU_MARGIN = 0.10
@@ -296,7 +302,7 @@ def _decision(plan: Plan, budget: int | None, bytes_: int | None, cost: LayerCos
 # --- from a recipe ---------------------------------------------------------------------------------------------
 def solve_recipe(
     spec: models.ModelSpec,
-    recipe,
+    recipe: Recipe,
     *,
     budget: int,
     rates: Rates,
@@ -309,7 +315,7 @@ def solve_recipe(
     activations (the closed loop's measured ratio)."""
     from ljperf.forecast import forecast
 
-    def peak(plan: Plan, r=recipe) -> tuple[int, str]:
+    def peak(plan: Plan, r: Recipe = recipe) -> tuple[int, str]:
         result = forecast(spec, r.with_(recompute=plan), device_name=device_name)
         return result.device_bytes + round((activation_scale - 1) * activation_bytes(result)), result.phase
 
@@ -327,7 +333,7 @@ def solve_recipe(
 
 
 def solve_for_plan(
-    spec: models.ModelSpec, recipe, *, memory: int, device_name: str | None, given: str | None = None
+    spec: models.ModelSpec, recipe: Recipe, *, memory: int, device_name: str | None, given: str | None = None
 ) -> tuple[Decision, str]:
     """``ljperf plan --recompute auto``: the decision for ``recipe`` on a device of ``memory`` bytes (budget as
     ``budget_bytes``), and where the recompute rates came from. Nothing runs on a GPU: a GPU is ranked by its
@@ -347,7 +353,7 @@ def solve_for_plan(
     return solve_recipe(spec, recipe, budget=budget, rates=rates, device_name=device_name), source
 
 
-def advice(recipe, budget: int, full_peak: Callable[[object], int]) -> list[str]:
+def advice(recipe: Recipe, budget: int, full_peak: Callable[[Recipe], int]) -> list[str]:
     """The alternatives whose full-recompute forecast fits, or a line saying none does."""
     options = alternatives(recipe)
     fitting = [text for text, r in options if full_peak(r) <= budget]
@@ -357,7 +363,7 @@ def advice(recipe, budget: int, full_peak: Callable[[object], int]) -> list[str]
     return [f"nothing tried fits ({tried})" if tried else "only a larger memory budget would fit"]
 
 
-def alternatives(recipe) -> list[tuple[str, object]]:
+def alternatives(recipe: Recipe) -> list[tuple[str, Recipe]]:
     """Changes that cut per-device memory, each with full recompute, in the order a user would try them."""
     out = []
     if recipe.micro_batch > 1:
@@ -372,7 +378,7 @@ def alternatives(recipe) -> list[tuple[str, object]]:
     return out
 
 
-def shared_from_rank0(value):
+def shared_from_rank0(value: T) -> T:
     """``value`` as rank 0 has it, on every rank of the default process group (as is without one): plans made
     from measured rates or free memory must agree across ranks, or sharded engines would diverge."""
     import torch.distributed as dist
@@ -397,7 +403,7 @@ def max_over_ranks(values: list[int], device: torch.device) -> list[int]:
 
 
 # --- for a benchmark run ----------------------------------------------------------------------------------------
-def decide_for_run(run) -> Decision | None:
+def decide_for_run(run: RunContext) -> Decision | None:
     """The plan of ``run.optim.recompute`` (a ``RunContext``): None for ``none``, solved for ``auto``."""
     value = parse_recompute(run.optim.recompute)
     if value == "none":
@@ -415,7 +421,7 @@ def decide_for_run(run) -> Decision | None:
     )
 
 
-def prepare_run(run) -> Decision | None:
+def prepare_run(run: RunContext) -> Decision | None:
     """Resolve ``--recompute`` for ``run`` before the engine is built: ``run.optim.recompute`` becomes the
     concrete per-layer plan, rank 0 prints the plan's line; a plan that cannot fit is a usage error (exit 2)."""
     import dataclasses
@@ -436,7 +442,7 @@ REPLAN_BELOW = 0.85
 """A measured peak under this share of the forecast re-plans (the forecast was pessimistic: recompute less)."""
 
 
-def activation_bytes(result) -> int:
+def activation_bytes(result: Forecast) -> int:
     """The part of a forecast's peak that scales with the activation coefficient."""
     return result.breakdown.get("activations", 0) + result.breakdown.get("logits_and_loss", 0)
 
@@ -457,7 +463,7 @@ def corrected_scale(
 
 
 def judge_plan(
-    spec, recipe: Recipe, decision: Decision, *, measured: int, device_name: str
+    spec: models.ModelSpec, recipe: Recipe, decision: Decision, *, measured: int, device_name: str
 ) -> tuple[float | None, int]:
     """The closed loop's verdict on the running ``decision`` (solved with a budget) after a measured steady-state
     step at ``recipe``'s shape: (the corrected activation coefficient, None when the plan stands; the plan's
@@ -480,7 +486,9 @@ def loop_line(*, measured: int, forecast: int, scale: float | None) -> str:
     return f"{head}; the plan stands" if scale is None else f"{head}; activations × {scale:.3f}; "
 
 
-def close_the_loop(run, model, decision: Decision, *, measured: int) -> tuple[Decision, dict] | None:
+def close_the_loop(
+    run: RunContext, model: torch.nn.Module, decision: Decision, *, measured: int
+) -> tuple[Decision, dict] | None:
     """After the first steady-state step: correct the activation coefficient from ``measured`` (this rank's
     peak allocated bytes of that step; the largest of any rank is used, so every rank takes the same branch),
     re-plan once and apply it to ``model`` (rank 0's plan on every rank). Returns the plan now running and what

@@ -6,10 +6,13 @@ Run: any ``ljperf benchmark ...``; the record then feeds ``ljperf plan --calibra
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ljperf.runtime import RunContext
 
 
-def benchmark_forecast(run, results: dict[str, Any], plan: tuple[str, ...] | None) -> dict[str, Any] | None:
+def benchmark_forecast(run: RunContext, results: dict[str, Any], plan: tuple[str, ...] | None) -> dict[str, Any] | None:
     """Forecast the run's recipe and compare with ``results.peak_allocated_bytes``; None (and a warning) on failure."""
     from ljperf.forecast.api import forecast
     from ljperf.forecast.recipe import Recipe

@@ -75,7 +75,7 @@ def load(path: Path | None = None) -> dict[str, Overheads]:
     return saved
 
 
-def _count(value) -> int | None:
+def _count(value: object) -> int | None:
     """A byte count from a record (None unless a positive int)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
