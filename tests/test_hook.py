@@ -231,3 +231,17 @@ def test_ljperf_benchmark_plans_itself_under_the_variable(tmp_path):
     assert results["recompute"]["budget_bytes"] == (none + full) // 2
     assert 0 < plan.count("full") + plan.count("selective") < spec.layers
     assert abs(results["forecast"]["error_pct"]) < 1
+
+
+def test_a_trainer_deepspeed_config_without_a_stage_is_planned_as_zero_1():
+    """A stage-less (stage 0) DeepSpeed config turned the hook off: Recipe refuses stage 0."""
+    from types import SimpleNamespace
+
+    from ljperf.forecast import Recipe
+    from ljperf.hooks.checkpoint import _trainer_setup
+
+    ds = SimpleNamespace(config={"zero_optimization": {}, "train_micro_batch_size_per_gpu": 1})
+    args = SimpleNamespace(fsdp="", world_size=2, bf16=True, gradient_accumulation_steps=1, hf_deepspeed_config=ds)
+    setup = _trainer_setup(SimpleNamespace(args=args))
+    assert setup["engine"] == "deepspeed" and setup["zero_stage"] == 1
+    Recipe(**setup)  # what the plan is made from
