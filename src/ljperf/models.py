@@ -137,6 +137,14 @@ class ModelSpec:
     def max_positions(self) -> int | None:
         return getattr(self.config, "max_position_embeddings", None)
 
+    def seq_len(self, requested: int | None, *, flag: str = "--seq-len") -> int:
+        """``requested``, or min(4096, the max positions) when None; one past the max positions is a usage error
+        naming ``flag``."""
+        seq_len = requested or min(4096, self.max_positions or 4096)
+        if self.max_positions and seq_len > self.max_positions:
+            raise UsageError(f"{flag} {seq_len} is longer than {self.name}'s {self.max_positions} max positions")
+        return seq_len
+
     @cached_property
     def params(self) -> ParamCounts:
         """Exact parameter counts, from a meta-device build (nothing allocated)."""

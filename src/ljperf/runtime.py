@@ -73,10 +73,7 @@ def resolve_train(
     train: TrainConfig, *, model: ModelSpec, device_type: str, seq_flag: str = "--seq-len"
 ) -> TrainConfig:
     """Fill in the defaults that depend on the model and device; check the sequence length (``seq_flag``) fits."""
-    max_pos = model.max_positions
-    seq_len = train.seq_len or min(4096, max_pos or 4096)
-    if max_pos is not None and seq_len > max_pos:
-        raise UsageError(f"{seq_flag} {seq_len} is longer than {model.name}'s {max_pos} max positions")
+    seq_len = model.seq_len(train.seq_len, flag=seq_flag)
     precision = train.precision or ("bf16-mixed" if device_type == "cuda" else "fp32")
     return TrainConfig(**{**vars(train), "seq_len": seq_len, "precision": precision})
 

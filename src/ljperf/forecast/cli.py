@@ -111,9 +111,7 @@ def recipe_from_args(args: argparse.Namespace, *, engine: str, spec: ModelSpec) 
         positive(name, getattr(args, name))
     if args.zero_stage is not None:
         check_zero_stage(args.zero_stage)
-    seq_len = args.seq_len or min(4096, spec.max_positions or 4096)
-    if spec.max_positions and seq_len > spec.max_positions:
-        raise UsageError(f"--seq-len {seq_len} is longer than {spec.name}'s {spec.max_positions} max positions")
+    seq_len = spec.seq_len(args.seq_len)
     if args.memory_budget and args.recompute != "auto":
         raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
     stage, zero = zero_from_args(args, engine=engine)
