@@ -122,7 +122,9 @@ def test_a_plan_that_cannot_fit_is_exit_2_in_one_line_with_two_ranks(tmp_path):
     """A usage error only the ranks can find keeps exit 2 through the launcher (it was 1), in one line (each
     rank, the agent's own log and the launcher each printed one; whichever rank exits first, and a rank's exit
     once aborted with SIGABRT), and the launcher's folder is removed. Run twice: the ranks race."""
+    out = tmp_path / "r.json"
     args = ["benchmark", "--model", "fsdp/llama-tiny", "--nproc-per-node", "2", "--seq-len", "32", "--steps", "1"]
+    args += ["--output", str(out)]
     for _ in range(2):
         proc = start([*args, "--recompute", "auto", "--memory-budget", "1MiB"], tmp_path)
         _, stderr = proc.communicate(timeout=180)
@@ -130,6 +132,7 @@ def test_a_plan_that_cannot_fit_is_exit_2_in_one_line_with_two_ranks(tmp_path):
         assert len(stderr.strip().splitlines()) == 1, stderr[-2000:]
         assert stderr.startswith("ljperf benchmark: error: recomputing 4/4 layers") and "does not fit" in stderr
         assert not list(tmp_path.glob("ljperf-run-*"))
+        assert not out.exists()  # refused before training, as a one-process run is: no record
 
 
 @pytest.mark.slow

@@ -107,14 +107,15 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
         return code
     except Exception as exc:
         reason, code = failure_reason(exc)
+        if code == EXIT_USAGE and (found := sorted(run_dir.glob("usage-error.*"))):
+            # Refused before training, as a one-process run would be: one line, no record (cli._hand_to_launcher).
+            print(f"ljperf benchmark: error: {found[0].read_text()}", file=sys.stderr)
+            return code
         status, reason = _keep_failed_record(
             cfg, record_path, run_dir, reason, record_from_progress, oom=code == EXIT_OOM
         )
         if status == "oom":
             code = EXIT_OOM
-        if code == EXIT_USAGE and (found := sorted(run_dir.glob("usage-error.*"))):
-            print(f"ljperf benchmark: error: {found[0].read_text()}", file=sys.stderr)  # from cli._hand_to_launcher
-            return code
         raise RunFailed(reason + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code) from None
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
