@@ -40,8 +40,10 @@ def failure_reason(exc: Exception) -> tuple[str, int]:
         return f"interrupted by {exc.sigval.name}", code
     if not isinstance(exc, ChildFailedError):
         return f"launcher failed: {type(exc).__name__}: {exc}", EXIT_ERROR
-    # The agent ends the other ranks with SIGTERM once one fails: those are not the cause (unless all are).
-    failures = {r: f for r, f in exc.failures.items() if f.exitcode != -signal.SIGTERM} or exc.failures
+    # The agent ends the other ranks with SIGTERM once one fails: those are not the cause (unless all are). A
+    # benchmark rank turns SIGTERM into exit 143 (its record kept), so that code counts as the agent's too.
+    ended = (-signal.SIGTERM, EXIT_SIGTERM)
+    failures = {r: f for r, f in exc.failures.items() if f.exitcode not in ended} or exc.failures
     rank, failure = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
