@@ -13,7 +13,7 @@ import difflib
 import json
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
@@ -277,22 +277,46 @@ def init_value(name: str, shape: torch.Size, *, std: float, seed: int, device: t
     return torch.randn(shape, generator=gen, device=device) * std
 
 
+def parameter_slots(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    """(module, attribute, parameter) for every place a parameter sits; a tied weight sits in several."""
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is not None:
+                yield module, key, param
+
+
+def replace_parameters(
+    model: torch.nn.Module,
+    make: Callable[[torch.nn.Module, str, torch.nn.Parameter], torch.nn.Parameter],
+    *,
+    only_meta: bool = False,
+) -> None:
+    """Put ``make(module, attribute, parameter)`` in place of each parameter (of each meta one if ``only_meta``).
+
+    ``make`` runs once per parameter and every place it sits gets the result, so tied weights stay tied.
+    """
+    new: dict[int, torch.nn.Parameter] = {}
+    for module, key, param in parameter_slots(model):
+        if only_meta and not param.is_meta:
+            continue
+        if id(param) not in new:
+            new[id(param)] = make(module, key, param)
+        module._parameters[key] = new[id(param)]
+
+
 def materialize(model: torch.nn.Module, *, device: torch.device, seed: int) -> torch.nn.Module:
     """Replace meta parameters with seeded random values on ``device``; keeps tied weights tied."""
     import torch
 
     std = float(getattr(model.config, "initializer_range", 0.02))
-    done: dict[int, torch.nn.Parameter] = {}
     names = {id(p): n for n, p in model.named_parameters()}
-    for module in model.modules():
-        for key, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            if id(param) not in done:
-                with torch.no_grad():
-                    value = init_value(names[id(param)], param.shape, std=std, seed=seed, device=device)
-                done[id(param)] = torch.nn.Parameter(value, requires_grad=param.requires_grad)
-            module._parameters[key] = done[id(param)]
+
+    def make(_module: torch.nn.Module, _key: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        with torch.no_grad():
+            value = init_value(names[id(param)], param.shape, std=std, seed=seed, device=device)
+        return torch.nn.Parameter(value, requires_grad=param.requires_grad)
+
+    replace_parameters(model, make)
     return model.to(device)
 
 

@@ -55,9 +55,4 @@ def parameter_names(model: torch.nn.Module) -> dict[tuple[int, str], str]:
     objects), so engines that materialise after wrapping still find each parameter's ``init_value`` name.
     """
     first = {id(p): n for n, p in model.named_parameters()}
-    return {
-        (id(module), key): first[id(param)]
-        for module in model.modules()
-        for key, param in module._parameters.items()
-        if param is not None
-    }
+    return {(id(module), key): first[id(param)] for module, key, param in models.parameter_slots(model)}

@@ -20,7 +20,7 @@ from rich.markup import escape
 
 from ljperf import deepspeed_config, memory
 from ljperf.engines.common import adamw, causal_lm_loss, decoder_blocks, parameter_names
-from ljperf.models import init_value, materialize
+from ljperf.models import init_value, materialize, replace_parameters
 from ljperf.optimize import apply_optimizations
 from ljperf.report import console
 from ljperf.runtime import RunContext
@@ -116,19 +116,16 @@ def _materialize_partitioned(
     device = run.device.torch_device
     dtype = torch.bfloat16 if config["bf16"]["enabled"] else torch.float32
     std = float(getattr(model.config, "initializer_range", 0.02))
-    new: dict[int, torch.nn.Parameter] = {}  # meta parameter → its replacement (keeps tied weights tied)
+
+    def make(module: torch.nn.Module, key: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        value = init_value(names[(id(module), key)], param.shape, std=std, seed=run.train.seed, device=device)
+        return torch.nn.Parameter(value.to(dtype), requires_grad=param.requires_grad)
+
+    # The blocks first; then the whole model, whose blocks are no longer on the meta device.
     for piece in [*decoder_blocks(model), model]:
         with torch.no_grad():
+            replace_parameters(piece, make, only_meta=True)
             for module in piece.modules():
-                for key, param in module._parameters.items():
-                    if param is None or not param.is_meta:
-                        continue
-                    if id(param) not in new:
-                        value = init_value(
-                            names[(id(module), key)], param.shape, std=std, seed=run.train.seed, device=device
-                        )
-                        new[id(param)] = torch.nn.Parameter(value.to(dtype), requires_grad=param.requires_grad)
-                    module._parameters[key] = new[id(param)]
                 for key, buf in module._buffers.items():
                     if buf is not None:
                         module._buffers[key] = buf.to(device)

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ljperf.engines.common import accumulate, adamw, decoder_blocks, parameter_names
-from ljperf.models import init_value
+from ljperf.models import init_value, parameter_slots
 from ljperf.optimize import apply_optimizations
 from ljperf.runtime import RunContext
 
@@ -80,18 +80,17 @@ def _materialize_shards(
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name])
-        for module in model.modules():
-            for key, param in module._parameters.items():
-                if param is None or id(param) in done:
-                    continue
-                done.add(id(param))
-                # One full parameter at a time, on the device the torch engine uses (same RNG stream).
-                full = init_value(names[(id(module), key)], param.shape, std=std, seed=seed, device=device)
-                if isinstance(param, DTensor):
-                    local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                    param.to_local().copy_(local.to_local())
-                else:
-                    param.copy_(full)
+        for module, key, param in parameter_slots(model):
+            if id(param) in done:
+                continue
+            done.add(id(param))
+            # One full parameter at a time, on the device the torch engine uses (same RNG stream).
+            full = init_value(names[(id(module), key)], param.shape, std=std, seed=seed, device=device)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(full)
 
 
 def create(run: RunContext) -> FSDPEngine:

@@ -105,14 +105,10 @@ class LiveBytesTimeline(TorchDispatchMode):
 def fake_model(spec: models.ModelSpec, *, attn: str, fake_mode, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """``spec``'s model with fake CPU parameters (in ``dtype`` if given) and buffers (tied weights stay tied)."""
     model = models.build_meta(spec, attn_implementation=attn)
-    done: dict[int, torch.nn.Parameter] = {}
     with fake_mode:
-        for module in model.modules():
-            for key, param in module._parameters.items():
-                if param is not None:
-                    if id(param) not in done:
-                        done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype or param.dtype))
-                    module._parameters[key] = done[id(param)]
+        models.replace_parameters(
+            model, lambda _m, _k, param: torch.nn.Parameter(torch.empty(param.shape, dtype=dtype or param.dtype))
+        )
     for module in model.modules():
         for key, buf in module._buffers.items():
             if buf is not None:
