@@ -167,6 +167,40 @@ def test_a_signal_keeps_the_sizes_measured_before(tmp_path, monkeypatch, capsys)
     assert capsys.readouterr().err.strip().splitlines() == ["ljperf comm: failed: interrupted by SIGTERM"]
 
 
+@pytest.mark.parametrize("signal_at", [None, 3])
+def test_wrong_elements_fail_the_run_unless_a_signal_came_first(tmp_path, monkeypatch, capsys, signal_at):
+    """A transport that corrupts one element (stood in by a wrapper around the real all_reduce): the #wrong column
+    counts it and the run exits 1 with every size recorded; a SIGTERM later in the run keeps its own exit code."""
+    real = comm.collective
+    calls = []
+
+    def collective(op):
+        run = real(op)
+        calls.append(op)
+        if len(calls) == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        def corrupted(inp, out):
+            run(inp, out)
+            out[0] += 1
+
+        return corrupted
+
+    monkeypatch.setattr(comm, "collective", collective)
+    out = tmp_path / "c.json"
+    sizes = ["--min-bytes", "1K", "--max-bytes", "4K", "--iters", "1", "--warmup-iters", "0"]
+    code = main(["comm", "--device", "cpu", "--ops", "all_reduce", *sizes, "--output", str(out)])
+    res = json.loads(out.read_text())["results"]
+    if signal_at is None:
+        reason = "3 element(s) differ from the expected result (see the #wrong column)"
+        assert (code, res["status"], res["reason"], res["wrong"]) == (1, "error", reason, 3)
+    else:
+        reason = "interrupted by SIGTERM"
+        assert (code, res["status"], res["reason"], res["wrong"]) == (143, "error", reason, 2)
+    assert [r["wrong"] for r in res["rows"]] == [1] * res["wrong"]
+    assert capsys.readouterr().err.strip().splitlines() == [f"ljperf comm: failed: {reason}"]
+
+
 def test_bad_flag_exits_2(capsys):
     assert main(["comm", "--ops", "all_reduce,gather"]) == 2
     assert "--ops 'all_reduce,gather'" in capsys.readouterr().err
