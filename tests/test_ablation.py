@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ljperf import models
 from ljperf.ablation.cli import check_variant, split_argv
 from ljperf.ablation.stats import Spread, VariantStats, contributions
 from ljperf.ablation.variants import BUILTIN, parse_environments, parse_variants
@@ -106,6 +107,19 @@ def test_usage_errors_exit_2(tmp_path, monkeypatch):
     assert split_argv(["ablation", *SHORT, "--repeat", "2", "--variant", "a=--lr 1", "--out", "d"], "ablation") == list(
         SHORT
     )
+
+
+def test_default_out_of_a_model_config_is_one_folder_named_after_it(tmp_path):
+    """No --out: the folder is ``ablation-ENGINE-NAME`` in the working directory, also for a --model-config path
+    (a file of that name is refused before any run, which shows the folder chosen)."""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "my-model.json").write_text((Path(models.__file__).parent / "catalog" / "llama-tiny.json").read_text())
+    (tmp_path / "ablation-fsdp-my-model").write_text("")
+    args = ["--model-config", "configs/my-model.json", "--engine", "fsdp", "--variants", "base", "--steps", "1"]
+    proc = run_ljperf("ablation", *args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "ljperf ablation: error: --out 'ablation-fsdp-my-model' is a file; give a folder"
 
 
 @pytest.mark.slow
