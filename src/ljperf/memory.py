@@ -8,13 +8,16 @@ an aten op creates, from creation until Python frees it, on top of the storages 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
 
 CPU_METHOD = "live tensor storages (TorchDispatchMode), untimed warm-up step"
 CUDA_METHOD = "torch.cuda.max_memory_allocated / max_memory_reserved"
@@ -74,7 +77,7 @@ class LiveTensorBytes(TorchDispatchMode):
     def __enter__(self):
         resize = torch.UntypedStorage.resize_
 
-        def tracked_resize(storage, size):
+        def tracked_resize(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
             out = resize(storage, size)
             self._resized(storage)
             return out
@@ -83,11 +86,13 @@ class LiveTensorBytes(TorchDispatchMode):
         torch.UntypedStorage.resize_ = tracked_resize
         return super().__enter__()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object):
         torch.UntypedStorage.resize_ = self._resize
         return super().__exit__(*exc)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ):
         out = func(*args, **(kwargs or {}))
         written = None
         for leaf in tree_leaves(out):

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+    from torch.utils.checkpoint import SelectiveCheckpointContext
 
 from ljperf.checkpoint import MODES
 from ljperf.errors import UsageError
@@ -43,14 +48,14 @@ SAVE_OPS = frozenset(
 )
 
 
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _selective_policy(ctx: SelectiveCheckpointContext, op: OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     packet = getattr(op, "overloadpacket", op)
     if op in SAVE_OPS or packet in SAVE_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpoint_fn(mode: str):
+def checkpoint_fn(mode: str) -> Callable[..., Any]:
     """``torch.utils.checkpoint.checkpoint`` configured for ``mode`` (``full`` or ``selective``)."""
     if mode == "selective":
         context = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
@@ -99,7 +104,7 @@ def _set_mode(block: torch.nn.Module, mode: str) -> None:
         block.forward = types.MethodType(_checkpointed_forward, block)
 
 
-def _checkpointed_forward(self: torch.nn.Module, *args, **kwargs):
+def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     # type(self).forward, looked up per call: FSDP2 swaps the class for a subclass after this is set.
     forward = functools.partial(type(self).forward, self)
     mode = self._ljperf_recompute

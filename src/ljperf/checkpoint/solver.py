@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -29,6 +29,8 @@ from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.units import format_bytes, parse_size
 
 if TYPE_CHECKING:
+    from torch._ops import OpOverload
+
     from ljperf.runtime import RunContext
 
 T = TypeVar("T")
@@ -197,7 +199,13 @@ def layer_cost(spec: models.ModelSpec, *, micro_batch: int, seq_len: int, attn: 
     inside = [False]
 
     class Census(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(
+            self,
+            func: OpOverload,
+            types: Sequence[type],
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             if not inside[0]:
@@ -286,7 +294,7 @@ def solve(
     return _decision(ordered_plan(layers, f, s), budget, forecast_of(f, s)[0], cost, rates, fits=True)
 
 
-def _decision(plan: Plan, budget: int | None, bytes_: int | None, cost: LayerCost, rates: Rates, **kw) -> Decision:
+def _decision(plan: Plan, budget: int | None, bytes_: int | None, cost: LayerCost, rates: Rates, **kw: Any) -> Decision:
     return Decision(
         plan=plan,
         budget_bytes=budget,

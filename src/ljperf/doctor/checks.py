@@ -14,6 +14,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ljperf import deepspeed_config
 from ljperf.doctor import manifest as manifest_mod
@@ -25,6 +26,9 @@ from ljperf.doctor.tables import (
 )
 from ljperf.errors import describe
 from ljperf.result import read_json
+
+if TYPE_CHECKING:
+    import torch
 
 OK, WARN, FAIL, INFO = "OK", "WARN", "FAIL", "INFO"
 STATUSES = (OK, WARN, FAIL, INFO)
@@ -324,7 +328,7 @@ def check_versions() -> CheckResult:
 # --- torch.compile and NCCL -----------------------------------------------------------------------------
 
 
-def _smoke(x):
+def _smoke(x: torch.Tensor) -> torch.Tensor:
     import torch
 
     return torch.sin(x) * 2.0 + x.square().mean()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -38,7 +38,7 @@ def accumulate(
     return total
 
 
-def adamw(params, *, run: RunContext) -> torch.optim.AdamW:
+def adamw(params: Iterable[torch.Tensor], *, run: RunContext) -> torch.optim.AdamW:
     """AdamW as every engine uses it; torch picks foreach on CUDA and the single-tensor loop on CPU."""
     return torch.optim.AdamW(params, lr=run.train.lr, betas=(0.9, 0.95), weight_decay=0.1)
 

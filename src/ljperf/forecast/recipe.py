@@ -7,7 +7,7 @@ Build one with ``Recipe(engine="torch", micro_batch=2, seq_len=1024, recompute=(
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ljperf.checkpoint import MODES
 from ljperf.config import PRECISIONS
@@ -155,7 +155,7 @@ class Recipe:
             raise UsageError(f"recompute plan has {len(self.recompute)} entries for a model of {layers} layers")
         return self.recompute
 
-    def with_(self, **changes) -> Recipe:
+    def with_(self, **changes: Any) -> Recipe:
         return replace(self, **changes)
 
     @classmethod

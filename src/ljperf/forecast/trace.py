@@ -27,11 +27,11 @@ import hashlib
 import json
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from unittest import mock
 
 import torch
@@ -40,6 +40,11 @@ from torch.utils._pytree import tree_leaves
 
 from ljperf import models
 from ljperf.result import read_json, write_json
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 
 T = TypeVar("T")
 
@@ -95,14 +100,18 @@ class LiveBytesTimeline(TorchDispatchMode):
         self.points.append(self.current)
         self.marks.append((name, len(self.points) - 1))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ):
         out = func(*args, **(kwargs or {}))
         if any([self.track(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]):
             self.points.append(self.current)
         return out
 
 
-def fake_model(spec: models.ModelSpec, *, attn: str, fake_mode, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def fake_model(
+    spec: models.ModelSpec, *, attn: str, fake_mode: FakeTensorMode, dtype: torch.dtype | None = None
+) -> torch.nn.Module:
     """``spec``'s model with fake CPU parameters (in ``dtype`` if given) and buffers (tied weights stay tied)."""
     model = models.build_meta(spec, attn_implementation=attn)
     with fake_mode:
@@ -177,20 +186,22 @@ def trace_shape(
 
 
 def _install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: dict) -> None:
-    def on_loss_grad(grad):
+    def on_loss_grad(grad: torch.Tensor) -> None:
         state["backward"] = True
         timeline.mark("loss_grad")
 
-        def done():
+        def done() -> None:
             state["backward"] = False
             timeline.mark("bwd_end")
 
         torch.autograd.Variable._execution_engine.queue_callback(done)
 
-    def model_pre(_module, _args, _kwargs):
+    def model_pre(_module: torch.nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
         timeline.mark("fwd")
 
-    def model_post(_module, _args, _kwargs, output):
+    def model_post(
+        _module: torch.nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: CausalLMOutputWithPast
+    ) -> None:
         timeline.mark("loss")
         output.loss.register_hook(on_loss_grad)
 
@@ -198,14 +209,14 @@ def _install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: d
     model.register_forward_hook(model_post, with_kwargs=True)
     for i, layer in enumerate(models.decoder_layers(model)):
 
-        def pre(_module, args, i=i):
+        def pre(_module: torch.nn.Module, args: tuple[Any, ...], i: int = i) -> None:
             if state["backward"]:
                 return
             timeline.mark(f"f{i}")
             if i == 0:
                 args[0].register_hook(lambda g: timeline.mark("b0e"))
 
-        def post(_module, _args, output, i=i):
+        def post(_module: torch.nn.Module, _args: tuple[Any, ...], output: torch.Tensor, i: int = i) -> None:
             if state["backward"]:
                 return
             timeline.mark(f"f{i}e")

@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any
 from ljperf.hooks.imports import when_imported
 
 if TYPE_CHECKING:  # the hook imports ljperf's planning code only when it plans
-    from ljperf.checkpoint.solver import LayerCost
+    import torch
+    from deepspeed import DeepSpeedEngine
+    from transformers import Trainer
+
+    from ljperf.checkpoint.solver import Decision, LayerCost, Rates
+    from ljperf.forecast.recipe import Recipe
+    from ljperf.models import ModelSpec
 
 PREFIX = "[ljperf]"
 
@@ -48,8 +54,8 @@ def _patch(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
 
 
 def _patch_trainer(module: ModuleType) -> None:
-    def wrap(original):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def wrap(original: Callable[..., None]) -> Callable[..., None]:
+        def __init__(self: Trainer, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
             _guarded(lambda: attach(self.model, lambda: _trainer_setup(self)))
 
@@ -58,7 +64,7 @@ def _patch_trainer(module: ModuleType) -> None:
     _patch(module.Trainer, "__init__", wrap)
 
 
-def _trainer_setup(trainer) -> dict[str, Any]:
+def _trainer_setup(trainer: Trainer) -> dict[str, Any]:
     args = trainer.args
     setup = {
         "engine": "fsdp" if args.fsdp else "torch",
@@ -80,8 +86,8 @@ def _trainer_setup(trainer) -> dict[str, Any]:
 
 
 def _patch_deepspeed(module: ModuleType) -> None:
-    def wrap(original):
-        def initialize(*args: Any, **kwargs: Any):
+    def wrap(original: Callable[..., tuple[Any, ...]]) -> Callable[..., tuple[Any, ...]]:
+        def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
             result = original(*args, **kwargs)
             engine = result[0]
             _guarded(lambda: attach(engine.module, lambda: _deepspeed_setup(engine), holders=[engine.optimizer]))
@@ -92,7 +98,7 @@ def _patch_deepspeed(module: ModuleType) -> None:
     _patch(module, "initialize", wrap)
 
 
-def _deepspeed_setup(engine) -> dict[str, Any]:
+def _deepspeed_setup(engine: DeepSpeedEngine) -> dict[str, Any]:
     from ljperf.forecast.recipe import ZeroSettings
 
     return {
@@ -114,8 +120,8 @@ def _deepspeed_setup(engine) -> dict[str, Any]:
 
 def _patch_fsdp(module: ModuleType) -> None:
     # The root call: the user shards the decoder layers first, then the whole model, then trains.
-    def wrap(original):
-        def fully_shard(target, *args: Any, **kwargs: Any):
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def fully_shard(target: torch.nn.Module | list[torch.nn.Module], *args: Any, **kwargs: Any) -> Any:
             result = original(target, *args, **kwargs)
             if _is_hf_model(target):
                 _guarded(lambda: attach(target, lambda: _fsdp_setup(kwargs)))
@@ -147,7 +153,7 @@ def _fsdp_setup(kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def attach(model, setup: Callable[[], dict[str, Any]], *, holders: list | None = None) -> None:
+def attach(model: torch.nn.Module, setup: Callable[[], dict[str, Any]], *, holders: list | None = None) -> None:
     """Plan at the model's first training forward (and when a batch is larger), then correct the plan once
     from the measured peak of the second training step (the closed loop); once per model. ``holders``: objects
     whose tensors live between steps outside the model and its optimizer's state (DeepSpeed's optimizer)."""
@@ -170,7 +176,7 @@ class _Planner:
     0's corrected activation coefficient (``solver.corrected_scale``), as ``ljperf benchmark`` does.
     """
 
-    def __init__(self, model, setup: Callable[[], dict[str, Any]]):
+    def __init__(self, model: torch.nn.Module, setup: Callable[[], dict[str, Any]]):
         import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -188,12 +194,12 @@ class _Planner:
         self.forward_handle = model.register_forward_pre_hook(torch._dynamo.disable(self.pre_forward), with_kwargs=True)
         self.step_handle = register_optimizer_step_post_hook(self.after_step)
 
-    def after_step(self, optimizer, args, kwargs) -> None:
+    def after_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Counted once per training step: ZeRO-3 steps its optimizer once per parameter sub-group.
         if self.forwards:
             self.steps, self.forwards, self.optimizer = self.steps + 1, 0, optimizer
 
-    def pre_forward(self, module, args, kwargs) -> None:
+    def pre_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         import torch
 
         ids = _batch_ids(args, kwargs)
@@ -239,7 +245,7 @@ class _Planner:
         else:
             log(prefix + decision.line())
 
-    def measure(self, shape: tuple[int, int], device) -> None:
+    def measure(self, shape: tuple[int, int], device: torch.device) -> None:
         """Open the window at the second step's first training forward, widen it to each forward's batch, and
         close the loop at the first forward after that step."""
         if self.decision is None or self.steps == 0 or self.step_handle is None:
@@ -291,7 +297,7 @@ class _Planner:
 class _Window:
     """The peak allocated bytes from its opening: CUDA's allocator counters, or live tensors on CPU."""
 
-    def __init__(self, device, alive: list, *, step: int):
+    def __init__(self, device: torch.device, alive: list, *, step: int):
         from ljperf.memory import LiveTensorBytes, reset_cuda_peak
 
         self.device, self.step, self.shape = device, step, (0, 0)
@@ -316,7 +322,7 @@ class _Window:
         return cuda_peaks(self.device)[0] if self.device.type == "cuda" else self.peak
 
 
-def _batch_ids(args: tuple, kwargs: dict):
+def _batch_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The batch's token ids (or embeddings): a tensor whose first two dimensions are (micro batch, sequence)."""
     import torch
 
@@ -334,7 +340,7 @@ def _agreed(setup: dict[str, Any]) -> bool:
     return setup["engine"] == "deepspeed" and setup.get("zero_stage") == 3 and setup["world"] > 1
 
 
-def _largest_shape(ids) -> tuple[int, int]:
+def _largest_shape(ids: torch.Tensor) -> tuple[int, int]:
     """The largest micro batch and sequence length of any rank: one all-reduce of two integers per training
     forward, on the batch's device (so the process group's own backend)."""
     from ljperf.checkpoint.solver import max_over_ranks
@@ -343,7 +349,9 @@ def _largest_shape(ids) -> tuple[int, int]:
     return micro_batch, seq_len
 
 
-def model_recipe(model, *, micro_batch: int, seq_len: int, world: int, precision: str, **recipe: Any):
+def model_recipe(
+    model: torch.nn.Module, *, micro_batch: int, seq_len: int, world: int, precision: str, **recipe: Any
+) -> tuple[ModelSpec, Recipe, torch.device, str]:
     """The forecast's view of training this HF model at this batch shape: (spec, recipe, the torch device,
     the name its forecast overheads are calibrated under)."""
     import torch
@@ -372,7 +380,7 @@ def model_recipe(model, *, micro_batch: int, seq_len: int, world: int, precision
 
 
 def plan_model(
-    model,
+    model: torch.nn.Module,
     *,
     micro_batch: int,
     seq_len: int,
@@ -380,7 +388,7 @@ def plan_model(
     activation_scale: float = 1.0,
     cost: LayerCost | None = None,
     **setup: Any,
-):
+) -> tuple[Decision, tuple[int, Rates]]:
     """The solver's decision for this HF model at this batch shape (budget: ``LJPERF_MEMORY_BUDGET`` or device),
     and the (budget, rates) it used: rank 0's, measured on the first call and passed back in on later ones.
     ``cost``: the per-layer recompute cost at this shape when already traced (a re-plan at the same shape)."""

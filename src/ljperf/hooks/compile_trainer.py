@@ -13,9 +13,12 @@ from __future__ import annotations
 import functools
 import warnings
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ljperf.hooks.imports import when_imported
+
+if TYPE_CHECKING:  # transformers is imported by the user's script, never by the hook
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 PREFIX = "[ljperf]"
 
@@ -31,7 +34,7 @@ def _patch_trainer(module: ModuleType) -> None:
         return
 
     @functools.wraps(original)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Trainer, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         if self.args.torch_compile:
             try:
@@ -43,7 +46,7 @@ def _patch_trainer(module: ModuleType) -> None:
     cls.__init__ = __init__
 
 
-def regional_compile(trainer) -> None:
+def regional_compile(trainer: Trainer) -> None:
     """Compile ``trainer.model`` per block instead of accelerate's whole-model ``torch.compile``."""
     from accelerate.utils import DynamoBackend
     from transformers import TrainerCallback
@@ -61,7 +64,9 @@ def regional_compile(trainer) -> None:
     trainer.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
 
     class CompileSummary(TrainerCallback):
-        def on_train_end(self, targs, state, control, **kwargs):
+        def on_train_end(
+            self, targs: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        ) -> None:
             if state.is_world_process_zero:
                 r = session.results()
                 print(

@@ -12,8 +12,12 @@ import importlib.abc
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
 
 _PENDING: dict[str, list[Callable[[ModuleType], None]]] = {}
 _LOCK = threading.RLock()
@@ -39,7 +43,9 @@ def _run(callback: Callable[[ModuleType], None], module: ModuleType) -> None:
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if fullname not in _PENDING:
             return None
         for finder in sys.meta_path:
@@ -60,7 +66,7 @@ class _Loader(importlib.abc.Loader):
         self._loader = loader
         self._name = name
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
