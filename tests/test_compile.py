@@ -162,17 +162,27 @@ def benchmark_record(tmp_path, name: str, *args: str) -> dict:
     return read_record(out)
 
 
+ZERO3 = ("--engine", "deepspeed", "--zero-stage", "3", "--nproc-per-node", "2")
+
+
+@pytest.fixture(scope="module")
+def eager_zero3(tmp_path_factory) -> dict:
+    """The eager ZeRO-3 run both of its compile modes are compared with (one 2-process DeepSpeed run)."""
+    return benchmark_record(tmp_path_factory.mktemp("zero3"), "eager", *ZERO3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "engine",
     [
         pytest.param(["--engine", "torch"], id="torch"),
         pytest.param(["--engine", "fsdp", "--nproc-per-node", "2"], id="fsdp2"),
-        pytest.param(["--engine", "deepspeed", "--zero-stage", "3", "--nproc-per-node", "2"], id="zero3"),
+        pytest.param(list(ZERO3), id="zero3"),
     ],
 )
-def test_compiled_losses_equal_eager(tmp_path, engine):
-    eager = benchmark_record(tmp_path, "eager", *engine)
+def test_compiled_losses_equal_eager(tmp_path, engine, request):
+    zero3 = engine == list(ZERO3)
+    eager = request.getfixturevalue("eager_zero3") if zero3 else benchmark_record(tmp_path, "eager", *engine)
     compiled = benchmark_record(tmp_path, "compiled", *engine, "--compile")
     assert "compile" not in eager["results"]
     assert_losses_close(compiled["results"]["losses"], eager["results"]["losses"])
@@ -181,7 +191,7 @@ def test_compiled_losses_equal_eager(tmp_path, engine):
     # ZeRO-3: no recompile per submodule (ds_id guards) and no recompile_limit fallback.
     assert record["recompiles"] == 0 and record["fallbacks"] == [] and record["graph_breaks"] == 0
     assert record["time_s"] > 0
-    if "deepspeed_config" in eager["config"]["engine"]:
+    if zero3:
         # DeepSpeed's memory-efficient linear reads each weight's ds_id: torch 2.11's dynamo recompiles every
         # block on it (2.13's does not), so compiled ZeRO-3 runs plain F.linear and eager keeps the default.
         zero = {
@@ -193,14 +203,12 @@ def test_compiled_losses_equal_eager(tmp_path, engine):
 
 
 @pytest.mark.slow
-def test_deepspeed_engine_compile_trains_like_eager(tmp_path):
+def test_deepspeed_engine_compile_trains_like_eager(tmp_path, eager_zero3):
     """``--compile-mode deepspeed``: DeepSpeed's ``engine.compile()`` (DeepCompile needs CUDA) under ZeRO-3 gives
     eager's losses, and what it cost is recorded: on CPU it breaks and recompiles in ZeRO-3's hooks, which the
     regional mode keeps out of its graphs (benchmarks/compile.py compares the two)."""
-    zero3 = ["--engine", "deepspeed", "--zero-stage", "3", "--nproc-per-node", "2"]
-    eager = benchmark_record(tmp_path, "eager", *zero3)["results"]
-    compiled = benchmark_record(tmp_path, "engine-compiled", *zero3, "--compile-mode", "deepspeed")["results"]
-    assert_losses_close(compiled["losses"], eager["losses"])
+    compiled = benchmark_record(tmp_path, "engine-compiled", *ZERO3, "--compile-mode", "deepspeed")["results"]
+    assert_losses_close(compiled["losses"], eager_zero3["results"]["losses"])
     record = compiled["compile"]
     assert record["mode"] == "deepspeed" and record["deepcompile"] is False
     assert record["regions"] == 1 and record["time_s"] > 0
