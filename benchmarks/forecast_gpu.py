@@ -46,7 +46,7 @@ def measure(run: RunContext) -> tuple[int, int | None] | None:
         for _ in range(2):
             engine.train_step(tokens)
         state = benchmark.LoopState()
-        benchmark.measured_memory_step(run, engine, tokens, state)
+        benchmark.measured_memory_step(run, engine, tokens, state=state)
         if device.type == "cuda":
             return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
         return state.peak_allocated, None

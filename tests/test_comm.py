@@ -30,7 +30,7 @@ from conftest import run_ljperf
     ],
 )
 def test_bandwidth_matches_nccl_tests(op, world, algbw, busbw):
-    got = comm.bandwidth(op, 10**9, 0.01, world)
+    got = comm.bandwidth(op, 10**9, 0.01, world=world)
     assert got == pytest.approx((algbw, busbw))
 
 
@@ -41,9 +41,9 @@ def test_sizes_and_counts():
     assert comm.CommConfig(ops="all").op_list == list(comm.OPS)
     assert comm.CommConfig(min_bytes="1M", max_bytes="3M").sizes == [2**20, 2**21]
     # nccl-tests' sizes: the whole buffer; split ops round to a multiple of the world size.
-    assert comm.element_count("all_reduce", 1000, 4, 3) == 250
-    assert comm.element_count("all_gather", 1000, 4, 3) == 249
-    assert comm.element_count("reduce_scatter", 4, 4, 8) == 8
+    assert comm.element_count("all_reduce", 1000, element_size=4, world=3) == 250
+    assert comm.element_count("all_gather", 1000, element_size=4, world=3) == 249
+    assert comm.element_count("reduce_scatter", 4, element_size=4, world=8) == 8
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,7 @@ def measured_peak(name: str, *, micro_batch: int, seq_len: int, recompute: str) 
     tokens = [torch.randint(0, spec.vocab, (micro_batch, seq_len))]
     engine.train_step(tokens)
     state = benchmark.LoopState()
-    benchmark.measured_memory_step(run, engine, tokens, state)
+    benchmark.measured_memory_step(run, engine, tokens, state=state)
     return state.peak_allocated
 
 

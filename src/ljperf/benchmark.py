@@ -169,7 +169,7 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         engine = make_engine(run)
         engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
         record["config"]["engine"] = engine.describe()
-        train_loop(run, engine, state, reporter)
+        train_loop(run, engine, state=state, reporter=reporter)
     except UsageError:
         raise
     except (Exception, KeyboardInterrupt) as exc:  # the record must be written whatever failed
@@ -257,7 +257,7 @@ def new_record(cfg: BenchmarkConfig, run: RunContext) -> dict[str, Any]:
     }
 
 
-def train_loop(run: RunContext, engine: Any, state: LoopState, reporter: ProgressReporter) -> None:
+def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: ProgressReporter) -> None:
     """Warm-up steps, then timed steps between device synchronisations; memory on an untimed step."""
     train = run.train
     device = run.device.torch_device
@@ -280,7 +280,7 @@ def train_loop(run: RunContext, engine: Any, state: LoopState, reporter: Progres
             fault.maybe_fire(step, run.rank)
         elapsed = None
         if step in measure_steps:
-            loss = measured_memory_step(run, engine, batches, state)
+            loss = measured_memory_step(run, engine, batches, state=state)
             if step == track_step and state.recompute is not None:
                 measured = memory.cuda_peaks(device)[0] if device.type == "cuda" else state.peak_allocated
                 if loop := close_the_loop(run, engine.model, state.recompute, measured=measured):
@@ -297,12 +297,14 @@ def train_loop(run: RunContext, engine: Any, state: LoopState, reporter: Progres
             if train.warmup <= step < train.warmup + train.steps:
                 state.step_times.append(elapsed)
                 state.losses.append(loss)
-        reporter.step(step, total, loss, elapsed)
+        reporter.step(step, total=total, loss=loss, seconds=elapsed)
     if device.type == "cuda":
         state.peak_allocated, state.peak_reserved = memory.cuda_peaks(device)
 
 
-def measured_memory_step(run: RunContext, engine: Any, batches: list[torch.Tensor], state: LoopState) -> torch.Tensor:
+def measured_memory_step(
+    run: RunContext, engine: Any, batches: list[torch.Tensor], *, state: LoopState
+) -> torch.Tensor:
     """An untimed step whose peak memory is the run's figure (CPU: live tensors; CUDA: allocator)."""
     device = run.device.torch_device
     if device.type == "cuda":

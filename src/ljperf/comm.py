@@ -92,13 +92,13 @@ class CommConfig:
             self.sizes.append(self.sizes[-1] * self.step_factor)
 
 
-def bandwidth(op: str, size_bytes: int, seconds: float, world: int) -> tuple[float, float]:
+def bandwidth(op: str, size_bytes: int, seconds: float, *, world: int) -> tuple[float, float]:
     """(algbw, busbw) in GB/s (10⁹ bytes/s) of one ``op`` moving ``size_bytes`` in ``seconds`` on ``world`` ranks."""
     algbw = size_bytes / seconds / 1e9
     return algbw, algbw * BUS_FACTOR[op](world)
 
 
-def element_count(op: str, size_bytes: int, element_size: int, world: int) -> int:
+def element_count(op: str, size_bytes: int, *, element_size: int, world: int) -> int:
     """Elements of the op's size (nccl-tests' size: the whole buffer; split ops round to a multiple of world)."""
     count = max(1, size_bytes // element_size)
     return max(world, count - count % world) if op in SPLIT_OPS else count
@@ -150,7 +150,7 @@ def expected(op: str, index: torch.Tensor, *, rank: int, world: int, chunk: int)
 
 
 def buffers(
-    op: str, count: int, world: int, dtype: torch.dtype, device: torch.device
+    op: str, count: int, *, world: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(input, output) of ``op`` for a size of ``count`` elements; in-place ops share one tensor."""
     if op in ("all_reduce", "broadcast"):
@@ -198,8 +198,8 @@ def count_wrong(op: str, out: torch.Tensor, *, rank: int, world: int, chunk: int
 def measure(op: str, size_bytes: int, cfg: CommConfig, *, rank: int, world: int, device: torch.device) -> Row:
     """Warm-up, timed iterations (average over ranks, as nccl-tests reports), then one checked iteration."""
     dtype = DTYPES[cfg.dtype]
-    count = element_count(op, size_bytes, torch.tensor([], dtype=dtype).element_size(), world)
-    inp, out = buffers(op, count, world, dtype, device)
+    count = element_count(op, size_bytes, element_size=torch.tensor([], dtype=dtype).element_size(), world=world)
+    inp, out = buffers(op, count, world=world, dtype=dtype, device=device)
     run = collective(op)
     for _ in range(cfg.warmup_iters):
         run(inp, out)
@@ -221,7 +221,7 @@ def measure(op: str, size_bytes: int, cfg: CommConfig, *, rank: int, world: int,
         dist.all_reduce(total)
         wrong = int(total)
     size = count * inp.element_size()
-    algbw, busbw = bandwidth(op, size, mean, world)
+    algbw, busbw = bandwidth(op, size, mean, world=world)
     return Row(
         op=op,
         size_bytes=size,

@@ -181,7 +181,7 @@ def _forward_resolver(module: torch.nn.Module) -> Callable[[], Callable]:
     return lambda: types.MethodType(type(module).forward, module)
 
 
-def _compile_module(module: torch.nn.Module, name: str, group: _Group, sess: CompileSession) -> None:
+def _compile_module(module: torch.nn.Module, *, name: str, group: _Group, sess: CompileSession) -> None:
     if isinstance(module.__dict__.get("forward"), Region):
         raise ValueError(f"{name} is compiled already: compile a model once")
     module.forward = Region(name, _forward_resolver(module), group, sess)
@@ -208,7 +208,7 @@ def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True, **
     sess = _session = CompileSession(mode=mode, options=options, verbose=verbose)
     names = {id(m): n for n, m in model.named_modules()}
     if mode == "whole":
-        _compile_module(model, "model", _Group("model"), sess)
+        _compile_module(model, name="model", group=_Group("model"), sess=sess)
         return sess
     try:
         blocks = find_blocks(model)
@@ -218,7 +218,9 @@ def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True, **
     for block in blocks:
         kind = type(block)
         label = f"{kind.__name__} blocks" if sum(type(b) is kind for b in blocks) > 1 else names[id(block)]
-        _compile_module(block, names[id(block)] or "model", groups.setdefault(kind, _Group(label)), sess)
+        _compile_module(
+            block, name=names[id(block)] or "model", group=groups.setdefault(kind, _Group(label)), sess=sess
+        )
     if hasattr(type(model), "loss_function"):
         loss = model.loss_function
         model.loss_function = Region("loss", lambda: loss, _Group("loss"), sess)

@@ -102,14 +102,14 @@ def compile_report(run: RunContext, cfg: ReportConfig, *, argv: list[str]) -> di
     batches = {seq: _batches(run, seq) for seq in cfg.lengths}
 
     explained = explain_breaks(model, batches[cfg.lengths[0]][0], run)
-    eager = {seq: _timed_steps(engine, batches[seq], cfg.steps, device) for seq in cfg.lengths}
+    eager = {seq: _timed_steps(engine, batches[seq], steps=cfg.steps, device=device) for seq in cfg.lengths}
 
     session = compile_model(model, cfg.compile_mode)
     lengths = []
     for seq in cfg.lengths:
         before_time = sum(session.region_time_s.values())
         before_recompiles = len(session.recompile_reasons)
-        compiled = _timed_steps(engine, batches[seq], cfg.steps, device)
+        compiled = _timed_steps(engine, batches[seq], steps=cfg.steps, device=device)
         lengths.append(
             {
                 "seq_len": seq,
@@ -141,7 +141,7 @@ def _batches(run: RunContext, seq: int) -> list[torch.Tensor]:
     return data.micro_batches(0, 0, run.device.torch_device)
 
 
-def _timed_steps(engine: TorchEngine, batches: list[torch.Tensor], steps: int, device: torch.device) -> float:
+def _timed_steps(engine: TorchEngine, batches: list[torch.Tensor], *, steps: int, device: torch.device) -> float:
     """Median seconds of ``steps`` training steps, after one untimed step (which compiles)."""
     engine.train_step(batches)
     times = []

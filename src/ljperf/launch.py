@@ -101,7 +101,9 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
         run_workers(argv, cfg.launch, cpu=cfg.train.device != "cuda")
     except SignalException as exc:
         reason, code = failure_reason(exc)
-        _keep_failed_record(cfg, record_path, run_dir, reason, record_from_progress)
+        _keep_failed_record(
+            cfg, record_path=record_path, run_dir=run_dir, reason=reason, record_from_progress=record_from_progress
+        )
         print(
             f"ljperf benchmark: {reason}" + (f"; partial result kept: {record_path}" if cfg.output else ""),
             file=sys.stderr,
@@ -114,7 +116,12 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
             print(f"ljperf benchmark: error: {found[0].read_text()}", file=sys.stderr)
             return code
         status, reason = _keep_failed_record(
-            cfg, record_path, run_dir, reason, record_from_progress, oom=code == EXIT_OOM
+            cfg,
+            record_path=record_path,
+            run_dir=run_dir,
+            reason=reason,
+            record_from_progress=record_from_progress,
+            oom=code == EXIT_OOM,
         )
         if status == "oom":
             code = EXIT_OOM
@@ -126,11 +133,11 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
 
 def _keep_failed_record(
     cfg: BenchmarkConfig,
+    *,
     record_path: Path,
     run_dir: Path,
     reason: str,
     record_from_progress: Callable[[Path], dict[str, Any]],
-    *,
     oom: bool = False,
 ) -> tuple[str, str]:
     """Make sure a record with a failed status exists (``oom`` when a rank ran out of memory); returns that

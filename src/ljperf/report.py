@@ -33,7 +33,7 @@ class ProgressReporter:
         if self.enabled and run_dir:
             self._log = open(os.path.join(run_dir, "progress.jsonl"), "a", buffering=1)
 
-    def step(self, step: int, total: int, loss: Any, seconds: float | None) -> None:
+    def step(self, step: int, *, total: int, loss: Any, seconds: float | None) -> None:
         if not self.enabled:
             return
         value = float(loss)

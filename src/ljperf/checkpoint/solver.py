@@ -270,9 +270,19 @@ def solve(
             advice.insert(0, "the optimizer step, not activations, sets the peak: checkpointing cannot help")
         elif none_bytes - bytes_ < 0.02 * none_bytes:
             advice.insert(0, f"activations are under 2% of the peak ({phase}): checkpointing cannot help")
-        return _decision(ordered_plan(layers, layers, 0), budget, bytes_, cost, rates, fits=False, advice=advice)
+        return _decision(
+            ordered_plan(layers, layers, 0),
+            budget=budget,
+            bytes_=bytes_,
+            cost=cost,
+            rates=rates,
+            fits=False,
+            advice=advice,
+        )
     if fits(0, 0):
-        return _decision(ordered_plan(layers, 0, 0), budget, forecast_of(0, 0)[0], cost, rates, fits=True)
+        return _decision(
+            ordered_plan(layers, 0, 0), budget=budget, bytes_=forecast_of(0, 0)[0], cost=cost, rates=rates, fits=True
+        )
     lo, hi = -1, layers  # the first f with every layer recomputed (f full, the rest selective) that fits
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -291,10 +301,14 @@ def solve(
             break
         s -= 1
     _, _, f, s = best
-    return _decision(ordered_plan(layers, f, s), budget, forecast_of(f, s)[0], cost, rates, fits=True)
+    return _decision(
+        ordered_plan(layers, f, s), budget=budget, bytes_=forecast_of(f, s)[0], cost=cost, rates=rates, fits=True
+    )
 
 
-def _decision(plan: Plan, budget: int | None, bytes_: int | None, cost: LayerCost, rates: Rates, **kw: Any) -> Decision:
+def _decision(
+    plan: Plan, *, budget: int | None, bytes_: int | None, cost: LayerCost, rates: Rates, **kw: Any
+) -> Decision:
     return Decision(
         plan=plan,
         budget_bytes=budget,
@@ -421,7 +435,7 @@ def decide_for_run(run: RunContext) -> Decision | None:
     rates = Rates.measure(run.device.torch_device)
     if value != "auto":
         plan = fixed_plan(value, spec.layers)
-        return _decision(plan, None, None, cost, rates)
+        return _decision(plan, budget=None, bytes_=None, cost=cost, rates=rates)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", run.launch.nproc_per_node))
     budget = budget_bytes(run.device.torch_device, given=run.optim.memory_budget, local_world=local_world)
     return solve_recipe(
