@@ -67,6 +67,7 @@ CASES = [
     (["benchmark", *TINY, "--recompute", "auto"], {"LJPERF_MEMORY_BUDGET": "abc"}, "LJPERF_MEMORY_BUDGET"),
     (["benchmark", *TINY, "--micro-batch", "1e9"], {}, "invalid int"),
     (["benchmark", *TINY, "--device", "cuda"], {}, "no CUDA device"),
+    (["benchmark", *TINY, "--attn-implementation", "flash_attention_2"], {}, "flash_attention_2 runs on CUDA only"),
     (["benchmark", *TINY, "--precision", "fp8"], {}, "--precision"),
     (["benchmark", *TINY, "--attn-implementation", "bogus"], {}, "--attn-implementation"),
     (["benchmark", *TINY, "--memory-budget", "1GiB"], {}, "--memory-budget is the budget of --recompute auto"),

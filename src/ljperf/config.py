@@ -102,7 +102,9 @@ class TrainConfig:
     device: str = opt("auto", "cpu, cuda or auto (cuda when available)")
     lr: float = opt(3e-4, "AdamW learning rate")
     seed: int = opt(0, "seed of the weights and of the synthetic token stream, 0..2^63-1")
-    attn_implementation: str = opt("sdpa", "transformers attention: sdpa, eager or flash_attention_2")
+    attn_implementation: str = opt(
+        "sdpa", "transformers attention: sdpa, eager or flash_attention_2 (CUDA and the flash-attn package)"
+    )
     peak_tflops: float | None = opt(None, "peak TFLOPS per device for MFU (default: the known-device table)")
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ has one process; ``ljperf.launch`` starts torchrun for ``--nproc-per-node``/``--
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 import time
@@ -74,6 +75,11 @@ def resolve_train(
 ) -> TrainConfig:
     """Fill in the defaults that depend on the model and device; check the sequence length (``seq_flag``) fits."""
     seq_len = model.seq_len(train.seq_len, flag=seq_flag)
+    if train.attn_implementation == "flash_attention_2":
+        if device_type != "cuda":
+            raise UsageError("--attn-implementation flash_attention_2 runs on CUDA only: use sdpa or eager on a CPU")
+        if importlib.util.find_spec("flash_attn") is None:
+            raise UsageError("--attn-implementation flash_attention_2 needs the flash-attn package (or use sdpa)")
     precision = train.precision or ("bf16-mixed" if device_type == "cuda" else "fp32")
     return TrainConfig(**{**vars(train), "seq_len": seq_len, "precision": precision})
 
