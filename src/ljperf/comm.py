@@ -20,14 +20,13 @@ from rich.table import Table
 
 from ljperf import config as cfgmod
 from ljperf import hardware
-from ljperf.config import LaunchConfig, TrainConfig, opt
+from ljperf.config import LaunchConfig, opt
 from ljperf.errors import EXIT_ERROR, EXIT_OK, RunFailed, UsageError, failure, raise_interrupted
 from ljperf.report import console
 from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import (
-    RunContext,
+    Process,
     check_process_count,
-    init_process,
     resolve_device_type,
     shutdown_process,
     under_torchrun,
@@ -195,8 +194,9 @@ def count_wrong(op: str, out: torch.Tensor, *, rank: int, world: int, chunk: int
     return wrong
 
 
-def measure(op: str, size_bytes: int, cfg: CommConfig, *, rank: int, world: int, device: torch.device) -> Row:
+def measure(op: str, size_bytes: int, cfg: CommConfig, *, process: Process) -> Row:
     """Warm-up, timed iterations (average over ranks, as nccl-tests reports), then one checked iteration."""
+    rank, world, device = process.rank, process.world, process.device.torch_device
     dtype = DTYPES[cfg.dtype]
     count = element_count(op, size_bytes, element_size=torch.tensor([], dtype=dtype).element_size(), world=world)
     inp, out = buffers(op, count, world=world, dtype=dtype, device=device)
@@ -267,14 +267,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, output: str | None, argv: list[str]) -> int:
     """One rank: join the group, measure every op and size, print and write the record on rank 0. A failure
     (a signal, memory running out, a lost peer) keeps the rows measured before it in the record."""
-    context = RunContext(engine="comm", model=None, train=TrainConfig(device=device_type), launch=launch)
-    run = init_process(context, need_group=True)
+    process = Process.here(device_type)
+    process.join(launch=launch, need_group=True)
     record = {
-        **record_header("comm", args=argv, devices=[run.device.name], world_size=run.world),
+        **record_header("comm", args=argv, devices=[process.device.name], world_size=process.world),
         "config": {
             **asdict(cfg),
             "backend": dist.get_backend(),
-            "launch": {**asdict(launch), "world_size": run.world},
+            "launch": {**asdict(launch), "world_size": process.world},
         },
     }
     rows: list[Row] = []
@@ -285,10 +285,10 @@ def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, outpu
             start = len(rows)
             try:
                 for size in cfg.sizes:
-                    rows.append(measure(op, size, cfg, rank=run.rank, world=run.world, device=run.device.torch_device))
+                    rows.append(measure(op, size, cfg, process=process))
             finally:  # also the sizes an op measured before it failed
-                if run.is_main and rows[start:]:
-                    print_table(op, rows[start:], world=run.world, backend=dist.get_backend())
+                if process.is_main and rows[start:]:
+                    print_table(op, rows[start:], world=process.world, backend=dist.get_backend())
     except (Exception, KeyboardInterrupt) as exc:
         status, reason, exit_code = failure(exc)
     for sig in previous:  # a second signal must not interrupt writing the record
@@ -304,7 +304,7 @@ def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, outpu
         "avg_busbw_gbps": {op: average_busbw(r) for op in cfg.op_list if (r := [x for x in rows if x.op == op])},
         "rows": [asdict(r) for r in rows],
     }
-    if run.is_main and output:
+    if process.is_main and output:
         write_json(output, record)
     if status == "ok":
         shutdown_process()

@@ -98,25 +98,47 @@ def check_process_count(launch: LaunchConfig, device_type: str) -> None:
         raise UsageError(f"--nproc-per-node {launch.nproc_per_node} but this node has {have} {what}")
 
 
-def init_process(run: RunContext, *, need_group: bool) -> RunContext:
-    """Join the process group (gloo on CPU, NCCL on GPU) when the run is distributed or the engine needs one."""
-    if under_torchrun():
-        run.rank = int(os.environ["RANK"])
-        run.local_rank = int(os.environ["LOCAL_RANK"])
-        run.world = int(os.environ["WORLD_SIZE"])
-    run.device = hardware.local_device(run.device.type, run.local_rank)
-    if (run.world > 1 or need_group) and not dist.is_initialized():
+@dataclass(frozen=True, kw_only=True)
+class Process:
+    """This process's place in the run: the ranks torchrun gave it (0 of 1 without torchrun) and its device."""
+
+    rank: int
+    local_rank: int
+    world: int
+    device: DeviceInfo
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def here(cls, device_type: str) -> Process:
+        rank, local_rank, world = 0, 0, 1
+        if under_torchrun():
+            rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+        return cls(rank=rank, local_rank=local_rank, world=world, device=hardware.local_device(device_type, local_rank))
+
+    def join(self, *, launch: LaunchConfig, need_group: bool) -> None:
+        """Join the process group (gloo on CPU, NCCL on GPU) when the run is distributed or ``need_group``."""
+        if (self.world == 1 and not need_group) or dist.is_initialized():
+            return
         if not under_torchrun():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
-        backend = "nccl" if run.device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend=backend,
-            rank=run.rank,
-            world_size=run.world,
-            timeout=timedelta(seconds=run.launch.timeout),
-            device_id=run.device.torch_device if run.device.type == "cuda" else None,
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(seconds=launch.timeout),
+            device_id=self.device.torch_device if self.device.type == "cuda" else None,
         )
+
+
+def init_process(run: RunContext, *, need_group: bool) -> RunContext:
+    """Put this process's ranks and device into ``run`` (first: a failure to join still knows them), then join."""
+    process = Process.here(run.device.type)
+    run.rank, run.local_rank, run.world, run.device = process.rank, process.local_rank, process.world, process.device
+    process.join(launch=run.launch, need_group=need_group)
     return run
 
 
