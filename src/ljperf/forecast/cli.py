@@ -234,7 +234,7 @@ def print_plan(report: dict) -> None:
         f"{recipe['engine']}/{report['model']['name']} · {recipe['world']} × {recipe['device']} · "
         f"mb {recipe['micro_batch']} × seq {recipe['seq_len']} × accum {recipe['grad_accum']} · {recipe['precision']}"
     )
-    table = Table(title=escape(title))
+    table = Table(title=escape(title), min_width=len(title) + 4)
     table.add_column("component")
     table.add_column("GiB", justify="right")
     table.add_column("share", justify="right")
