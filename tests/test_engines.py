@@ -138,7 +138,7 @@ def test_losses_of_all_engines_agree(runs):
     for name, record in records.items():
         assert record["results"]["status"] == "ok", (name, record["results"]["reason"])
         losses = record["results"]["losses"]
-        assert losses == pytest.approx(reference, rel=1e-4), name
+        assert losses == pytest.approx(reference, rel=1e-5), name  # measured: at most 6.4e-8
 
 
 @pytest.mark.slow
