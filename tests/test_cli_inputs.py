@@ -78,6 +78,7 @@ CASES = [
     (["plan", "--model-config", "{gpt2}", "--device", "cpu"], {}, "GPT2LMHeadModel keeps its decoder layers elsewhere"),
     (["plan", "--model", "torch/llama-tiny", "--gpu-memory", "80XB"], {}, "80XB"),
     (["plan", "--model", "torch/llama-tiny", "--gpus", "0"], {}, "--gpus"),
+    (["plan", *TINY, "--device", "cpu", "--micro-batch", "99999999999"], {}, "--micro-batch must be larger than zero"),
     (["plan", "--model", "torch/llama-tiny", "--micro-batch", "0"], {}, "--micro-batch"),
     (["plan", "--model", "torch/llama-tiny", "--seq-len", "0"], {}, "--seq-len"),
     (["plan", "--model", "deepspeed/llama-tiny", "--zero-stage", "0"], {}, "--zero-stage 0"),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ljperf.checkpoint import MODES
-from ljperf.config import PRECISIONS
+from ljperf.config import PRECISIONS, check_zero_stage, positive
 from ljperf.errors import UsageError
 from ljperf.models import ENGINES
 
@@ -116,15 +116,13 @@ class Recipe:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise UsageError(f"engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
-        if self.zero_stage not in (1, 2, 3):
-            raise UsageError(f"--zero-stage {self.zero_stage}: choose 1, 2 or 3")
+        check_zero_stage(self.zero_stage)
         if self.device not in ("cpu", "cuda"):
             raise UsageError(f"--device {self.device!r}: choose cpu or cuda")
         if self.precision not in PRECISIONS:
             raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         for name in ("world", "micro_batch", "seq_len", "grad_accum"):
-            if getattr(self, name) <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be larger than zero (got {getattr(self, name)})")
+            positive(name, getattr(self, name))
         if self.attn_implementation not in ("sdpa", "eager"):
             raise UsageError(f"--attn-implementation {self.attn_implementation!r}: the forecast knows sdpa and eager")
         bad = sorted(set(self.recompute) - set(MODES))
