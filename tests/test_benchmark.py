@@ -168,3 +168,19 @@ def test_runs_under_a_users_own_torchrun(tmp_path):
     assert proc.returncode == 0, stderr[-2000:]
     record = read_record(out)
     assert record["env"]["world_size"] == 2 and record["results"]["status"] == "ok"
+
+
+def test_a_table_title_prints_on_one_line():
+    """rich wraps a title to its table's width; ljperf's tables are made wide enough for theirs (plan's wrapped
+    between 'seq' and '8192')."""
+    from rich.console import Console
+
+    from ljperf.report import titled_table
+
+    title = "deepspeed/llama3-8b · 8 × cuda · mb 1 × seq 8192 × accum 1 · bf16-mixed"
+    table = titled_table(title)
+    table.add_column("GiB")
+    table.add_row("77.91")
+    console = Console(width=200, record=True)
+    console.print(table)
+    assert title in console.export_text()

@@ -16,13 +16,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-from rich.table import Table
 
 from ljperf import config as cfgmod
 from ljperf import hardware
 from ljperf.config import LaunchConfig, opt
 from ljperf.errors import EXIT_ERROR, EXIT_OK, RunFailed, UsageError, failure, raise_interrupted
-from ljperf.report import console
+from ljperf.report import console, titled_table
 from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import (
     Process,
@@ -321,7 +320,7 @@ def average_busbw(rows: list[Row]) -> float:
 
 
 def print_table(op: str, rows: list[Row], *, world: int, backend: str) -> None:
-    table = Table(title=f"{op} · {world} rank(s) · {backend}")
+    table = titled_table(f"{op} · {world} rank(s) · {backend}")
     for name, unit in (
         ("size", "(B)"),
         ("count", "(elements)"),

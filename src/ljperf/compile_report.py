@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from rich.markup import escape
-from rich.table import Table
 
 from ljperf import config as cfgmod
 from ljperf import hardware, models
@@ -25,7 +24,7 @@ from ljperf.config import COMPILE_MODES, LARGEST, LaunchConfig, TrainConfig, opt
 from ljperf.data import SyntheticTokens
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.errors import UsageError
-from ljperf.report import console
+from ljperf.report import console, titled_table
 from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import RunContext, init_process, resolve_device_type, resolve_train
 
@@ -169,7 +168,7 @@ def explain_breaks(model: torch.nn.Module, tokens: torch.Tensor, run: RunContext
 
 def print_report(report: dict[str, Any]) -> None:
     cfg = report["config"]
-    table = Table(title=escape(f"compile-report · {cfg['model']} · {cfg['compile_mode']} · {cfg['precision']}"))
+    table = titled_table(f"compile-report · {cfg['model']} · {cfg['compile_mode']} · {cfg['precision']}")
     for col in ("seq len", "eager step", "compiled step", "speedup", "compile time", "recompiles"):
         table.add_column(col, justify="right")
     table.add_row("", "ms", "ms", "×", "s", "")

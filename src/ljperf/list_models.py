@@ -8,10 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.table import Table
-
 from ljperf import models
-from ljperf.report import console
+from ljperf.report import console, titled_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +41,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = Table(title="ljperf model catalog (use as --model ENGINE/NAME)")
+    table = titled_table("ljperf model catalog (use as --model ENGINE/NAME)")
     for col, justify in (
         ("name", "left"),
         ("architecture", "left"),

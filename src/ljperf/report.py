@@ -80,11 +80,16 @@ def run_title(cfg: dict) -> str:
     )
 
 
+def titled_table(title: str, **options: Any) -> Table:
+    """A table whose title prints as written (escaped) on one line: the table is made at least as wide, since rich
+    wraps a title to the table's width."""
+    return Table(title=escape(title), min_width=len(title) + 4, **options)
+
+
 def print_result_table(record: dict) -> None:
     """The result of a benchmark run as a table: metric, value, unit."""
     res = record["results"]
-    title = run_title(record["config"])
-    table = Table(title=escape(title), min_width=len(title) + 4)
+    table = titled_table(run_title(record["config"]))
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_column("unit")

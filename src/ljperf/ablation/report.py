@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
-from rich.table import Table
 
 from ljperf import __version__
 from ljperf.ablation import runner
 from ljperf.ablation.stats import Ratio, Spread, VariantStats, summarize
 from ljperf.errors import EXIT_OK, UsageError
-from ljperf.report import console, run_title
+from ljperf.report import console, run_title, titled_table
 from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_atomic, write_json
 from ljperf.units import format_bytes
 
@@ -163,7 +162,7 @@ def title(records: list[dict]) -> str:
 
 def print_table(records: list[dict], stats: list[VariantStats]) -> None:
     header, body = rows(stats)
-    table = Table(title=escape(title(records)), caption=OVERLAP_NOTE)
+    table = titled_table(title(records), caption=OVERLAP_NOTE)
     for i, name in enumerate(header):
         if name != "flags":  # in report.md; too wide for a terminal
             table.add_column(name, justify="left" if i < 3 else "right")

@@ -14,12 +14,11 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from rich.markup import escape
-from rich.table import Table
 
 from ljperf.doctor import checks
 from ljperf.doctor.checks import FAIL, INFO, OK, WARN, CheckResult
 from ljperf.errors import EXIT_ERROR, EXIT_OK, UsageError, describe
-from ljperf.report import console
+from ljperf.report import console, titled_table
 from ljperf.result import check_writable, record_header, write_json
 
 # Machine checks in the order they are shown; the DeepSpeed lint runs first when a file is given.
@@ -109,7 +108,7 @@ def _devices() -> list[str]:
 
 
 def print_table(rows: list[CheckResult], status: str) -> None:
-    table = Table(title="ljperf doctor")
+    table = titled_table("ljperf doctor")
     table.add_column("check")
     table.add_column("status")
     table.add_column("finding")

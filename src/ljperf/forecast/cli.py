@@ -225,16 +225,15 @@ def plan_record(spec: ModelSpec, recipe: Recipe, result: Forecast, *, memory: in
 
 def print_plan(report: dict) -> None:
     from rich.markup import escape
-    from rich.table import Table
 
-    from ljperf.report import console
+    from ljperf.report import console, titled_table
 
     recipe = report["recipe"]
     title = (
         f"{recipe['engine']}/{report['model']['name']} · {recipe['world']} × {recipe['device']} · "
         f"mb {recipe['micro_batch']} × seq {recipe['seq_len']} × accum {recipe['grad_accum']} · {recipe['precision']}"
     )
-    table = Table(title=escape(title), min_width=len(title) + 4)
+    table = titled_table(title)
     table.add_column("component")
     table.add_column("GiB", justify="right")
     table.add_column("share", justify="right")
