@@ -208,6 +208,29 @@ def test_closed_loop_corrects_a_stale_forecast_after_the_second_step(tmp_path, p
 
 
 @pytest.mark.slow
+def test_each_fsdp2_rank_corrects_its_own_plan(tmp_path):
+    """Outside ZeRO-3 each rank judges its own measured step: rank 1's stale calibration (×1.25) plans recompute
+    the budget does not need, rank 0's does not. Rank 1 alone re-plans before step 3, says so, and both ranks
+    end without recompute."""
+    stale = stale_calibration_cache(tmp_path, scale=1.25)
+    none, full = forecasts_none_and_full("fsdp", world=2)
+    budget = round(1.1 * none)  # as in the test above: fits no recompute, but not ×1.25
+    assert 1.25 * full < budget < 1.25 * none
+    hooked, stderr = run_script(
+        tmp_path,
+        "fsdp_train.py",
+        nproc=2,
+        CHECKPOINT_OPTIMIZATION="true",
+        LJPERF_MEMORY_BUDGET=str(budget),
+        LJPERF_CACHE_DIR_BY_RANK=f"{tmp_path / 'clean'},{stale}",
+    )
+    assert hooked["checkpointed_by_rank"] == [[False] * 6] * 2, stderr[-2000:]
+    assert re.search(r"\[ljperf\] closed loop: [^\n]*; the plan stands", stderr), stderr[-2000:]
+    rank1 = r"\[ljperf\] rank 1: closed loop: measured [^\n]*; activations × [\d.]+; recomputing 0/6"
+    assert re.search(rank1, stderr), stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_ljperf_benchmark_plans_itself_under_the_variable(tmp_path):
     """``CHECKPOINT_OPTIMIZATION=true ljperf benchmark`` means ``--recompute auto`` (budget from
     ``LJPERF_MEMORY_BUDGET``): the benchmark plans, records and forecasts the plan; the startup hook does not

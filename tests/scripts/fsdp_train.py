@@ -2,12 +2,15 @@
 
 Run: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=20MiB torchrun --nproc-per-node 2
 tests/scripts/fsdp_train.py``. Rank 0 prints its losses, each layer's checkpointing flag and MLP calls per step,
-and whether ljperf was imported, as one JSON line.
+every rank's checkpointing flags, and whether ljperf was imported, as one JSON line. A test gives each rank its
+own forecast cache (so its own calibration) with ``LJPERF_CACHE_DIR_BY_RANK=DIR0,DIR1``.
 """
+
+import os
 
 import torch
 import torch.distributed as dist
-from tiny_llama import batch, build, count_mlp_calls, print_report
+from tiny_llama import batch, build, checkpointed, count_mlp_calls, print_report
 from torch.distributed.fsdp import fully_shard
 
 STEPS = 3
@@ -16,6 +19,8 @@ STEPS = 3
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if caches := os.environ.get("LJPERF_CACHE_DIR_BY_RANK"):
+        os.environ["LJPERF_CACHE_DIR"] = caches.split(",")[rank]
     model = build()
     for layer in model.model.layers:
         fully_shard(layer)
@@ -30,8 +35,11 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(by_rank, checkpointed(model))
     if rank == 0:
-        print_report(losses, model, calls, STEPS)
+        print_report(losses, model, calls, STEPS, checkpointed_by_rank=by_rank)
+    dist.barrier()
     dist.destroy_process_group()
 
 

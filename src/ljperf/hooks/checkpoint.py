@@ -7,10 +7,11 @@ root) are patched when imported; they attach a forward pre-hook to the model tha
 training batch's shape (and again when a batch is larger), applies the plan before that forward and logs one
 line. Ranks plan with rank 0's budget and device rates; under ZeRO-3 every rank plans for the largest batch
 of any rank, so all run one plan (``_agreed``). The second training step's peak is measured and, when it
-misses the forecast, the plan is corrected once (the closed loop, ``_Planner``). When even full recompute
-cannot fit, every layer recomputes and one warning says what would fit. Any failure warns once and removes
-the hook: training goes on exactly as without the variable. Models ljperf builds are left alone: there
-``CHECKPOINT_OPTIMIZATION=true`` makes ``ljperf benchmark`` default to ``--recompute auto``.
+misses the forecast, the plan is corrected once (the closed loop, ``_Planner``): under ZeRO-3 from the largest
+peak of any rank, elsewhere by each rank from its own. When even full recompute cannot fit, every layer
+recomputes and one warning says what would fit. Any failure warns once and removes the hook: training goes on
+exactly as without the variable. Models ljperf builds are left alone: there ``CHECKPOINT_OPTIMIZATION=true``
+makes ``ljperf benchmark`` default to ``--recompute auto``.
 """
 
 from __future__ import annotations
@@ -170,10 +171,11 @@ class _Planner:
 
     The closed loop measures the second training step (the first creates the optimizer states), from its first
     training forward to the first one after its optimizer step: ``torch.cuda.max_memory_allocated`` on CUDA,
-    live tensor bytes on CPU. At that forward it compares rank 0's measured peak (under ZeRO-3, whose ranks
+    live tensor bytes on CPU. At that forward each rank compares its measured peak (under ZeRO-3, whose ranks
     plan for the largest batch of any rank, the largest peak of any rank) with the forecast of the plan at the
-    largest batch of the step, and when it is over the budget or under 85% of the forecast, re-plans with rank
-    0's corrected activation coefficient (``solver.corrected_scale``), as ``ljperf benchmark`` does.
+    largest batch of the step, and when it is over the budget or under 85% of the forecast, re-plans with the
+    corrected activation coefficient (``solver.corrected_scale``), as ``ljperf benchmark`` does. Under ZeRO-3
+    rank 0's verdict is every rank's; elsewhere a rank whose verdict differs from rank 0's logs its own line.
     """
 
     def __init__(self, model: torch.nn.Module, setup: Callable[[], dict[str, Any]]):
@@ -222,7 +224,9 @@ class _Planner:
             self.remove()
             warnings.warn(f"ljperf: CHECKPOINT_OPTIMIZATION left training unchanged: {exc}", stacklevel=2)
 
-    def plan(self, shape: tuple[int, int], *, prefix: str = "", cost: LayerCost | None = None) -> None:
+    def plan(
+        self, shape: tuple[int, int], *, prefix: str = "", cost: LayerCost | None = None, rank_local: bool = False
+    ) -> None:
         from ljperf.checkpoint.apply import apply_plan
         from ljperf.checkpoint.solver import shared_from_rank0
 
@@ -243,7 +247,7 @@ class _Planner:
             if _is_main():
                 warnings.warn(f"{PREFIX} {prefix}{decision.line()}", stacklevel=3)
         else:
-            log(prefix + decision.line())
+            log(prefix + decision.line(), rank_local=rank_local)
 
     def measure(self, shape: tuple[int, int], device: torch.device) -> None:
         """Open the window at the second step's first training forward, widen it to each forward's batch, and
@@ -269,13 +273,16 @@ class _Planner:
 
         spec, recipe, _, name = model_recipe(self.model, micro_batch=shape[0], seq_len=shape[1], **self.setup)
         scale, first_peak = judge_plan(spec, recipe, self.decision, measured=measured, device_name=name)
-        scale = shared_from_rank0(scale)
+        rank0 = shared_from_rank0(scale)
+        if _agreed(self.setup):  # every rank measured the largest peak; one verdict keeps one plan
+            scale = rank0
         line = loop_line(measured=measured, forecast=first_peak, scale=scale)
+        own_verdict = (scale is None) != (rank0 is None)  # this rank alone re-plans, or alone keeps its plan
         if scale is None:
-            log(line)
+            log(line, rank_local=own_verdict)
             return
         self.activation_scale = scale
-        self.plan(self.shape, prefix=line, cost=self.decision.cost)
+        self.plan(self.shape, prefix=line, cost=self.decision.cost, rank_local=own_verdict)
 
     def _state_tensors(self) -> list:
         """What lives between steps, for the CPU measurement (ZeRO-3 keeps its partitions in ``ds_tensor``)."""
@@ -409,9 +416,12 @@ def _is_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def log(line: str) -> None:
+def log(line: str, *, rank_local: bool = False) -> None:
+    """Print ``line`` on rank 0; a ``rank_local`` line (what this rank alone did) on every rank, after its rank."""
     if _is_main():
         print(f"{PREFIX} {line}", file=sys.stderr, flush=True)
+    elif rank_local:
+        print(f"{PREFIX} rank {os.environ['RANK']}: {line}", file=sys.stderr, flush=True)
 
 
 def _guarded(fn: Callable[[], None]) -> None:
