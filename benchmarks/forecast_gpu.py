@@ -28,7 +28,7 @@ from ljperf.config import LaunchConfig, OptimConfig, TrainConfig
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.forecast import Recipe, forecast
 from ljperf.result import environment, write_atomic, write_json
-from ljperf.runtime import RunContext
+from ljperf.runtime import Process, RunContext
 
 SHAPES = {"cuda": ((1, 2048), (2, 2048), (1, 4096)), "cpu": ((1, 128), (2, 256))}
 MODELS = {"cuda": "llama3.2-1b,llama3.2-3b", "cpu": "llama-tiny,qwen3-tiny"}
@@ -95,7 +95,7 @@ def main() -> None:
                 train=train,
                 launch=LaunchConfig(),
                 optim=OptimConfig(recompute=args.recompute),
-                device=info,
+                process=Process(device=info),
             )
             if args.device == "cuda":
                 leftover = torch.cuda.memory_allocated(info.torch_device)

@@ -41,6 +41,7 @@ from ljperf.models import ModelSpec
 from ljperf.report import ProgressReporter, print_result_table
 from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import (
+    Process,
     RunContext,
     check_process_count,
     init_process,
@@ -213,8 +214,8 @@ def run_worker(cfg: BenchmarkConfig) -> int:
     return exit_code
 
 
-def run_context(cfg: BenchmarkConfig, **known: Any) -> RunContext:
-    """The run context of ``cfg`` before the process group is joined (``known`` fills rank/world/device)."""
+def run_context(cfg: BenchmarkConfig, *, world: int = 1) -> RunContext:
+    """The run context of ``cfg`` before the process group is joined: rank 0 of ``world`` on an unnamed device."""
     device = hardware.DeviceInfo(type=resolve_device_type(cfg.train.device), index=None, name="unknown")
     path = cfg.engine_opts.deepspeed_config
     return RunContext(
@@ -225,7 +226,7 @@ def run_context(cfg: BenchmarkConfig, **known: Any) -> RunContext:
         engine_opts=cfg.engine_opts,
         optim=cfg.optim,
         deepspeed_user=deepspeed_config.load(path) if cfg.engine == "deepspeed" and path else {},
-        **{"device": device, **known},
+        process=Process(world=world, device=device),
     )
 
 

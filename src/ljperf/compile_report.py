@@ -26,7 +26,7 @@ from ljperf.engines.torch_engine import TorchEngine
 from ljperf.errors import UsageError
 from ljperf.report import console, titled_table
 from ljperf.result import check_writable, record_header, write_json
-from ljperf.runtime import RunContext, init_process, resolve_device_type, resolve_train
+from ljperf.runtime import Process, RunContext, init_process, resolve_device_type, resolve_train
 
 
 @dataclass(kw_only=True)
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         model=spec,
         train=resolve_train(train, model=spec, device_type=device_type, seq_flag="--seq-lens"),
         launch=LaunchConfig(),
-        device=hardware.local_device(device_type, 0),
+        process=Process(device=hardware.local_device(device_type, 0)),
     )
     run_ctx = init_process(run_ctx, need_group=False)
     report = compile_report(run_ctx, cfg, argv=argv)

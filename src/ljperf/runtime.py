@@ -28,6 +28,46 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+@dataclass(frozen=True, kw_only=True)
+class Process:
+    """This process's place in the run: the ranks torchrun gave it (0 of 1 without torchrun) and its device."""
+
+    rank: int = 0
+    """Global rank of this process."""
+    local_rank: int = 0
+    """Rank within the node (the CUDA device index)."""
+    world: int = 1
+    """Number of processes in the run."""
+    device: DeviceInfo = field(default_factory=lambda: hardware.local_device("cpu", 0))
+    """This rank's device."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def here(cls, device_type: str) -> Process:
+        rank, local_rank, world = 0, 0, 1
+        if under_torchrun():
+            rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+        return cls(rank=rank, local_rank=local_rank, world=world, device=hardware.local_device(device_type, local_rank))
+
+    def join(self, *, launch: LaunchConfig, need_group: bool) -> None:
+        """Join the process group (gloo on CPU, NCCL on GPU) when the run is distributed or ``need_group``."""
+        if (self.world == 1 and not need_group) or dist.is_initialized():
+            return
+        if not under_torchrun():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group(
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(seconds=launch.timeout),
+            device_id=self.device.torch_device if self.device.type == "cuda" else None,
+        )
+
+
 @dataclass(kw_only=True)
 class RunContext:
     """Everything a rank knows about its run."""
@@ -40,14 +80,8 @@ class RunContext:
     """Batch, sequence, precision and step counts (``seq_len`` and ``precision`` resolved)."""
     launch: LaunchConfig
     """Process layout and timeouts."""
-    rank: int = 0
-    """Global rank of this process."""
-    local_rank: int = 0
-    """Rank within the node (the CUDA device index)."""
-    world: int = 1
-    """Number of processes in the run."""
-    device: DeviceInfo = field(default_factory=lambda: hardware.local_device("cpu", 0))
-    """This rank's device."""
+    process: Process = field(default_factory=Process)
+    """This process's ranks and device (``init_process`` sets them from torchrun's)."""
     engine_opts: EngineConfig = field(default_factory=EngineConfig)
     """FSDP2 / DeepSpeed options."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -56,8 +90,20 @@ class RunContext:
     """The ``--deepspeed-config`` file's contents, read once per process ({} without one)."""
 
     @property
+    def rank(self) -> int:
+        return self.process.rank
+
+    @property
+    def world(self) -> int:
+        return self.process.world
+
+    @property
+    def device(self) -> DeviceInfo:
+        return self.process.device
+
+    @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.process.is_main
 
     @property
     def bf16(self) -> bool:
@@ -98,47 +144,10 @@ def check_process_count(launch: LaunchConfig, device_type: str) -> None:
         raise UsageError(f"--nproc-per-node {launch.nproc_per_node} but this node has {have} {what}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Process:
-    """This process's place in the run: the ranks torchrun gave it (0 of 1 without torchrun) and its device."""
-
-    rank: int
-    local_rank: int
-    world: int
-    device: DeviceInfo
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @classmethod
-    def here(cls, device_type: str) -> Process:
-        rank, local_rank, world = 0, 0, 1
-        if under_torchrun():
-            rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-        return cls(rank=rank, local_rank=local_rank, world=world, device=hardware.local_device(device_type, local_rank))
-
-    def join(self, *, launch: LaunchConfig, need_group: bool) -> None:
-        """Join the process group (gloo on CPU, NCCL on GPU) when the run is distributed or ``need_group``."""
-        if (self.world == 1 and not need_group) or dist.is_initialized():
-            return
-        if not under_torchrun():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(
-            backend="nccl" if self.device.type == "cuda" else "gloo",
-            rank=self.rank,
-            world_size=self.world,
-            timeout=timedelta(seconds=launch.timeout),
-            device_id=self.device.torch_device if self.device.type == "cuda" else None,
-        )
-
-
 def init_process(run: RunContext, *, need_group: bool) -> RunContext:
     """Put this process's ranks and device into ``run`` (first: a failure to join still knows them), then join."""
-    process = Process.here(run.device.type)
-    run.rank, run.local_rank, run.world, run.device = process.rank, process.local_rank, process.world, process.device
-    process.join(launch=run.launch, need_group=need_group)
+    run.process = Process.here(run.device.type)
+    run.process.join(launch=run.launch, need_group=need_group)
     return run
 
 

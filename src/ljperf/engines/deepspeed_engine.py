@@ -48,7 +48,7 @@ class DeepSpeedEngine:
         if run.device.type == "cpu" and run.is_main and not _comm_op_built():
             console.print("DeepSpeed is building its CPU comm op (first run only, about 20 s)...")
         # ZeRO-3's Init reads torchrun's LOCAL_RANK; a one-process run started without torchrun has none.
-        os.environ.setdefault("LOCAL_RANK", str(run.local_rank))
+        os.environ.setdefault("LOCAL_RANK", str(run.process.local_rank))
         deepspeed.init_distributed(dist_backend="gloo" if run.device.type == "cpu" else "nccl")
         if self.config["zero_optimization"]["stage"] == 3:
             names = parameter_names(model)

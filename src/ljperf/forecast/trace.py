@@ -147,7 +147,7 @@ def trace_shape(
     from ljperf.config import LaunchConfig, TrainConfig
     from ljperf.engines.common import accumulate
     from ljperf.hardware import DeviceInfo
-    from ljperf.runtime import RunContext
+    from ljperf.runtime import Process, RunContext
 
     shallow = models.with_layers(spec, TRACE_LAYERS)
     fake_mode = FakeTensorMode()
@@ -167,7 +167,7 @@ def trace_shape(
             device="cpu",
         ),
         launch=LaunchConfig(),
-        device=DeviceInfo(type="cpu", index=None, name="fake"),
+        process=Process(device=DeviceInfo(type="cpu", index=None, name="fake")),
     )
     timeline = LiveBytesTimeline()
     state = {"backward": False}
