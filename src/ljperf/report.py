@@ -71,12 +71,21 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def shape_title(
+    engine: str, model: str, *, where: str, micro_batch: int, seq_len: int, grad_accum: int, precision: str
+) -> str:
+    """``engine/model · where · mb × seq × accum · precision``: the title of a run's or a forecast's table."""
+    return f"{engine}/{model} · {where} · mb {micro_batch} × seq {seq_len} × accum {grad_accum} · {precision}"
+
+
 def run_title(cfg: dict) -> str:
-    """``engine/model · N process(es) · mb × seq × accum · precision`` of a benchmark record's ``config``."""
+    """The table title of a benchmark record's ``config``: ``shape_title`` with ``N process(es)``."""
     train = cfg["train"]
-    return (
-        f"{cfg['engine']['name']}/{cfg['model']['name']} · {cfg['launch']['world_size']} process(es) · "
-        f"mb {train['micro_batch']} × seq {train['seq_len']} × accum {train['grad_accum']} · {train['precision']}"
+    return shape_title(
+        cfg["engine"]["name"],
+        cfg["model"]["name"],
+        where=f"{cfg['launch']['world_size']} process(es)",
+        **{key: train[key] for key in ("micro_batch", "seq_len", "grad_accum", "precision")},
     )
 
 

@@ -226,12 +226,14 @@ def plan_record(spec: ModelSpec, recipe: Recipe, result: Forecast, *, memory: in
 def print_plan(report: dict) -> None:
     from rich.markup import escape
 
-    from ljperf.report import console, titled_table
+    from ljperf.report import console, shape_title, titled_table
 
     recipe = report["recipe"]
-    title = (
-        f"{recipe['engine']}/{report['model']['name']} · {recipe['world']} × {recipe['device']} · "
-        f"mb {recipe['micro_batch']} × seq {recipe['seq_len']} × accum {recipe['grad_accum']} · {recipe['precision']}"
+    title = shape_title(
+        recipe["engine"],
+        report["model"]["name"],
+        where=f"{recipe['world']} × {recipe['device']}",
+        **{key: recipe[key] for key in ("micro_batch", "seq_len", "grad_accum", "precision")},
     )
     table = titled_table(title)
     table.add_column("component")
