@@ -118,6 +118,26 @@ def test_an_oom_on_another_rank_is_the_runs_oom(tmp_path):
     assert res["status"] == "oom" and "rank 1" in res["reason"]
 
 
+def test_the_cause_is_named_before_a_rank_that_lost_its_peer_in_the_same_second():
+    """torch elastic's failures carry whole-second times; a rank that fails with exit 1 because its peer died
+    (gloo: connection reset) is often in the same second as the peer. The peer is the cause; a failure a whole
+    second earlier still comes first."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ljperf.launch import failure_reason
+
+    def failures(cause_code: int, *, lost_earlier_by: int = 0) -> ChildFailedError:
+        cause = ProcessFailure(local_rank=1, pid=2, exitcode=cause_code, error_file="")
+        lost = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="")
+        lost.timestamp = cause.timestamp - lost_earlier_by
+        return ChildFailedError("ljperf", {0: lost, 1: cause})
+
+    assert failure_reason(failures(-signal.SIGKILL)) == ("rank 1 was killed by SIGKILL", 1)
+    assert failure_reason(failures(3)) == ("rank 1 ran out of memory (exit code 3)", 3)
+    assert failure_reason(failures(2)) == ("rank 1 exited with code 2", 2)
+    assert failure_reason(failures(-signal.SIGKILL, lost_earlier_by=1)) == ("rank 0 exited with code 1", 1)
+
+
 def test_a_plan_that_cannot_fit_is_exit_2_in_one_line_with_two_ranks(tmp_path):
     """A usage error only the ranks can find keeps exit 2 through the launcher (it was 1), in one line (each
     rank, the agent's own log and the launcher each printed one; whichever rank exits first, and a rank's exit

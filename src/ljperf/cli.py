@@ -13,9 +13,10 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from ljperf import __version__
-from ljperf.errors import EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed, UsageError, interruption
+from ljperf.errors import EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed, UsageError, interruption
 
 EXIT_SIGPIPE = 141
 """What a shell reports for a command whose reader closed the pipe (``ljperf models --json | head``)."""
@@ -103,8 +104,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     module = importlib.import_module(COMMANDS[args.command].module)
-    prog = f"ljperf {args.command}"
     signal.signal(signal.SIGINT, signal.default_int_handler if interrupt is None else interrupt)  # None: set in C
+    code = _run_command(module, args, argv)
+    if code != EXIT_OK and _process_group_open():
+        # A failed rank leaves its process group as it is (a peer may be gone). At the interpreter's exit gloo's
+        # threads can then meet the group's destructor and abort (SIGABRT), which would replace this exit code.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _process_group_open() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _run_command(module: ModuleType, args: argparse.Namespace, argv: list[str]) -> int:
+    """Run a subcommand's module; its failures become one line and an exit code."""
+    prog = f"ljperf {args.command}"
     try:
         code = module.run(args, argv)
         sys.stdout.flush()  # a reader that stopped early (| head) shows here, not in the interpreter's exit
@@ -113,11 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_SIGPIPE
     except UsageError as exc:
-        if _hand_to_launcher(exc):
-            sys.stdout.flush()
-            os._exit(EXIT_USAGE)  # gloo's threads can abort the interpreter's exit (SIGABRT, a second failure)
-        if os.environ.get("RANK", "0") == "0":  # under a user's torchrun every rank finds the same
-            print(f"{prog}: error: {exc}", file=sys.stderr)
+        if not _hand_to_launcher(exc) and os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: error: {exc}", file=sys.stderr)  # under a user's torchrun every rank finds the same
         return EXIT_USAGE
     except RunFailed as exc:
         print(f"{prog}: failed: {exc}", file=sys.stderr)

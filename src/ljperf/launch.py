@@ -44,7 +44,9 @@ def failure_reason(exc: Exception) -> tuple[str, int]:
     # benchmark rank turns SIGTERM into exit 143 (its record kept), so that code counts as the agent's too.
     ended = (-signal.SIGTERM, EXIT_SIGTERM)
     failures = {r: f for r, f in exc.failures.items() if f.exitcode not in ended} or exc.failures
-    rank, failure = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    # The agent times failures in whole seconds, and a rank that lost its peer (exit 1) often fails in the same
+    # second as the peer: within a second a signal, an OOM or a usage error is the cause, not an exit 1.
+    rank, failure = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode == EXIT_ERROR, kv[0]))
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
     elif failure.exitcode == EXIT_OOM:
