@@ -1,5 +1,5 @@
 """Run ljperf as ``python -m ljperf``."""
 
-from ljperf.cli import main
+from ljperf.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import NoReturn
 
 from ljperf import __version__
 from ljperf.errors import EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed, UsageError, interruption
@@ -105,19 +106,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     module = importlib.import_module(COMMANDS[args.command].module)
     signal.signal(signal.SIGINT, signal.default_int_handler if interrupt is None else interrupt)  # None: set in C
-    code = _run_command(module, args, argv)
-    if code != EXIT_OK and _process_group_open():
+    return _run_command(module, args, argv)
+
+
+def entry() -> NoReturn:
+    """The ``ljperf`` process (console script and ``python -m ljperf``): ``main``'s code is its exit status."""
+    code = main()
+    dist = sys.modules.get("torch.distributed")
+    if code != EXIT_OK and dist is not None and dist.is_available() and dist.is_initialized():
         # A failed rank leaves its process group as it is (a peer may be gone). At the interpreter's exit gloo's
         # threads can then meet the group's destructor and abort (SIGABRT), which would replace this exit code.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    return code
-
-
-def _process_group_open() -> bool:
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
+    sys.exit(code)
 
 
 def _run_command(module: ModuleType, args: argparse.Namespace, argv: list[str]) -> int:
