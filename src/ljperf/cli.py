@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
@@ -78,16 +77,10 @@ def _terminated(signum: int, _frame: object) -> None:
 def _hand_to_launcher(exc: UsageError) -> bool:
     """Under ljperf's launcher, leave a rank's usage error in the run folder: the ranks all find the same one,
     and whichever exits first, the launcher prints it once. False anywhere else."""
-    from ljperf.report import PROGRESS_FILE_ENV
+    from ljperf.report import RunFolder
 
-    run_dir, rank = os.environ.get(PROGRESS_FILE_ENV), os.environ.get("RANK")
-    if not run_dir or rank is None:
-        return False
-    try:
-        (Path(run_dir) / f"usage-error.{rank}").write_text(str(exc))
-    except OSError:
-        return False
-    return True
+    folder, rank = RunFolder.watching(), os.environ.get("RANK")
+    return folder is not None and rank is not None and folder.leave_usage_error(str(exc), rank=rank)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,6 @@ Other multi-process commands (``ljperf comm``) call ``run_workers`` and ``failur
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ljperf.config import LaunchConfig
 from ljperf.errors import EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed
-from ljperf.report import PROGRESS_FILE_ENV
+from ljperf.report import RUN_DIR_ENV, RunFolder
 from ljperf.result import read_json, write_json
 
 if TYPE_CHECKING:
@@ -93,9 +92,9 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
     writing its record, ``record_from_progress(progress.jsonl)`` makes one from the steps it reported."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    run_dir = Path(tempfile.mkdtemp(prefix="ljperf-run-"))
-    os.environ[PROGRESS_FILE_ENV] = str(run_dir)
-    record_path = Path(cfg.output) if cfg.output else run_dir / "result.json"
+    folder = RunFolder(Path(tempfile.mkdtemp(prefix="ljperf-run-")))
+    os.environ[RUN_DIR_ENV] = str(folder.path)
+    record_path = Path(cfg.output) if cfg.output else folder.path / "result.json"
     argv = list(cfg.argv)
     if not cfg.output:
         argv += ["--output", str(record_path)]
@@ -104,7 +103,7 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
     except SignalException as exc:
         reason, code = failure_reason(exc)
         _keep_failed_record(
-            cfg, record_path=record_path, run_dir=run_dir, reason=reason, record_from_progress=record_from_progress
+            cfg, record_path=record_path, folder=folder, reason=reason, record_from_progress=record_from_progress
         )
         print(
             f"ljperf benchmark: {reason}" + (f"; partial result kept: {record_path}" if cfg.output else ""),
@@ -113,14 +112,14 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
         return code
     except Exception as exc:
         reason, code = failure_reason(exc)
-        if code == EXIT_USAGE and (found := sorted(run_dir.glob("usage-error.*"))):
+        if code == EXIT_USAGE and (message := folder.usage_error()) is not None:
             # Refused before training, as a one-process run would be: one line, no record (cli._hand_to_launcher).
-            print(f"ljperf benchmark: error: {found[0].read_text()}", file=sys.stderr)
+            print(f"ljperf benchmark: error: {message}", file=sys.stderr)
             return code
         status, reason = _keep_failed_record(
             cfg,
             record_path=record_path,
-            run_dir=run_dir,
+            folder=folder,
             reason=reason,
             record_from_progress=record_from_progress,
             oom=code == EXIT_OOM,
@@ -129,7 +128,7 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
             code = EXIT_OOM
         raise RunFailed(reason + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code) from None
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(folder.path, ignore_errors=True)
     return 0
 
 
@@ -137,7 +136,7 @@ def _keep_failed_record(
     cfg: BenchmarkConfig,
     *,
     record_path: Path,
-    run_dir: Path,
+    folder: RunFolder,
     reason: str,
     record_from_progress: Callable[[Path], dict[str, Any]],
     oom: bool = False,
@@ -146,10 +145,10 @@ def _keep_failed_record(
     status and the record's reason: the launcher's ``reason``, then rank 0's own when rank 0 recorded why it
     failed (a collective's timeout says what happened, the launcher only which rank exited first)."""
     record = None
-    if record_path.exists() and _finished(run_dir):
+    if record_path.exists() and folder.finished():
         record = read_json(record_path)
     if record is None:
-        record = record_from_progress(run_dir / "progress.jsonl")
+        record = record_from_progress(folder.progress)
     results = record["results"]
     if results["status"] == "oom":
         pass
@@ -162,11 +161,3 @@ def _keep_failed_record(
     if cfg.output:
         write_json(record_path, record)
     return results["status"], results["reason"]
-
-
-def _finished(run_dir: Path) -> bool:
-    progress = run_dir / "progress.jsonl"
-    if not progress.exists():
-        return False
-    lines = progress.read_text().splitlines()
-    return bool(lines) and "finished" in json.loads(lines[-1])

@@ -1,10 +1,13 @@
-"""What a run shows people: a live progress bar (rank 0 only) and a final table with units."""
+"""What a run shows people: a live progress bar (rank 0 only) and a final table with units; and the run folder
+through which the ranks report to ljperf's launcher."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -14,9 +17,45 @@ from rich.table import Table
 
 from ljperf.units import format_bytes
 
-PROGRESS_FILE_ENV = "LJPERF_RUN_DIR"
+RUN_DIR_ENV = "LJPERF_RUN_DIR"
 # Wide enough for the tables when output goes to a file or CI log (rich assumes 80 columns there).
 console = Console() if sys.stdout.isatty() else Console(width=140)
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """The folder ljperf's launcher makes for a multi-process run (``$LJPERF_RUN_DIR`` in its ranks), which the
+    ranks report to: rank 0's progress (``progress.jsonl``: a line per step, then ``finished``) and a usage
+    error any rank found (``usage-error.RANK``: the launcher prints one, as a one-process run would)."""
+
+    path: Path
+
+    @classmethod
+    def watching(cls) -> RunFolder | None:
+        """The folder of the launcher watching this process; None without one."""
+        path = os.environ.get(RUN_DIR_ENV)
+        return cls(Path(path)) if path else None
+
+    @property
+    def progress(self) -> Path:
+        return self.path / "progress.jsonl"
+
+    def finished(self) -> bool:
+        """Whether rank 0 got to the end of its run (and wrote its record)."""
+        lines = self.progress.read_text().splitlines() if self.progress.exists() else []
+        return bool(lines) and "finished" in json.loads(lines[-1])
+
+    def leave_usage_error(self, message: str, *, rank: str) -> bool:
+        try:
+            (self.path / f"usage-error.{rank}").write_text(message)
+        except OSError:
+            return False
+        return True
+
+    def usage_error(self) -> str | None:
+        """A usage error a rank left (the lowest rank's), or None."""
+        found = sorted(self.path.glob("usage-error.*"))
+        return found[0].read_text() if found else None
 
 
 class ProgressReporter:
@@ -27,11 +66,11 @@ class ProgressReporter:
         self._bar: Progress | None = None
         self._task = None
         self._log = None
-        run_dir = os.environ.get(PROGRESS_FILE_ENV)
-        self.watched = bool(run_dir)
+        folder = RunFolder.watching()
+        self.watched = folder is not None
         """A launcher watches the run (and reports its failure)."""
-        if self.enabled and run_dir:
-            self._log = open(os.path.join(run_dir, "progress.jsonl"), "a", buffering=1)
+        if self.enabled and folder is not None:
+            self._log = open(folder.progress, "a", buffering=1)
 
     def step(self, step: int, *, total: int, loss: Any, seconds: float | None) -> None:
         if not self.enabled:

@@ -24,7 +24,7 @@ from rich.markup import escape
 from ljperf.ablation.variants import Environment, Variant
 from ljperf.errors import UsageError
 from ljperf.hooks import startup
-from ljperf.report import PROGRESS_FILE_ENV, console
+from ljperf.report import RUN_DIR_ENV, console
 from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_json
 
 # Seconds a timed-out run gets after SIGTERM to write its partial record before SIGKILL.
@@ -152,7 +152,7 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ljperf-ablation-") as cache, open(log, "w") as log_file:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
-        env.pop(PROGRESS_FILE_ENV, None)
+        env.pop(RUN_DIR_ENV, None)
         for variable in startup.HOOKS:  # a variant is its flags: CHECKPOINT_OPTIMIZATION would make each auto
             env.pop(variable, None)
         # A session of its own: a timeout or Ctrl-C stops the whole tree (torchrun and its ranks).
