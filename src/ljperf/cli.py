@@ -77,7 +77,7 @@ def _terminated(signum: int, _frame: object) -> None:
 def _hand_to_launcher(exc: UsageError) -> bool:
     """Under ljperf's launcher, leave a rank's usage error in the run folder: the ranks all find the same one,
     and whichever exits first, the launcher prints it once. False anywhere else."""
-    from ljperf.report import RunFolder
+    from ljperf.launch import RunFolder
 
     folder, rank = RunFolder.watching(), os.environ.get("RANK")
     return folder is not None and rank is not None and folder.leave_usage_error(str(exc), rank=rank)

@@ -9,6 +9,7 @@ Other multi-process commands (``ljperf comm``) call ``run_workers`` and ``failur
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -17,16 +18,55 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ljperf.config import LaunchConfig
 from ljperf.errors import EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed
-from ljperf.report import RUN_DIR_ENV, RunFolder
 from ljperf.result import read_json, write_json
 
 if TYPE_CHECKING:
     from ljperf.benchmark import BenchmarkConfig
+
+
+RUN_DIR_ENV = "LJPERF_RUN_DIR"
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """The folder ljperf's launcher makes for a multi-process run (``$LJPERF_RUN_DIR`` in its ranks), which the
+    ranks report to: rank 0's progress (``progress.jsonl``: a line per step, then ``finished``) and a usage
+    error any rank found (``usage-error.RANK``: the launcher prints one, as a one-process run would)."""
+
+    path: Path
+
+    @classmethod
+    def watching(cls) -> RunFolder | None:
+        """The folder of the launcher watching this process; None without one."""
+        path = os.environ.get(RUN_DIR_ENV)
+        return cls(Path(path)) if path else None
+
+    @property
+    def progress(self) -> Path:
+        return self.path / "progress.jsonl"
+
+    def finished(self) -> bool:
+        """Whether rank 0 got to the end of its run (and wrote its record)."""
+        lines = self.progress.read_text().splitlines() if self.progress.exists() else []
+        return bool(lines) and "finished" in json.loads(lines[-1])
+
+    def leave_usage_error(self, message: str, *, rank: str) -> bool:
+        try:
+            (self.path / f"usage-error.{rank}").write_text(message)
+        except OSError:
+            return False
+        return True
+
+    def usage_error(self) -> str | None:
+        """A usage error a rank left (the lowest rank's), or None."""
+        found = sorted(self.path.glob("usage-error.*"))
+        return found[0].read_text() if found else None
 
 
 def failure_reason(exc: Exception) -> tuple[str, int]:

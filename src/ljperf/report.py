@@ -1,13 +1,9 @@
-"""What a run shows people: a live progress bar (rank 0 only) and a final table with units; and the run folder
-through which the ranks report to ljperf's launcher."""
+"""What a run shows people: a live progress bar (rank 0 only) and a final table with units."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -15,47 +11,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ljperf.launch import RunFolder
 from ljperf.units import format_bytes
 
-RUN_DIR_ENV = "LJPERF_RUN_DIR"
 # Wide enough for the tables when output goes to a file or CI log (rich assumes 80 columns there).
 console = Console() if sys.stdout.isatty() else Console(width=140)
-
-
-@dataclass(frozen=True)
-class RunFolder:
-    """The folder ljperf's launcher makes for a multi-process run (``$LJPERF_RUN_DIR`` in its ranks), which the
-    ranks report to: rank 0's progress (``progress.jsonl``: a line per step, then ``finished``) and a usage
-    error any rank found (``usage-error.RANK``: the launcher prints one, as a one-process run would)."""
-
-    path: Path
-
-    @classmethod
-    def watching(cls) -> RunFolder | None:
-        """The folder of the launcher watching this process; None without one."""
-        path = os.environ.get(RUN_DIR_ENV)
-        return cls(Path(path)) if path else None
-
-    @property
-    def progress(self) -> Path:
-        return self.path / "progress.jsonl"
-
-    def finished(self) -> bool:
-        """Whether rank 0 got to the end of its run (and wrote its record)."""
-        lines = self.progress.read_text().splitlines() if self.progress.exists() else []
-        return bool(lines) and "finished" in json.loads(lines[-1])
-
-    def leave_usage_error(self, message: str, *, rank: str) -> bool:
-        try:
-            (self.path / f"usage-error.{rank}").write_text(message)
-        except OSError:
-            return False
-        return True
-
-    def usage_error(self) -> str | None:
-        """A usage error a rank left (the lowest rank's), or None."""
-        found = sorted(self.path.glob("usage-error.*"))
-        return found[0].read_text() if found else None
 
 
 class ProgressReporter:
@@ -110,22 +70,17 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def shape_title(
-    engine: str, model: str, *, where: str, micro_batch: int, seq_len: int, grad_accum: int, precision: str
-) -> str:
-    """``engine/model · where · mb × seq × accum · precision``: the title of a run's or a forecast's table."""
-    return f"{engine}/{model} · {where} · mb {micro_batch} × seq {seq_len} × accum {grad_accum} · {precision}"
+def shape_title(engine: str, model: str, *, where: str, shape: dict) -> str:
+    """``engine/model · where · mb × seq × accum · precision``, the title of a run's or a forecast's table, from
+    ``shape``'s ``micro_batch``, ``seq_len``, ``grad_accum`` and ``precision`` (a record's train or a recipe)."""
+    sizes = f"mb {shape['micro_batch']} × seq {shape['seq_len']} × accum {shape['grad_accum']}"
+    return f"{engine}/{model} · {where} · {sizes} · {shape['precision']}"
 
 
 def run_title(cfg: dict) -> str:
     """The table title of a benchmark record's ``config``: ``shape_title`` with ``N process(es)``."""
-    train = cfg["train"]
-    return shape_title(
-        cfg["engine"]["name"],
-        cfg["model"]["name"],
-        where=f"{cfg['launch']['world_size']} process(es)",
-        **{key: train[key] for key in ("micro_batch", "seq_len", "grad_accum", "precision")},
-    )
+    where = f"{cfg['launch']['world_size']} process(es)"
+    return shape_title(cfg["engine"]["name"], cfg["model"]["name"], where=where, shape=cfg["train"])
 
 
 def titled_table(title: str, **options: Any) -> Table:

@@ -24,7 +24,8 @@ from rich.markup import escape
 from ljperf.ablation.variants import Environment, Variant
 from ljperf.errors import UsageError
 from ljperf.hooks import startup
-from ljperf.report import RUN_DIR_ENV, console
+from ljperf.launch import RUN_DIR_ENV
+from ljperf.report import console
 from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_json
 
 # Seconds a timed-out run gets after SIGTERM to write its partial record before SIGKILL.

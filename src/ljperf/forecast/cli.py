@@ -229,13 +229,8 @@ def print_plan(report: dict) -> None:
     from ljperf.report import console, shape_title, titled_table
 
     recipe = report["recipe"]
-    title = shape_title(
-        recipe["engine"],
-        report["model"]["name"],
-        where=f"{recipe['world']} × {recipe['device']}",
-        **{key: recipe[key] for key in ("micro_batch", "seq_len", "grad_accum", "precision")},
-    )
-    table = titled_table(title)
+    where = f"{recipe['world']} × {recipe['device']}"
+    table = titled_table(shape_title(recipe["engine"], report["model"]["name"], where=where, shape=recipe))
     table.add_column("component")
     table.add_column("GiB", justify="right")
     table.add_column("share", justify="right")
