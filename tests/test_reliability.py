@@ -223,6 +223,28 @@ def test_a_signal_during_start_up_exits_with_one_line(tmp_path, sig, code, delay
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
 
 
+def test_ctrl_c_inside_an_exec_of_source_still_exits_130(tmp_path):
+    """CPython marks a KeyboardInterrupt raised inside ``exec`` of a string (dataclasses and namedtuple build
+    their methods so, at import) as unhandled even when it is caught; under ``python -m`` it then kills itself
+    with SIGINT at exit: status -2, not 130 (seen 1 in 16 times with Ctrl-C during start-up). A stand-in
+    command raises it so, and ``python -m`` runs ljperf's entry point as ``python -m ljperf`` does."""
+    (tmp_path / "stand_in.py").write_text(
+        "import sys, types\n"
+        "from ljperf import cli\n"
+        "command = types.ModuleType('interrupted_in_exec')\n"
+        "command.add_arguments = lambda parser: None\n"
+        "command.run = lambda args, argv: exec('raise KeyboardInterrupt')\n"
+        "sys.modules[command.__name__] = command\n"
+        "cli.COMMANDS['models'] = cli.Command('stand-in', command.__name__)\n"
+        "sys.argv = ['ljperf', 'models']\n"
+        "cli.entry()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "stand_in"], capture_output=True, text=True, timeout=60, env=cli_env(), cwd=tmp_path
+    )
+    assert (proc.returncode, proc.stderr) == (130, "ljperf models: interrupted\n")
+
+
 def test_host_memory_running_out_is_an_oom(tmp_path):
     """The CPU allocator raises a plain RuntimeError, not torch.OutOfMemoryError; the run is still ``oom``."""
     out = tmp_path / "r.json"

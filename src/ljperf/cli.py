@@ -106,9 +106,13 @@ def entry() -> NoReturn:
     """The ``ljperf`` process (console script and ``python -m ljperf``): ``main``'s code is its exit status."""
     code = main()
     dist = sys.modules.get("torch.distributed")
-    if code != EXIT_OK and dist is not None and dist.is_available() and dist.is_initialized():
-        # A failed rank leaves its process group as it is (a peer may be gone). At the interpreter's exit gloo's
-        # threads can then meet the group's destructor and abort (SIGABRT), which would replace this exit code.
+    group_open = dist is not None and dist.is_available() and dist.is_initialized()
+    # Two ways the interpreter's own exit would replace this code, so leave at once (ljperf's clean-up is done):
+    # - a failed rank leaves its process group as it is (a peer may be gone); at exit gloo's threads can then
+    #   meet the group's destructor and abort (SIGABRT);
+    # - a Ctrl-C that landed inside exec() of source (dataclasses, namedtuple) is flagged unhandled though it
+    #   was caught, and ``python -m`` then kills itself with SIGINT (status -2, not 130).
+    if code == EXIT_SIGINT or (code != EXIT_OK and group_open):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
