@@ -324,8 +324,6 @@ class _Walk:
     peak: int = -1
     peak_parts: dict[str, int] | None = None
     phase: str = ""
-    mark: tuple[int, dict[str, int]] = (0, {})
-    """The level and its parts at the start of a micro-step that repeats."""
 
     def visit(self, above: int, phase: str) -> None:
         if self.level + above > self.peak:
@@ -338,10 +336,14 @@ class _Walk:
         self.level += nbytes
         self.parts[part] += nbytes
 
-    def repeat(self, *, times: int) -> None:
-        """Move the level ``times`` more by what it moved since ``mark`` (no new highs in between: the walk after
-        the repeats reaches higher, or the one before did)."""
-        level, parts = self.mark
+    def mark(self) -> tuple[int, dict[str, int]]:
+        """The level and its parts now: where a micro-step that repeats starts."""
+        return self.level, dict(self.parts)
+
+    def repeat(self, since: tuple[int, dict[str, int]], *, times: int) -> None:
+        """Move the level ``times`` more by what it moved ``since`` a mark (no new highs in between: the walk
+        after the repeats reaches higher, or the one before did)."""
+        level, parts = since
         self.level += (self.level - level) * times
         for name, value in self.parts.items():
             self.parts[name] += (value - parts.get(name, 0)) * times
@@ -418,9 +420,9 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
     micros = range(1, last + 1) if last <= 4 else (1, 2, last - 1, last)
     for micro in micros:
         if micro == 2:
-            walk.mark = (walk.level, dict(walk.parts))
+            second = walk.mark()
         elif micro == last - 1 and last > 4:
-            walk.repeat(times=last - 4)
+            walk.repeat(second, times=last - 4)
         # Sharded engines make each block's full gradient anew every micro-step, then reduce it away.
         k = "1" if micro == 1 or not replicated else "2"
         where = f"micro-step {micro}"
