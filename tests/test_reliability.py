@@ -138,6 +138,38 @@ def test_the_cause_is_named_before_a_rank_that_lost_its_peer_in_the_same_second(
     assert failure_reason(failures(-signal.SIGKILL, lost_earlier_by=1)) == ("rank 0 exited with code 1", 1)
 
 
+def test_the_ranks_own_failure_times_order_two_exits_with_code_1(tmp_path):
+    """Both ranks exit 1 in the same whole second: the times the ranks left in the run folder (to the
+    microsecond) say which failed first, and its own reason is named; it named rank 0, which lost its peer."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ljperf.launch import RunFolder, failure_reason
+
+    lost, cause = (ProcessFailure(local_rank=r, pid=r + 1, exitcode=1, error_file="") for r in (0, 1))
+    lost.timestamp = cause.timestamp
+    exc = ChildFailedError("ljperf", {0: lost, 1: cause})
+    folder = RunFolder(tmp_path)
+    folder.leave_failure("RuntimeError: injected", rank=1)
+    folder.leave_failure("RuntimeError: Connection closed by peer", rank=0)
+    assert failure_reason(exc, folder=folder) == ("rank 1 exited with code 1: RuntimeError: injected", 1)
+    # A rank killed outright leaves no time: the agent's second and the exit-1 rule name it, as before.
+    cause.exitcode = -signal.SIGKILL
+    (tmp_path / "failure.1").unlink()
+    assert failure_reason(exc, folder=folder) == ("rank 1 was killed by SIGKILL", 1)
+
+
+@pytest.mark.slow
+def test_an_error_on_another_rank_is_named_with_its_reason(tmp_path):
+    out = tmp_path / "r.json"
+    args = [*TINY, "--nproc-per-node", "2", "--steps", "1", "--warmup", "0", "--output", str(out)]
+    proc = start(args, tmp_path, LJPERF_FAULT="error,step=0,rank=1")
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 1, stderr[-2000:]
+    cause = "rank 1 exited with code 1: RuntimeError: injected by LJPERF_FAULT"
+    assert stderr.strip().splitlines()[-1].startswith(f"ljperf benchmark: failed: {cause}"), stderr[-2000:]
+    assert read_record(out)["results"]["reason"].startswith(cause)
+
+
 def test_a_plan_that_cannot_fit_is_exit_2_in_one_line_with_two_ranks(tmp_path):
     """A usage error only the ranks can find keeps exit 2 through the launcher (it was 1), in one line (each
     rank, the agent's own log and the launcher each printed one; whichever rank exits first, and a rank's exit

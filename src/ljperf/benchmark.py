@@ -36,6 +36,7 @@ from ljperf.errors import (
 )
 from ljperf.faults import Fault
 from ljperf.hooks import startup
+from ljperf.launch import RunFolder
 from ljperf.metrics import throughput
 from ljperf.models import ModelSpec
 from ljperf.report import ProgressReporter, print_result_table
@@ -175,6 +176,8 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         raise
     except (Exception, KeyboardInterrupt) as exc:  # the record must be written whatever failed
         status, reason, exit_code = failure(exc)
+        if (folder := RunFolder.watching()) is not None:
+            folder.leave_failure(reason, rank=run.rank)
     finally:
         if reporter is not None:
             reporter.close()

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,9 +70,29 @@ class RunFolder:
         found = sorted(self.path.glob("usage-error.*"))
         return found[0].read_text() if found else None
 
+    def leave_failure(self, reason: str, *, rank: int) -> None:
+        """Record when (to the microsecond) and why this rank's run failed: the launcher's own times are whole
+        seconds, too coarse to tell a failure from its peer's loss of connection an instant later."""
+        try:
+            (self.path / f"failure.{rank}").write_text(json.dumps({"time": time.time(), "reason": reason}))
+        except OSError:
+            pass
 
-def failure_reason(exc: Exception) -> tuple[str, int]:
-    """One line naming the rank that failed first (or the signal), and the exit code ljperf should return."""
+    def failures(self) -> dict[int, tuple[float, str]]:
+        """The ranks that left a failure: when (``time.time()``) and why."""
+        found = {}
+        for path in self.path.glob("failure.*"):
+            try:
+                left = json.loads(path.read_text())
+                found[int(path.suffix[1:])] = (float(left["time"]), str(left["reason"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # a rank killed while writing it: the launcher's time stands
+        return found
+
+
+def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[str, int]:
+    """One line naming the rank that failed first (or the signal), and the exit code ljperf should return; with
+    the run's ``folder``, the ranks' own failure times order them, and the first one's own reason is added."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -83,9 +105,19 @@ def failure_reason(exc: Exception) -> tuple[str, int]:
     # benchmark rank turns SIGTERM into exit 143 (its record kept), so that code counts as the agent's too.
     ended = (-signal.SIGTERM, EXIT_SIGTERM)
     failures = {r: f for r, f in exc.failures.items() if f.exitcode not in ended} or exc.failures
-    # The agent times failures in whole seconds, and a rank that lost its peer (exit 1) often fails in the same
-    # second as the peer: within a second a signal, an OOM or a usage error is the cause, not an exit 1.
-    rank, failure = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode == EXIT_ERROR, kv[0]))
+    # The agent times failures in whole seconds (when it saw the exit), and a rank that lost its peer (exit 1)
+    # often fails in the same second as the peer. When every failed rank left its own time (to the microsecond,
+    # when it caught the error) those order them. A rank killed outright leaves none: then within a second a
+    # signal, an OOM or a usage error is the cause, not an exit 1, and the ranks' own times break what ties remain.
+    left = folder.failures() if folder is not None else {}
+
+    def first(item: tuple[int, Any]) -> tuple[float, ...]:
+        rank, failure = item
+        if all(r in left for r in failures):
+            return left[rank][0], rank
+        return failure.timestamp, failure.exitcode == EXIT_ERROR, left.get(rank, (-math.inf, ""))[0], rank
+
+    rank, failure = min(failures.items(), key=first)
     if failure.exitcode < 0:
         how = f"was killed by {failure.signal_name()}"
     elif failure.exitcode == EXIT_OOM:
@@ -94,7 +126,8 @@ def failure_reason(exc: Exception) -> tuple[str, int]:
         how = f"exited with code {failure.exitcode}"
     # Out of memory, and a usage error only a rank could find (a recompute plan that cannot fit), keep their codes.
     code = failure.exitcode if failure.exitcode in (EXIT_OOM, EXIT_USAGE) else EXIT_ERROR
-    return f"rank {rank} {how}", code
+    own = f": {left[rank][1]}" if rank in left else ""
+    return f"rank {rank} {how}{own}", code
 
 
 def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
@@ -141,7 +174,7 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
     try:
         run_workers(argv, cfg.launch, cpu=cfg.train.device != "cuda")
     except SignalException as exc:
-        reason, code = failure_reason(exc)
+        reason, code = failure_reason(exc, folder=folder)
         _keep_failed_record(
             cfg, record_path=record_path, folder=folder, reason=reason, record_from_progress=record_from_progress
         )
@@ -151,7 +184,7 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
         )
         return code
     except Exception as exc:
-        reason, code = failure_reason(exc)
+        reason, code = failure_reason(exc, folder=folder)
         if code == EXIT_USAGE and (message := folder.usage_error()) is not None:
             # Refused before training, as a one-process run would be: one line, no record (cli._hand_to_launcher).
             print(f"ljperf benchmark: error: {message}", file=sys.stderr)
@@ -194,8 +227,8 @@ def _keep_failed_record(
         pass
     elif oom:  # another rank ran out of memory; rank 0 only saw its peer vanish
         results["status"], results["reason"] = "oom", reason
-    elif results["status"] == "ok" or not results.get("reason"):
-        results["status"], results["reason"] = "error", reason
+    elif results["status"] == "ok" or not results.get("reason") or results["reason"] in reason:
+        results["status"], results["reason"] = "error", reason  # rank 0's reason is the cause's, already in it
     else:
         results["reason"] = f"{reason}; rank 0 reported {results['reason']}"
     if cfg.output:
