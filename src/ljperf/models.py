@@ -89,6 +89,10 @@ def hf_config(data: dict, *, source: str) -> PretrainedConfig:
         value = getattr(config, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UsageError(f"{source}: {key} must be a whole number of 1 or more (got {value!r})")
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or heads % kv):
+        # transformers does not check it; attention then fails at the first step with a shape mismatch
+        raise UsageError(f"{source}: num_key_value_heads ({kv!r}) must divide num_attention_heads ({heads})")
     from transformers import AutoModelForCausalLM
 
     if type(config) not in AutoModelForCausalLM._model_mapping:
@@ -321,8 +325,8 @@ def materialize(model: torch.nn.Module, *, device: torch.device, seed: int) -> t
 
 
 def format_params(n: int) -> str:
-    """Parameters in billions with two decimals, e.g. ``8.03B``."""
-    return f"{n / 1e9:.2f}B"
+    """Parameters with two decimals in billions, e.g. ``8.03B``, or millions below 0.1B (``1.26M``)."""
+    return f"{n / 1e9:.2f}B" if n >= 10**8 else f"{n / 1e6:.2f}M"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
