@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ljperf import cli
+from ljperf import cli, models
 
 BAD_JSON = "{not: json"
 WRONG_BATCH = json.dumps({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
@@ -106,6 +106,17 @@ CASES = [
     (["compile-report", *TINY, "--seq-lens", "64,99999999999"], {}, "lengths from 2 to"),
     (["compile-report", *TINY, "--seq-lens", "64,100000"], {}, "--seq-lens 100000 is longer"),
     (["models", "--bogus-flag"], {}, "--bogus-flag"),
+    (
+        ["benchmark", *TINY, "--mirco-batch", "2"],
+        {},
+        "ljperf benchmark: error: unrecognized arguments: --mirco-batch 2; did you mean --micro-batch?",
+    ),
+    ([], {}, "ljperf: error: name a command"),
+    (["benchmark", "--model-config", "{kv3}"], {}, "num_key_value_heads (3) must divide num_attention_heads (4)"),
+    (["benchmark", *TINY, "--output", ""], {}, "--output is empty"),
+    (["doctor", "--output", ""], {}, "--output is empty"),
+    (["benchmark", *TINY, "--recompute", "auto", "--memory-budget", "80"], {}, "'80' is 80 bytes: write a unit"),
+    (["benchmark", *TINY, "--recompute", "auto"], {"LJPERF_MEMORY_BUDGET": "64"}, "is 64 bytes: write a unit"),
 ]
 
 
@@ -122,7 +133,9 @@ def files(tmp_path):
         "listed": tmp_path / "list.json",
         "zero_null": tmp_path / "zero_null.json",
         "damaged_runs": tmp_path / "ablation",
+        "kv3": tmp_path / "kv3.json",
     }
+    paths["kv3"].write_text(json.dumps({**models.read_config_dict(name="llama-tiny"), "num_key_value_heads": 3}))
     paths["bad"].write_text(BAD_JSON)
     paths["wrong_batch"].write_text(WRONG_BATCH)
     paths["missing"].write_text(MISSING_FIELDS)
@@ -147,7 +160,7 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
 
 def test_the_table_covers_every_subcommand():
     assert len(CASES) >= 30
-    assert set(cli.COMMANDS) <= {argv[0] for argv, _, _ in CASES}
+    assert set(cli.COMMANDS) <= {argv[0] for argv, _, _ in CASES if argv}
 
 
 @pytest.mark.parametrize(("argv", "env", "expected"), CASES, ids=[" ".join(c[0])[:60] for c in CASES])

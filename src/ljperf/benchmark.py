@@ -121,7 +121,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
     device_type = resolve_device_type(cfg.train.device)
     cfg.train = resolve_train(cfg.train, model=spec, device_type=device_type)
     check_process_count(cfg.launch, device_type)
-    if cfg.output and not under_torchrun():
+    if cfg.output is not None and not under_torchrun():
         check_writable(cfg.output)
     if engine == "deepspeed" and not under_torchrun():
         # A contradicting DeepSpeed config fails here (exit 2), before any process starts.

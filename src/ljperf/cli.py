@@ -7,6 +7,7 @@ Bad input exits 2 with one line on stderr; a failed run exits non-zero with one 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import signal
@@ -65,6 +66,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> NoReturn:
+    """Exit 2 naming the flags ``command`` does not know, with the closest one it does (a typo's fix)."""
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    child = sub.choices[command]
+    known = [o for action in child._actions for o in action.option_strings if o.startswith("--")]
+    flags = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
+    close = difflib.get_close_matches(flags[0], known, n=1) if flags else []
+    hint = f"; did you mean {close[0]}?" if close else ""
+    child.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
 def _terminated(signum: int, _frame: object) -> None:
     # Not SystemExit: raised inside an import it can come out as another error (transformers' lazy modules
     # re-raise it as ModuleNotFoundError, with a traceback). Commands with something to clean up (benchmark
@@ -93,10 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(command)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
+        print("ljperf: error: name a command (see ljperf --help)", file=sys.stderr)
         return EXIT_USAGE
+    if unknown:
+        _refuse_unknown(parser, args.command, unknown)
     module = importlib.import_module(COMMANDS[args.command].module)
     signal.signal(signal.SIGINT, signal.default_int_handler if interrupt is None else interrupt)  # None: set in C
     return _run_command(module, args, argv)

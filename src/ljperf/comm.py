@@ -249,7 +249,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     launch = cfgmod.from_args(LaunchConfig, args)
     device_type = resolve_device_type(cfg.device)
     check_process_count(launch, device_type)
-    if args.output and not under_torchrun():
+    if args.output is not None and not under_torchrun():
         check_writable(args.output)
     if launch.distributed and not under_torchrun():
         from ljperf.launch import failure_reason, run_workers

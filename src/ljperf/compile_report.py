@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if engine_name != "torch":
         raise UsageError(f"compile-report runs one process: use --model torch/{spec.name} (regions are the same)")
     cfg = cfgmod.from_args(ReportConfig, args)
-    if args.output:
+    if args.output is not None:
         check_writable(args.output)
     device_type = resolve_device_type(cfg.device)
     train = TrainConfig(

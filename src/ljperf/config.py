@@ -16,7 +16,7 @@ from typing import Any
 
 from ljperf.checkpoint import parse_recompute
 from ljperf.errors import UsageError
-from ljperf.units import parse_size
+from ljperf.units import parse_memory
 
 PRECISIONS = ("fp32", "bf16-mixed")
 COMPILE_MODES = ("regional", "whole", "deepspeed", "off")
@@ -158,7 +158,7 @@ class OptimConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise UsageError(f"--compile-mode {self.compile_mode!r}: choose one of {', '.join(COMPILE_MODES)}")
         if self.memory_budget is not None:
-            parse_size(self.memory_budget, what="--memory-budget")
+            parse_memory(self.memory_budget, what="--memory-budget")
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None) -> None:

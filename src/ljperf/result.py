@@ -87,6 +87,8 @@ def record_header(kind: str, *, args: list[str], devices: list[str], world_size:
 
 def check_writable(path: str | os.PathLike, *, what: str = "--output") -> None:
     """Fail before a run starts (exit 2) when its result file could not be written (``what`` names the flag)."""
+    if not str(path).strip():
+        raise UsageError(f"{what} is empty; give a file name such as result.json")
     target = Path(path)
     folder = target.parent if str(target.parent) else Path(".")
     if target.is_dir():

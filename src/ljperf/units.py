@@ -35,6 +35,15 @@ def parse_size(text: str, *, what: str = "size") -> int:
     return value
 
 
+def parse_memory(text: str, *, what: str) -> int:
+    """A memory size (a device's, a budget) as ``parse_size`` reads it; a bare number under 1 MiB is refused:
+    ``--gpu-memory 80`` means 80 GB to a person, not 80 bytes."""
+    value = parse_size(text, what=what)
+    if value < 1024**2 and not _SIZE.match(str(text)).group(2):
+        raise UsageError(f"{what} {text!r} is {value} bytes: write a unit, e.g. {text.strip()}GiB")
+    return value
+
+
 def format_bytes(n: float | None) -> str:
     """Human-readable binary size, e.g. ``1.50 GiB``; ``-`` for None."""
     if n is None:

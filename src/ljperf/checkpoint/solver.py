@@ -26,7 +26,7 @@ from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import SAVE_OPS, Plan, fixed_plan, summary
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Forecast, Recipe
-from ljperf.units import format_bytes, parse_size
+from ljperf.units import format_bytes, parse_memory
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -95,7 +95,7 @@ def budget_bytes(
     ``local_world`` processes."""
     text = given or os.environ.get(BUDGET_ENV)
     if text:
-        return parse_size(text, what="memory budget" if given else f"${BUDGET_ENV}")
+        return parse_memory(text, what="memory budget" if given else f"${BUDGET_ENV}")
     if device.type == "cuda":
         return int((memory or torch.cuda.get_device_properties(device).total_memory) * (1 - GPU_MARGIN))
     return memory or available_ram() // max(local_world, 1)

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.world_size is not None and args.world_size <= 0:
         raise UsageError(f"--world-size must be larger than zero (got {args.world_size})")
     skip = skipped(args.skip)
-    if args.output:
+    if args.output is not None:
         check_writable(args.output)
     rows = run_checks(deepspeed=args.deepspeed_config, world_size=args.world_size, skip=skip)
     status = overall(rows)
