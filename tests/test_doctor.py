@@ -306,10 +306,11 @@ def test_doctor_on_this_cpu_machine_exits_0(tmp_path):
 def test_compile_without_a_compiler_fails(tmp_path):
     """A real inductor failure: no C++ compiler (CXX points nowhere) and a cold cache → FAIL, exit 1."""
     env = cli_env(CXX=str(tmp_path / "no-such-compiler"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
-    code, record = doctor_json(skip_all_but("compile"), env=env)
-    row = record["results"]["checks"][0]
-    assert code == 1 and row["status"] == FAIL
+    proc = run_ljperf("doctor", "--json", skip_all_but("compile"), env=env, timeout=300)
+    row = json.loads(proc.stdout)["results"]["checks"][0]
+    assert proc.returncode == 1 and row["status"] == FAIL
     assert "C++ compiler" in row["finding"] and "COMPILE_OPTIMIZATION=false" in row["fix"]
+    assert proc.stderr.strip().splitlines()[-1] == "ljperf doctor: failed: compile (see its fix)"
 
 
 def test_a_crashing_check_is_a_fail_row():

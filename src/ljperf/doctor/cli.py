@@ -17,7 +17,7 @@ from rich.markup import escape
 
 from ljperf.doctor import checks
 from ljperf.doctor.checks import FAIL, INFO, OK, WARN, CheckResult
-from ljperf.errors import EXIT_ERROR, EXIT_OK, UsageError, describe
+from ljperf.errors import EXIT_OK, RunFailed, UsageError, describe
 from ljperf.report import console, titled_table
 from ljperf.result import check_writable, record_header, write_json
 
@@ -94,7 +94,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(json.dumps(record, indent=2, default=str))
     else:
         print_table(rows, status)
-    return EXIT_ERROR if status == FAIL else EXIT_OK
+    if failed := [r.check for r in rows if r.status == FAIL]:
+        raise RunFailed(f"{', '.join(failed)} (see {'its' if len(failed) == 1 else 'their'} fix)")
+    return EXIT_OK
 
 
 def _devices() -> list[str]:
