@@ -168,6 +168,8 @@ def test_runs_under_a_users_own_torchrun(tmp_path):
     assert proc.returncode == 0, stderr[-2000:]
     record = read_record(out)
     assert record["env"]["world_size"] == 2 and record["results"]["status"] == "ok"
+    launch = record["config"]["launch"]  # torchrun's numbers, not ljperf's flags' defaults (it said 1 per node)
+    assert (launch["nproc_per_node"], launch["nnodes"], launch["world_size"]) == (2, 1, 2)
 
 
 def test_a_table_title_prints_on_one_line():

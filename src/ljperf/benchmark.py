@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import signal
 import sys
 import time
@@ -255,10 +256,19 @@ def new_record(cfg: BenchmarkConfig, run: RunContext) -> dict[str, Any]:
             "engine": {"name": cfg.engine},
             "train": asdict(train),
             "optimizations": asdict(cfg.optim),
-            "launch": {**asdict(cfg.launch), "world_size": run.world},
+            "launch": launch_record(cfg.launch, world=run.world),
             "tokens_per_step": tokens_per_step,
         },
     }
+
+
+def launch_record(launch: LaunchConfig, *, world: int) -> dict[str, Any]:
+    """The record's ``launch``: the flags, with the processes per node and nodes a user's torchrun started."""
+    record = {**asdict(launch), "world_size": world}
+    if under_torchrun():  # ljperf's launcher sets the same numbers; a user's torchrun did not pass them as flags
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        record |= {"nproc_per_node": local, "nnodes": max(1, world // local)}
+    return record
 
 
 def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: ProgressReporter) -> None:
