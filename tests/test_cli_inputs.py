@@ -64,6 +64,7 @@ CASES = [
     (["benchmark", *TINY, "--compile", "--compile-mode", "off"], {}, "contradicts --compile-mode off"),
     (["benchmark", *TINY, "--nproc-per-node", "2", "--rdzv-endpoint", "node0:99999"], {}, "port in 1..65535"),
     (["benchmark", *TINY, "--nnodes", "2", "--rdzv-endpoint", "node 0:29500"], {}, "--rdzv-endpoint"),
+    (["benchmark", *TINY, "--nnodes", "2", "--rdzv-endpoint", "localhost"], {}, "write HOST:PORT"),
     (["benchmark", *TINY, "--recompute", "auto"], {"LJPERF_MEMORY_BUDGET": "abc"}, "LJPERF_MEMORY_BUDGET"),
     (["benchmark", *TINY, "--micro-batch", "1e9"], {}, "invalid int"),
     (["benchmark", *TINY, "--device", "cuda"], {}, "no CUDA device"),

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ljperf.result import write_json
+from ljperf.runtime import free_port
 
 from conftest import cli_env, read_record, run_ljperf
 
@@ -168,6 +169,18 @@ def test_an_error_on_another_rank_is_named_with_its_reason(tmp_path):
     cause = "rank 1 exited with code 1: RuntimeError: injected by LJPERF_FAULT"
     assert stderr.strip().splitlines()[-1].startswith(f"ljperf benchmark: failed: {cause}"), stderr[-2000:]
     assert read_record(out)["results"]["reason"].startswith(cause)
+
+
+def test_a_node_alone_at_the_rendezvous_fails_after_the_timeout_with_a_reason(tmp_path):
+    """--nnodes 2 and only one node comes: it says what it waits for, gives up after --timeout (it waited
+    torch's 600 s whatever --timeout said) and names the cause (torch's error has an empty message)."""
+    args = [*TINY, "--steps", "1", "--nnodes", "2", "--node-rank", "0", "--timeout", "5"]
+    proc = start([*args, "--rdzv-endpoint", f"127.0.0.1:{free_port()}"], tmp_path)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-2000:]
+    lines = stderr.strip().splitlines()
+    assert lines[0].startswith("node 0 of 2: waiting up to 5 s for the others at 127.0.0.1:"), stderr[-2000:]
+    assert lines[-1].startswith("ljperf benchmark: failed: the nodes did not all join the rendezvous in time")
 
 
 def test_a_plan_that_cannot_fit_is_exit_2_in_one_line_with_two_ranks(tmp_path):

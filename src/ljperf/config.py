@@ -56,7 +56,9 @@ class LaunchConfig:
     nnodes: int = opt(1, "number of nodes (multi-node: run the same command on every node)")
     node_rank: int = opt(0, "rank of this node, 0..nnodes-1")
     rdzv_endpoint: str | None = opt(None, "HOST:PORT of the c10d rendezvous for multi-node runs")
-    timeout: float = opt(600.0, "seconds a collective may wait before the run is failed (hung rank)")
+    timeout: float = opt(
+        600.0, "seconds a collective may wait before the run is failed (hung rank), and nodes for each other to join"
+    )
 
     def __post_init__(self) -> None:
         positive("nproc_per_node", self.nproc_per_node)
@@ -75,13 +77,13 @@ class LaunchConfig:
 
 
 # HOST or HOST:PORT as torchrun reads it; an IPv6 address in brackets.
-_ENDPOINT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+)(?::(\d{1,5}))?")
+_ENDPOINT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(\d{1,5})")
 
 
 def check_endpoint(text: str) -> None:
     """A rendezvous endpoint torchrun can read: a malformed one would hang every node at the rendezvous."""
     match = _ENDPOINT.fullmatch(text)
-    if not match or (match[1] and not 1 <= int(match[1]) <= 65535):
+    if not match or not 1 <= int(match[1]) <= 65535:
         raise UsageError(f"--rdzv-endpoint {text!r}: write HOST:PORT with a port in 1..65535 (e.g. node0:29500)")
 
 

@@ -95,10 +95,17 @@ def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[
     the run's ``folder``, the ranks' own failure times order them, and the first one's own reason is added."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     if isinstance(exc, SignalException):
         code = EXIT_SIGINT if exc.sigval == signal.SIGINT else EXIT_SIGTERM
         return f"interrupted by {exc.sigval.name}", code
+    if isinstance(exc, RendezvousTimeoutError):  # its message is empty
+        return (
+            "the nodes did not all join the rendezvous in time: check --rdzv-endpoint and --nnodes, and that every "
+            "node runs the command",
+            EXIT_ERROR,
+        )
     if not isinstance(exc, ChildFailedError):
         return f"launcher failed: {type(exc).__name__}: {exc}", EXIT_ERROR
     # The agent ends the other ranks with SIGTERM once one fails: those are not the cause (unless all are). A
@@ -145,7 +152,9 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
         run_id=os.environ.get("LJPERF_RDZV_ID", "ljperf" if lc.nnodes > 1 else uuid.uuid4().hex[:8]),
         rdzv_endpoint=lc.rdzv_endpoint or "localhost:0",
         rdzv_backend="c10d",
-        rdzv_configs={"rank": lc.node_rank, "timeout": int(lc.timeout)} if lc.nnodes > 1 else {"rank": 0},
+        rdzv_configs={"rank": lc.node_rank, "timeout": int(lc.timeout), "join_timeout": int(lc.timeout)}
+        if lc.nnodes > 1
+        else {"rank": 0},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -153,6 +162,12 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
     # The agent logs "failed (exitcode: N) local_rank: ..." and "Sending process P closing signal SIGTERM" with
     # its own timestamp format; ljperf's one line names the failing rank and why (``failure_reason``).
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_the_agents_failure_lines)
+    if lc.nnodes > 1:
+        print(
+            f"node {lc.node_rank} of {lc.nnodes}: waiting up to {lc.timeout:g} s for the others at {lc.rdzv_endpoint}",
+            file=sys.stderr,
+            flush=True,
+        )
     elastic_launch(config, sys.executable)("-m", "ljperf", *argv)
 
 
