@@ -29,6 +29,7 @@ NO_LAYERS = json.dumps(
 GPT2 = json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 50257})  # layers at .h
 
 TINY = ["--model", "torch/llama-tiny"]
+AUTO_1MIB = ["--recompute", "auto", "--memory-budget", "1MiB"]
 
 # (argv, environment, text the one line must contain). Names in braces ("{bad}", "{gpt2}", ...) are files.
 CASES = [
@@ -79,6 +80,12 @@ CASES = [
     (["plan", "--model-config", "{gpt2}", "--device", "cpu"], {}, "GPT2LMHeadModel keeps its decoder layers elsewhere"),
     (["plan", "--model", "torch/llama-tiny", "--gpu-memory", "80XB"], {}, "80XB"),
     (["plan", "--model", "torch/llama-tiny", "--gpus", "0"], {}, "--gpus"),
+    (["plan", *TINY, "--gpu-memory", "80"], {}, "--gpu-memory '80' is 80 bytes: write a unit, e.g. 80GiB"),
+    (
+        ["plan", "--model", "fsdp/llama-tiny", "--gpus", "2", "--device", "cpu", *["--seq-len", "32"], *AUTO_1MIB],
+        {},
+        "nothing tried fits (4 processes, 8 processes)",  # ranks on a CPU are not GPUs
+    ),
     (["plan", *TINY, "--device", "cpu", "--micro-batch", "99999999999"], {}, "--micro-batch must be larger than zero"),
     (["plan", "--model", "torch/llama-tiny", "--micro-batch", "0"], {}, "--micro-batch"),
     (["plan", "--model", "torch/llama-tiny", "--seq-len", "0"], {}, "--seq-len"),

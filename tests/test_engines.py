@@ -5,6 +5,7 @@ Run: ``.venv/bin/python -m pytest tests/test_engines.py`` (the slow part: one to
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ljperf import benchmark
 from ljperf import deepspeed_config as dsc
 from ljperf.errors import UsageError
 from ljperf.runtime import free_port
@@ -59,6 +61,34 @@ def test_lint_batch_identity_fails_with_the_numbers():
     # Without a world size: only a multiple of micro × accumulation can be asked for.
     assert "fail" not in levels(dsc.lint(config))
     assert "fail" in levels(dsc.lint({**config, "train_batch_size": 6}))
+
+
+def test_lint_fails_a_train_batch_size_the_known_factors_do_not_divide():
+    """DeepSpeed derives what is left out by integer division (micro = 12 // 8 = 1) and then fails its own check."""
+    (finding,) = [f for f in dsc.lint({"train_batch_size": 12}, world_size=8) if f.level == "fail"]
+    assert finding.message.startswith("train_batch_size 12 is not divisible by 8 (world):")
+    assert finding.fix == 'set train_batch_size to a multiple of 8 (8 or 16), or "auto"'
+    accum = {"train_batch_size": 12, "gradient_accumulation_steps": 2}
+    (finding,) = [f for f in dsc.lint(accum, world_size=4) if f.level == "fail"]
+    assert "12 is not divisible by 2 (accumulation) × 4 (world) = 8" in finding.message
+    micro = {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4}
+    assert "fail" in levels(dsc.lint(micro))  # no world size: the micro batch alone must divide it
+    for config, world in ((accum, 3), ({"train_batch_size": 16}, 8), ({"train_batch_size": 12}, None)):
+        assert "fail" not in levels(dsc.lint(config, world_size=world)), (config, world)
+
+
+def test_settings_take_the_configs_numbers_where_no_flag_is_given():
+    user = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 2}}
+    none = dict(micro_batch=None, grad_accum=None, zero_stage=None)
+    assert dsc.settings(user, **none) == dsc.Settings(micro_batch=4, grad_accum=8, zero_stage=2)
+    given = dsc.settings(user, micro_batch=2, grad_accum=None, zero_stage=3)
+    assert given == dsc.Settings(micro_batch=2, grad_accum=8, zero_stage=3)  # resolve then refuses 2 vs 4
+    assert dsc.settings({}, **none) == dsc.Settings(micro_batch=1, grad_accum=1, zero_stage=3)
+    odd = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2.0}
+    odd["zero_optimization"] = {"stage": 0}
+    assert dsc.settings(odd, **none) == dsc.Settings(micro_batch=1, grad_accum=1, zero_stage=3)
+    with pytest.raises(UsageError, match=r"zero_optimization.stage is 0 but ljperf runs --zero-stage 3"):
+        dsc.check(dsc.merge(odd), dsc.settings(odd, **none), world=2, bf16=False, source="my.json")
 
 
 def test_lint_warns_numeric_prefetch_and_unknown_keys_and_fails_two_precisions():
@@ -112,6 +142,21 @@ def test_cli_wrong_batch_identity_exits_2_before_any_process_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "train_batch_size 16 ≠ 1 (micro) × 1 (accumulation) × 2 (world) = 2" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_benchmark_takes_batch_and_stage_from_the_deepspeed_config_unless_a_flag_is_given(tmp_path):
+    """The same rules as ``ljperf plan`` (``deepspeed_config.settings``): checked before any process starts."""
+    path = tmp_path / "ds.json"
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 2}}
+    path.write_text(json.dumps(config))
+    parser = argparse.ArgumentParser()
+    benchmark.add_arguments(parser)
+    argv = ["--model", "deepspeed/llama-tiny", "--device", "cpu", "--deepspeed-config", str(path)]
+    cfg = benchmark.config_from_args(parser.parse_args(argv), argv)
+    assert (cfg.train.micro_batch, cfg.train.grad_accum, cfg.engine_opts.zero_stage) == (4, 8, 2)
+    proc = run_ljperf("benchmark", *argv, "--zero-stage", "3", timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "zero_optimization.stage is 2 but ljperf runs --zero-stage 3" in proc.stderr
 
 
 # --- real runs: every engine once, 2 processes, gloo ---

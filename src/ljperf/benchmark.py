@@ -106,6 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) 
 
 def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConfig:
     engine, spec = models.model_from_args(args)
+    user = deepspeed_config.load(args.deepspeed_config) if engine == "deepspeed" and args.deepspeed_config else {}
+    flags = deepspeed_config.settings(
+        user, micro_batch=args.micro_batch, grad_accum=args.grad_accum, zero_stage=args.zero_stage
+    )
+    args.micro_batch, args.grad_accum, args.zero_stage = flags.micro_batch, flags.grad_accum, flags.zero_stage
     if args.compile and args.compile_mode not in (None, "regional"):
         raise UsageError(f"--compile is --compile-mode regional: it contradicts --compile-mode {args.compile_mode}")
     args.compile_mode = "regional" if args.compile else args.compile_mode or OptimConfig.compile_mode

@@ -22,9 +22,10 @@ PRECISIONS = ("fp32", "bf16-mixed")
 COMPILE_MODES = ("regional", "whole", "deepspeed", "off")
 
 
-def opt(default: Any, help: str, **argparse_kwargs: Any) -> Any:
-    """A dataclass field that is also a CLI flag (``--field-name``)."""
-    return field(default=default, metadata={"help": help, **argparse_kwargs})
+def opt(default: Any, help: str, *, deepspeed: str | None = None, **argparse_kwargs: Any) -> Any:
+    """A dataclass field that is also a CLI flag (``--field-name``); ``deepspeed``: the key of a DeepSpeed config
+    that holds the same number, which stands in for the flag left out (``deepspeed_config.settings``)."""
+    return field(default=default, metadata={"help": help, "deepspeed": deepspeed, **argparse_kwargs})
 
 
 LARGEST = 2**31 - 1
@@ -95,9 +96,11 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2")
 class TrainConfig:
     """What one benchmark run trains: batch, sequence, precision, steps."""
 
-    micro_batch: int = opt(1, "sequences per device per micro-step")
+    micro_batch: int = opt(1, "sequences per device per micro-step", deepspeed="train_micro_batch_size_per_gpu")
     seq_len: int | None = opt(None, "tokens per sequence (default: min(4096, the model's max positions))")
-    grad_accum: int = opt(1, "micro-steps per optimizer step (gradient accumulation)")
+    grad_accum: int = opt(
+        1, "micro-steps per optimizer step (gradient accumulation)", deepspeed="gradient_accumulation_steps"
+    )
     steps: int = opt(20, "measured optimizer steps")
     warmup: int = opt(3, "unmeasured steps before timing (compile, allocator, optimizer-state creation)")
     precision: str | None = opt(None, "fp32 or bf16-mixed (default: bf16-mixed on GPU, fp32 on CPU)")
@@ -128,7 +131,7 @@ class TrainConfig:
 class EngineConfig:
     """Engine options (FSDP2 and DeepSpeed ZeRO); the torch engine ignores them."""
 
-    zero_stage: int = opt(3, "DeepSpeed ZeRO stage: 1, 2 or 3")
+    zero_stage: int = opt(3, "DeepSpeed ZeRO stage: 1, 2 or 3", deepspeed="zero_optimization.stage")
     deepspeed_config: str | None = opt(None, "a DeepSpeed JSON config to validate and merge with ljperf's options")
     reshard_after_forward: bool = opt(True, "FSDP2: free gathered parameters after forward (re-gather in backward)")
 
@@ -171,10 +174,13 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
         if "help" not in f.metadata:
             continue
         kind = hints[f.name]
-        extra = {k: v for k, v in f.metadata.items() if k != "help"}
+        extra = {k: v for k, v in f.metadata.items() if k not in ("help", "deepspeed")}
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         shown = "" if default is None or default is False else f" (default: {default})"
+        if f.metadata.get("deepspeed"):  # None tells a flag left out, which --deepspeed-config's number may fill
+            shown = f" (default: --deepspeed-config's {f.metadata['deepspeed']}, else {default})"
+            default = None
         if kind is bool:
             shown = f" (default: {'on' if default else 'off'})"
             group.add_argument(

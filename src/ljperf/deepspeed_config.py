@@ -1,9 +1,11 @@
 """DeepSpeed configs: the one ljperf generates from its options, a user's file validated and merged, and the lint.
 
 Run: ``ljperf benchmark --model deepspeed/llama-tiny --nproc-per-node 2 [--deepspeed-config my_ds.json]``;
-``ljperf doctor`` calls ``lint`` on any DeepSpeed JSON. Rules (docs/engines.md): ljperf's flags are the source
-of truth; ``"auto"`` values are filled from them the way the HF integration does; a number that contradicts
-a flag, or a broken batch identity, is a usage error (exit 2) with the numbers.
+``ljperf plan`` reads the same file through ``settings`` and ``check``; ``ljperf doctor`` calls ``lint`` on any
+DeepSpeed JSON. Rules (docs/engines.md): a flag given on the command line is the source of truth, a number the
+file holds stands in for a flag left out (micro batch, accumulation, ZeRO stage); ``"auto"`` values are filled
+from the flags the way the HF integration does; a number that contradicts a given flag, or a broken batch
+identity, is a usage error (exit 2) with the numbers.
 Nothing here imports torch or DeepSpeed, so the lint runs anywhere.
 """
 
@@ -162,8 +164,10 @@ def _batch_identity(config: dict, world_size: int | None) -> Finding:
             )
         values[name] = value
     train, micro, accum = (values.get(n) for n in names)
-    if train is None or micro is None or accum is None:
+    if train is None:
         return Finding(level="ok", message="batch sizes are partly auto (DeepSpeed derives the rest)", fix="")
+    if micro is None or accum is None:
+        return _partial_batch(train, micro=micro, accum=accum, world_size=world_size)
     product = micro * accum
     if world_size is not None:
         expected = product * world_size
@@ -182,6 +186,28 @@ def _batch_identity(config: dict, world_size: int | None) -> Finding:
             fix='set train_batch_size to micro × accumulation × world size, or "auto"',
         )
     return Finding(level="ok", message=f"train_batch_size {train} fits a world size of {train // product}", fix="")
+
+
+def _partial_batch(train: int, *, micro: int | None, accum: int | None, world_size: int | None) -> Finding:
+    """A number for train_batch_size with micro batch or accumulation left to DeepSpeed, which derives them by
+    integer division (micro = train // (accumulation × world)) and then fails its own identity check when the
+    known factors do not divide train_batch_size."""
+    factors = [(micro, "micro"), (accum, "accumulation"), (world_size, "world")]
+    known = [(value, name) for value, name in factors if value is not None]
+    product = math.prod(value for value, _ in known)
+    equation = " × ".join(f"{value} ({name})" for value, name in known)
+    if not known or train % product == 0:
+        return Finding(level="ok", message="batch sizes are partly auto (DeepSpeed derives the rest)", fix="")
+    if len(known) > 1:
+        equation += f" = {product}"
+    lower, upper = train // product * product, (train // product + 1) * product
+    choices = f"{lower} or {upper}" if lower else f"{upper}"
+    return Finding(
+        level="fail",
+        message=f"train_batch_size {train} is not divisible by {equation}: DeepSpeed derives a batch that breaks"
+        " its own check",
+        fix=f'set train_batch_size to a multiple of {product} ({choices}), or "auto"',
+    )
 
 
 def _enabled(config: dict, *keys: str) -> bool:
@@ -332,32 +358,51 @@ def merge(user: dict) -> dict:
     return merged
 
 
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """The flags a DeepSpeed config can hold a number for, as a run uses them."""
+
+    micro_batch: int
+    """--micro-batch, or the config's ``train_micro_batch_size_per_gpu``."""
+    grad_accum: int
+    """--grad-accum, or the config's ``gradient_accumulation_steps``."""
+    zero_stage: int
+    """--zero-stage, or the config's ``zero_optimization.stage``."""
+
+
+# Each flag of ``Settings``: where a DeepSpeed config holds it, ljperf's default, and the values ljperf runs.
+SETTINGS: dict[str, tuple[tuple[str, ...], int, range]] = {
+    "micro_batch": (("train_micro_batch_size_per_gpu",), 1, range(1, 2**31)),
+    "grad_accum": (("gradient_accumulation_steps",), 1, range(1, 2**31)),
+    "zero_stage": (("zero_optimization", "stage"), 3, range(1, 4)),
+}
+
+
+def settings(user: dict, *, micro_batch: int | None, grad_accum: int | None, zero_stage: int | None) -> Settings:
+    """The micro batch, accumulation and ZeRO stage of a run with the user's config ``user`` (``{}``: none): a
+    flag given on the command line (not None), else the number the config holds, else ljperf's default.
+
+    A given flag that contradicts the config's number stays: ``resolve`` and ``check`` refuse it, naming both;
+    so does a number ljperf cannot run (``"stage": 0``), against the default.
+    """
+    given = {"micro_batch": micro_batch, "grad_accum": grad_accum, "zero_stage": zero_stage}
+    values = {}
+    for name, (path, default, runs) in SETTINGS.items():
+        number = _get(user, path)
+        taken = isinstance(number, int) and not isinstance(number, bool) and number in runs
+        values[name] = given[name] if given[name] is not None else number if taken else default
+    return Settings(**values)
+
+
 def resolve(config: dict, opts: Options, *, source: str) -> tuple[dict, list[Finding]]:
     """Fill the ``"auto"`` values of a merged config from ``opts``; returns it and the lint's warnings.
 
     A number that contradicts an ljperf option, and every ``fail`` finding, raise ``UsageError``.
     """
     config = copy.deepcopy(config)
-    wanted: dict[tuple[str, ...], tuple[Any, str]] = {
-        ("train_micro_batch_size_per_gpu",): (opts.micro_batch, f"--micro-batch {opts.micro_batch}"),
-        ("gradient_accumulation_steps",): (opts.grad_accum, f"--grad-accum {opts.grad_accum}"),
-        ("zero_optimization", "stage"): (opts.zero_stage, f"--zero-stage {opts.zero_stage}"),
-        ("bf16", "enabled"): (opts.bf16, f"--precision {'bf16-mixed' if opts.bf16 else 'fp32'}"),
-        ("fp16", "enabled"): (False, "ljperf's precisions (fp32, bf16-mixed)"),
-        ("optimizer", "params", "lr"): (opts.lr, f"--lr {opts.lr:g}"),
-    }
-    mismatches = []
-    for path, (value, flag) in wanted.items():
-        current = _get(config, path)
-        if current == AUTO:
-            _set(config, path, value)
-        elif current is not None and current != value:
-            name = ".".join(path)
-            mismatches.append(
-                f'{name} is {json.dumps(current)} but ljperf runs {flag} (set it to "auto" or {json.dumps(value)})'
-            )
-    if mismatches:
-        raise UsageError(f"{source} contradicts ljperf's options: {'; '.join(mismatches)}")
+    lr = {("optimizer", "params", "lr"): (opts.lr, f"--lr {opts.lr:g}")}
+    batch = Settings(micro_batch=opts.micro_batch, grad_accum=opts.grad_accum, zero_stage=opts.zero_stage)
+    _agree(config, _wanted(batch, bf16=opts.bf16) | lr, source=source)
     fills: dict[tuple[str, ...], Any] = {
         ("train_batch_size",): opts.micro_batch * opts.grad_accum * opts.world,
         ("gradient_clipping",): 0.0,
@@ -370,11 +415,53 @@ def resolve(config: dict, opts: Options, *, source: str) -> tuple[dict, list[Fin
     for path, value in fills.items():
         if _get(config, path) == AUTO:
             _set(config, path, value)
-    findings = lint(config, world_size=opts.world)
+    return config, _warnings(config, world=opts.world, source=source)
+
+
+def check(config: dict, batch: Settings, *, world: int, bf16: bool, source: str) -> list[Finding]:
+    """``resolve``'s checks of a merged config for a command without an optimizer (``ljperf plan``): a number
+    that contradicts ``batch`` or the precision, and every ``fail`` finding, raise ``UsageError``; returns the
+    lint's warnings."""
+    config = copy.deepcopy(config)
+    _agree(config, _wanted(batch, bf16=bf16), source=source)
+    if _get(config, ("train_batch_size",)) == AUTO:
+        _set(config, ("train_batch_size",), batch.micro_batch * batch.grad_accum * world)
+    return _warnings(config, world=world, source=source)
+
+
+def _wanted(batch: Settings, *, bf16: bool) -> dict[tuple[str, ...], tuple[Any, str]]:
+    """Where a DeepSpeed config holds each setting of ljperf's flags: (the value ljperf runs, the flag)."""
+    return {
+        ("train_micro_batch_size_per_gpu",): (batch.micro_batch, f"--micro-batch {batch.micro_batch}"),
+        ("gradient_accumulation_steps",): (batch.grad_accum, f"--grad-accum {batch.grad_accum}"),
+        ("zero_optimization", "stage"): (batch.zero_stage, f"--zero-stage {batch.zero_stage}"),
+        ("bf16", "enabled"): (bf16, f"--precision {'bf16-mixed' if bf16 else 'fp32'}"),
+        ("fp16", "enabled"): (False, "ljperf's precisions (fp32, bf16-mixed)"),
+    }
+
+
+def _agree(config: dict, wanted: dict[tuple[str, ...], tuple[Any, str]], *, source: str) -> None:
+    """Fill the ``"auto"`` values of ``wanted`` in ``config``; a number that differs raises ``UsageError``."""
+    mismatches = []
+    for path, (value, flag) in wanted.items():
+        current = _get(config, path)
+        if current == AUTO:
+            _set(config, path, value)
+        elif current is not None and current != value:
+            name = ".".join(path)
+            mismatches.append(
+                f'{name} is {json.dumps(current)} but ljperf runs {flag} (set it to "auto" or {json.dumps(value)})'
+            )
+    if mismatches:
+        raise UsageError(f"{source} contradicts ljperf's options: {'; '.join(mismatches)}")
+
+
+def _warnings(config: dict, *, world: int, source: str) -> list[Finding]:
+    findings = lint(config, world_size=world)
     failed = [f for f in findings if f.level == "fail"]
     if failed:
         raise UsageError(f"{source}: " + "; ".join(f"{f.message} (fix: {f.fix})" for f in failed))
-    return config, [f for f in findings if f.level == "warn"]
+    return [f for f in findings if f.level == "warn"]
 
 
 def _get(config: dict, path: tuple[str, ...]) -> Any:

@@ -396,7 +396,8 @@ def alternatives(recipe: Recipe) -> list[tuple[str, Recipe]]:
         out.append(("FSDP2 (engine fsdp)", recipe.with_(engine="fsdp")))
     if recipe.engine != "torch":
         for factor in (2, 4):
-            out.append((f"{recipe.world * factor} GPUs", recipe.with_(world=recipe.world * factor)))
+            ranks = f"{recipe.world * factor} {'GPUs' if recipe.device == 'cuda' else 'processes'}"
+            out.append((ranks, recipe.with_(world=recipe.world * factor)))
     return out
 
 

@@ -12,16 +12,14 @@ import json
 import os
 from dataclasses import asdict
 
-from ljperf import hardware, models
+from ljperf import deepspeed_config, hardware, models
 from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import fixed_plan
-from ljperf.config import check_zero_stage, positive
+from ljperf.config import LARGEST, check_zero_stage, positive
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
 from ljperf.models import ModelSpec
-from ljperf.units import format_bytes, parse_size
-
-MAX_MICRO_BATCH = 4096
+from ljperf.units import format_bytes, parse_memory
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,15 +31,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--deepspeed-config",
         metavar="PATH",
-        help="the job's DeepSpeed JSON config: the forecast reads its ZeRO stage, reduce_bucket_size and "
-        "stage3 prefetch, max-live and reuse-distance settings (deepspeed engine)",
+        help="the job's DeepSpeed JSON config, checked as ljperf benchmark checks it: the forecast reads its micro "
+        "batch, accumulation and ZeRO stage (where the flags are not given), reduce_bucket_size and stage3 "
+        "prefetch, max-live and reuse-distance settings (deepspeed engine)",
     )
     g.add_argument("--gpus", type=int, default=1, help="data-parallel ranks, the world size (default: 1)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cuda", help="device the job runs on (default: cuda)")
     g.add_argument("--precision", choices=("fp32", "bf16-mixed"), help="default: bf16-mixed on cuda, fp32 on cpu")
-    g.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-step (default: 1)")
+    g.add_argument(
+        "--micro-batch",
+        type=int,
+        help="sequences per rank per micro-step (default: --deepspeed-config's train_micro_batch_size_per_gpu, else 1)",
+    )
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default: min(4096, the model's max positions))")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default: 1)")
+    g.add_argument(
+        "--grad-accum",
+        type=int,
+        help="micro-steps per optimizer step (default: --deepspeed-config's gradient_accumulation_steps, else 1)",
+    )
     g.add_argument(
         "--recompute",
         default="none",
@@ -82,7 +89,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from ljperf.forecast.api import forecast
 
     engine, spec = models.model_from_args(args)
-    recipe = recipe_from_args(args, engine=engine, spec=spec)
+    recipe, warnings = recipe_from_args(args, engine=engine, spec=spec)
     memory, device_name = device_memory(args)
     decision = None
     if args.recompute == "auto":
@@ -93,7 +100,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     result = forecast(spec, recipe, device_name=device_name)
     most = recipe.with_(recompute=("full",) * spec.layers) if decision else recipe  # the most auto can save
     best = max_micro_batch(spec, most, memory, device_name=device_name)
-    report = plan_record(spec, recipe, result, memory=memory, max_micro_batch=best)
+    report = plan_record(spec, recipe, result, memory=memory, max_micro_batch=best, warnings=warnings)
     if decision is not None:
         report["recompute"] = decision.record() | {"rates": rates}
         report["notes"].append("largest micro batch counted with full recompute, the most --recompute auto saves")
@@ -106,49 +113,47 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def recipe_from_args(args: argparse.Namespace, *, engine: str, spec: ModelSpec) -> Recipe:
-    for name in ("gpus", "seq_len", "grad_accum"):  # checked here: 0 would fall through ``or`` to the default
+def recipe_from_args(
+    args: argparse.Namespace, *, engine: str, spec: ModelSpec
+) -> tuple[Recipe, list[deepspeed_config.Finding]]:
+    """The recipe of the flags and --deepspeed-config, and the config's lint warnings."""
+    # checked first: a 0 would fall through ``or`` to a default, or be reported as contradicting --deepspeed-config
+    for name in ("gpus", "seq_len", "micro_batch", "grad_accum"):
         positive(name, getattr(args, name))
     if args.zero_stage is not None:
         check_zero_stage(args.zero_stage)
     seq_len = spec.seq_len(args.seq_len)
     if args.memory_budget and args.recompute != "auto":
         raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
-    stage, zero = zero_from_args(args, engine=engine)
-    return Recipe(
+    precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "fp32")
+    if args.deepspeed_config and engine != "deepspeed":
+        raise UsageError(f"--deepspeed-config is for the deepspeed engine, not {engine}")
+    user = deepspeed_config.load(args.deepspeed_config) if args.deepspeed_config else {}
+    batch = deepspeed_config.settings(
+        user, micro_batch=args.micro_batch, grad_accum=args.grad_accum, zero_stage=args.zero_stage
+    )
+    warnings, zero = [], ZeroSettings()
+    if user:
+        config = deepspeed_config.merge(user)
+        source = f"--deepspeed-config {args.deepspeed_config}"
+        warnings = deepspeed_config.check(config, batch, world=args.gpus, bf16=precision == "bf16-mixed", source=source)
+        zero = ZeroSettings.from_config(config)
+    recipe = Recipe(
         engine=engine,
-        zero_stage=stage,
+        zero_stage=batch.zero_stage,
         zero=zero,
         world=args.gpus,
         device=args.device,
-        precision=args.precision or ("bf16-mixed" if args.device == "cuda" else "fp32"),
-        micro_batch=args.micro_batch,
+        precision=precision,
+        micro_batch=batch.micro_batch,
         seq_len=seq_len,
-        grad_accum=args.grad_accum,
+        grad_accum=batch.grad_accum,
         attn_implementation=args.attn_implementation,
         reshard_after_forward=args.reshard_after_forward,
         recompute=() if args.recompute == "auto" else fixed_plan(parse_recompute(args.recompute), spec.layers),
         optimizer=args.optimizer,
     )
-
-
-def zero_from_args(args: argparse.Namespace, *, engine: str) -> tuple[int, ZeroSettings]:
-    """The ZeRO stage and settings from --zero-stage and --deepspeed-config (which must agree)."""
-    if not args.deepspeed_config:
-        return args.zero_stage or 3, ZeroSettings()
-    from ljperf import deepspeed_config
-
-    if engine != "deepspeed":
-        raise UsageError(f"--deepspeed-config is for the deepspeed engine, not {engine}")
-    config = deepspeed_config.merge(deepspeed_config.load(args.deepspeed_config))
-    stage = config["zero_optimization"].get("stage")
-    if not isinstance(stage, int) or isinstance(stage, bool):
-        return args.zero_stage or 3, ZeroSettings.from_config(config)
-    if args.zero_stage is not None and args.zero_stage != stage:
-        raise UsageError(
-            f"--zero-stage {args.zero_stage} contradicts zero_optimization.stage {stage} in --deepspeed-config"
-        )
-    return stage, ZeroSettings.from_config(config)
+    return recipe, warnings
 
 
 def device_memory(args: argparse.Namespace) -> tuple[int, str | None]:
@@ -157,9 +162,8 @@ def device_memory(args: argparse.Namespace) -> tuple[int, str | None]:
     if args.gpu_memory and args.gpu:
         raise UsageError("give one of --gpu-memory SIZE or --gpu NAME")
     if args.gpu:
-        if args.gpu not in hardware.GPU_MEMORY_BYTES:
-            raise UsageError(f"--gpu {args.gpu!r} is not known; choose one of {', '.join(hardware.GPU_MEMORY_BYTES)}")
-        return hardware.GPU_MEMORY_BYTES[args.gpu], args.gpu.split("-")[0]
+        name = known_gpu(args.gpu)
+        return hardware.GPU_MEMORY_BYTES[name], name.split("-")[0]
     import torch
 
     if args.device == "cpu":
@@ -167,12 +171,26 @@ def device_memory(args: argparse.Namespace) -> tuple[int, str | None]:
     else:
         here = hardware.calibration_name(torch.device("cuda", 0)) if torch.cuda.is_available() else None
     if args.gpu_memory:
-        return parse_size(args.gpu_memory, what="--gpu-memory"), here
+        return parse_memory(args.gpu_memory, what="--gpu-memory"), here
     if here is None:
         raise UsageError("no GPU here to read its memory from: give --gpu-memory SIZE or --gpu NAME")
     if here == "cpu":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), here
     return torch.cuda.get_device_properties(0).total_memory, here
+
+
+def known_gpu(text: str) -> str:
+    """The entry of ``hardware.GPU_MEMORY_BYTES`` that --gpu ``text`` names, in any case: the whole name
+    (``h100-80gb``), or the model alone (``H100``) where only one size of it is known."""
+    table = hardware.GPU_MEMORY_BYTES
+    candidates = [name for name in table if name.lower() == text.lower()] or [
+        name for name in table if name.split("-")[0].lower() == text.lower()
+    ]
+    if len(candidates) == 1:
+        return candidates[0]
+    if candidates:
+        raise UsageError(f"--gpu {text!r} names {len(candidates)} GPUs: choose one of {', '.join(candidates)}")
+    raise UsageError(f"--gpu {text!r} is not known; choose one of {', '.join(table)}")
 
 
 def max_micro_batch(spec: ModelSpec, recipe: Recipe, memory: int, *, device_name: str | None) -> int:
@@ -184,24 +202,33 @@ def max_micro_batch(spec: ModelSpec, recipe: Recipe, memory: int, *, device_name
 
     if not fits(1):
         return 0
-    lo, hi = 1, 2
-    while hi <= MAX_MICRO_BATCH and fits(hi):
+    lo, hi = 1, 2  # lo fits; hi does not, once the doubling stops
+    while hi <= LARGEST and fits(hi):
         lo, hi = hi, hi * 2
-    if hi > MAX_MICRO_BATCH:
-        return lo
+    hi = min(hi, LARGEST + 1)  # the largest --micro-batch ljperf runs bounds the answer
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
 
 
-def plan_record(spec: ModelSpec, recipe: Recipe, result: Forecast, *, memory: int, max_micro_batch: int) -> dict:
+def plan_record(
+    spec: ModelSpec,
+    recipe: Recipe,
+    result: Forecast,
+    *,
+    memory: int,
+    max_micro_batch: int,
+    warnings: list[deepspeed_config.Finding],
+) -> dict:
     """The JSON object of ``ljperf plan --json``."""
     from ljperf.forecast.timeline import block_params
     from ljperf.result import SCHEMA_VERSION
 
     recipe_dict = asdict(recipe)
     recipe_dict["recompute"] = list(recipe.layer_modes(spec.layers))
+    if recipe.engine != "deepspeed":
+        del recipe_dict["zero_stage"], recipe_dict["zero"]
     params = block_params(spec).total  # from a one-layer build: no full-depth model needed
     return {
         "schema_version": SCHEMA_VERSION,
@@ -220,6 +247,7 @@ def plan_record(spec: ModelSpec, recipe: Recipe, result: Forecast, *, memory: in
         "fits": result.device_bytes <= memory,
         "max_micro_batch": max_micro_batch,
         "notes": result.notes,
+        "warnings": [f"{f.message}; fix: {f.fix}" for f in warnings],
     }
 
 
@@ -259,8 +287,10 @@ def print_plan(report: dict) -> None:
         f" largest micro batch that fits: {report['max_micro_batch']}"
     )
     lines += [f"note: {n}" for n in report["notes"]]
+    lines += [f"warning: {w}" for w in report["warnings"]]
     for line in lines:
-        console.print(escape(line), highlight=False)
+        # soft_wrap: the terminal wraps a long line; rich would break it at its own width (140 in a pipe)
+        console.print(escape(line), highlight=False, soft_wrap=True)
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
