@@ -59,7 +59,7 @@ class ReportConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``ljperf compile-report``."""
-    models.add_model_arguments(parser)
+    models.add_model_arguments(parser, engines=("torch",))  # one process: the regions are every engine's
     parser.add_argument("--output", metavar="FILE", help="write the JSON report here (atomically)")
     cfgmod.add_arguments(parser, ReportConfig)
 

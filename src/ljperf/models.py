@@ -329,14 +329,15 @@ def format_params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 10**8 else f"{n / 1e6:.2f}M"
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model ENGINE/NAME`` or ``--model-config PATH`` with ``--engine``: shared by benchmark and plan."""
+def add_model_arguments(parser: argparse.ArgumentParser, *, engines: tuple[str, ...] = ENGINES) -> None:
+    """``--model ENGINE/NAME`` or ``--model-config PATH`` with ``--engine`` (one of ``engines``): shared by
+    benchmark, plan and compile-report."""
     group = parser.add_argument_group("model")
     group.add_argument("--model", metavar="ENGINE/NAME", help="engine and catalog model, e.g. torch/llama-tiny")
     group.add_argument("--model-config", metavar="PATH", help="a local HF config.json (instead of a catalog name)")
     group.add_argument(
         "--engine",
-        choices=ENGINES,
+        choices=engines,
         help="engine for --model-config (default: torch); --model names it",
     )
 
