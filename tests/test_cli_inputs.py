@@ -106,6 +106,8 @@ CASES = [
     (["ablation", *TINY, "--repeat", "0"], {}, "--repeat"),
     (["ablation", *TINY, "--timeout", "nan"], {}, "--timeout"),
     (["ablation", *TINY, "--out", "/proc/ljperf-ablation"], {}, "--out"),
+    (["ablation", *TINY, "--variants", ""], {}, "has an empty name"),
+    (["ablation", *TINY, "--variants", "base,,compile"], {}, "has an empty name"),
     (["report", "{damaged_runs}"], {}, "holds no ablation runs"),
     (["ablation", *TINY, "--env", "noequals"], {}, "--env"),
     (["report", "/nonexistent/run-dir"], {}, "run-dir"),

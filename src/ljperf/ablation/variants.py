@@ -74,7 +74,9 @@ def parse_variants(listed: str | None, defined: list[str]) -> list[Variant]:
             raise UsageError(f"--variant {name} is defined twice")
         definitions[name] = flags
         user.append(name)
-    names = [n.strip() for n in listed.split(",")] if listed else (user or list(DEFAULT_VARIANTS))
+    names = [n.strip() for n in listed.split(",")] if listed is not None else (user or list(DEFAULT_VARIANTS))
+    if "" in names:
+        raise UsageError(f"--variants {listed!r} has an empty name: list them, e.g. base,compile")
     names += [n for n in user if n not in names]
     unknown = [n for n in names if n not in definitions]
     if unknown:
