@@ -220,6 +220,12 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
     return 0
 
 
+def _explained(reason: str, folder: RunFolder) -> bool:
+    """Whether the launcher's ``reason`` ends with the cause's own (``failure_reason`` adds it): rank 0's report,
+    often only that it lost its peer, then adds nothing."""
+    return any(reason.endswith(f": {why}") for _, why in folder.failures().values())
+
+
 def _keep_failed_record(
     cfg: BenchmarkConfig,
     *,
@@ -242,8 +248,13 @@ def _keep_failed_record(
         pass
     elif oom:  # another rank ran out of memory; rank 0 only saw its peer vanish
         results["status"], results["reason"] = "oom", reason
-    elif results["status"] == "ok" or not results.get("reason") or results["reason"] in reason:
-        results["status"], results["reason"] = "error", reason  # rank 0's reason is the cause's, already in it
+    elif (
+        results["status"] == "ok"
+        or not results.get("reason")
+        or _explained(reason, folder)
+        or results["reason"] in reason
+    ):
+        results["status"], results["reason"] = "error", reason
     else:
         results["reason"] = f"{reason}; rank 0 reported {results['reason']}"
     if cfg.output:
