@@ -153,10 +153,12 @@ def test_the_ranks_own_failure_times_order_two_exits_with_code_1(tmp_path):
     folder.leave_failure("RuntimeError: injected", rank=1)
     folder.leave_failure("RuntimeError: Connection closed by peer", rank=0)
     assert failure_reason(exc, folder=folder) == ("rank 1 exited with code 1: RuntimeError: injected", 1)
-    # A rank killed outright leaves no time: the agent's second and the exit-1 rule name it, as before.
+    # A rank killed outright leaves no time: the agent's second and the exit-1 rule name it, as before, with what
+    # the rank that lost it said.
     cause.exitcode = -signal.SIGKILL
     (tmp_path / "failure.1").unlink()
-    assert failure_reason(exc, folder=folder) == ("rank 1 was killed by SIGKILL", 1)
+    killed = "rank 1 was killed by SIGKILL; rank 0 reported RuntimeError: Connection closed by peer"
+    assert failure_reason(exc, folder=folder) == (killed, 1)
 
 
 @pytest.mark.slow

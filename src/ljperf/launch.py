@@ -117,10 +117,11 @@ def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[
     # when it caught the error) those order them. A rank killed outright leaves none: then within a second a
     # signal, an OOM or a usage error is the cause, not an exit 1, and the ranks' own times break what ties remain.
     left = folder.failures() if folder is not None else {}
+    precise = all(r in left for r in failures)
 
     def first(item: tuple[int, Any]) -> tuple[float, ...]:
         rank, failure = item
-        if all(r in left for r in failures):
+        if precise:
             return left[rank][0], rank
         return failure.timestamp, failure.exitcode == EXIT_ERROR, left.get(rank, (-math.inf, ""))[0], rank
 
@@ -133,8 +134,11 @@ def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[
         how = f"exited with code {failure.exitcode}"
     # Out of memory, and a usage error only a rank could find (a recompute plan that cannot fit), keep their codes.
     code = failure.exitcode if failure.exitcode in (EXIT_OOM, EXIT_USAGE) else EXIT_ERROR
-    own = f": {left[rank][1]}" if rank in left else ""
-    return f"rank {rank} {how}{own}", code
+    if rank in left:
+        return f"rank {rank} {how}: {left[rank][1]}", code
+    # A rank killed outright said nothing: what the first rank that did say (often that it lost its peer).
+    said = sorted((when, r, why) for r, (when, why) in left.items())
+    return f"rank {rank} {how}" + (f"; rank {said[0][1]} reported {said[0][2]}" if said else ""), code
 
 
 def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
@@ -220,12 +224,6 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
     return 0
 
 
-def _explained(reason: str, folder: RunFolder) -> bool:
-    """Whether the launcher's ``reason`` ends with the cause's own (``failure_reason`` adds it): rank 0's report,
-    often only that it lost its peer, then adds nothing."""
-    return any(reason.endswith(f": {why}") for _, why in folder.failures().values())
-
-
 def _keep_failed_record(
     cfg: BenchmarkConfig,
     *,
@@ -235,9 +233,8 @@ def _keep_failed_record(
     record_from_progress: Callable[[Path], dict[str, Any]],
     oom: bool = False,
 ) -> tuple[str, str]:
-    """Make sure a record with a failed status exists (``oom`` when a rank ran out of memory); returns that
-    status and the record's reason: the launcher's ``reason``, then rank 0's own when rank 0 recorded why it
-    failed (a collective's timeout says what happened, the launcher only which rank exited first)."""
+    """Make sure a record with a failed status exists (``oom`` when a rank ran out of memory) whose reason is the
+    launcher's ``reason`` (``failure_reason``: it names the ranks' own reasons); returns that status and reason."""
     record = None
     if record_path.exists() and folder.finished():
         record = read_json(record_path)
@@ -248,15 +245,8 @@ def _keep_failed_record(
         pass
     elif oom:  # another rank ran out of memory; rank 0 only saw its peer vanish
         results["status"], results["reason"] = "oom", reason
-    elif (
-        results["status"] == "ok"
-        or not results.get("reason")
-        or _explained(reason, folder)
-        or results["reason"] in reason
-    ):
+    else:  # the launcher's reason: the first failing rank's own, or what another rank said of it
         results["status"], results["reason"] = "error", reason
-    else:
-        results["reason"] = f"{reason}; rank 0 reported {results['reason']}"
     if cfg.output:
         write_json(record_path, record)
     return results["status"], results["reason"]
