@@ -70,6 +70,8 @@ class BenchmarkConfig:
     """FSDP2 / DeepSpeed options."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizations (activation checkpoint, compile)."""
+    deepspeed_user: dict = field(default_factory=dict)
+    """The ``--deepspeed-config`` file as loaded (deepspeed engine; ``{}``: none)."""
     output: str | None = None
     """Where the JSON record goes (atomically), or None."""
     argv: list[str] = field(default_factory=list)
@@ -121,6 +123,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
         launch=cfgmod.from_args(LaunchConfig, args),
         engine_opts=cfgmod.from_args(EngineConfig, args),
         optim=cfgmod.from_args(OptimConfig, args),
+        deepspeed_user=user,
         output=args.output,
         argv=argv,
     )
@@ -226,7 +229,6 @@ def run_worker(cfg: BenchmarkConfig) -> int:
 def run_context(cfg: BenchmarkConfig, *, world: int = 1) -> RunContext:
     """The run context of ``cfg`` before the process group is joined: rank 0 of ``world`` on an unnamed device."""
     device = hardware.DeviceInfo(type=resolve_device_type(cfg.train.device), index=None, name="unknown")
-    path = cfg.engine_opts.deepspeed_config
     return RunContext(
         engine=cfg.engine,
         model=cfg.model,
@@ -234,7 +236,7 @@ def run_context(cfg: BenchmarkConfig, *, world: int = 1) -> RunContext:
         launch=cfg.launch,
         engine_opts=cfg.engine_opts,
         optim=cfg.optim,
-        deepspeed_user=deepspeed_config.load(path) if cfg.engine == "deepspeed" and path else {},
+        deepspeed_user=cfg.deepspeed_user,
         process=Process(world=world, device=device),
     )
 

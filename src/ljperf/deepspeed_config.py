@@ -15,10 +15,11 @@ import copy
 import difflib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ljperf.config import EngineConfig, TrainConfig
 from ljperf.errors import UsageError
 from ljperf.result import read_json_object
 
@@ -360,22 +361,33 @@ def merge(user: dict) -> dict:
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    """The flags a DeepSpeed config can hold a number for, as a run uses them."""
+    """The flags a DeepSpeed config can hold a number for, as a run uses them: each is the flag given, or the
+    config's number (the key is the field's ``deepspeed`` in ``ljperf.config``), or the flag's default."""
 
     micro_batch: int
-    """--micro-batch, or the config's ``train_micro_batch_size_per_gpu``."""
     grad_accum: int
-    """--grad-accum, or the config's ``gradient_accumulation_steps``."""
     zero_stage: int
-    """--zero-stage, or the config's ``zero_optimization.stage``."""
 
 
-# Each flag of ``Settings``: where a DeepSpeed config holds it, ljperf's default, and the values ljperf runs.
-SETTINGS: dict[str, tuple[tuple[str, ...], int, range]] = {
-    "micro_batch": (("train_micro_batch_size_per_gpu",), 1, range(1, 2**31)),
-    "grad_accum": (("gradient_accumulation_steps",), 1, range(1, 2**31)),
-    "zero_stage": (("zero_optimization", "stage"), 3, range(1, 4)),
-}
+def _fields() -> list[tuple[type, Field]]:
+    """The option fields a DeepSpeed config can hold a number for (``opt(..., deepspeed=KEY)`` in ``ljperf.config``):
+    their keys, defaults and validation live there, once."""
+    return [(cls, f) for cls in (TrainConfig, EngineConfig) for f in fields(cls) if f.metadata.get("deepspeed")]
+
+
+def _path(f: Field) -> tuple[str, ...]:
+    return tuple(f.metadata["deepspeed"].split("."))
+
+
+def _runs(cls: type, f: Field, number: Any) -> bool:
+    """Whether ljperf runs ``number`` as ``f``'s flag: an int its option class accepts."""
+    if not isinstance(number, int) or isinstance(number, bool):
+        return False
+    try:
+        cls(**{f.name: number})
+    except UsageError:
+        return False
+    return True
 
 
 def settings(user: dict, *, micro_batch: int | None, grad_accum: int | None, zero_stage: int | None) -> Settings:
@@ -387,10 +399,9 @@ def settings(user: dict, *, micro_batch: int | None, grad_accum: int | None, zer
     """
     given = {"micro_batch": micro_batch, "grad_accum": grad_accum, "zero_stage": zero_stage}
     values = {}
-    for name, (path, default, runs) in SETTINGS.items():
-        number = _get(user, path)
-        taken = isinstance(number, int) and not isinstance(number, bool) and number in runs
-        values[name] = given[name] if given[name] is not None else number if taken else default
+    for cls, f in _fields():
+        number = _get(user, _path(f))
+        values[f.name] = given[f.name] if given[f.name] is not None else number if _runs(cls, f, number) else f.default
     return Settings(**values)
 
 
@@ -431,10 +442,11 @@ def check(config: dict, batch: Settings, *, world: int, bf16: bool, source: str)
 
 def _wanted(batch: Settings, *, bf16: bool) -> dict[tuple[str, ...], tuple[Any, str]]:
     """Where a DeepSpeed config holds each setting of ljperf's flags: (the value ljperf runs, the flag)."""
-    return {
-        ("train_micro_batch_size_per_gpu",): (batch.micro_batch, f"--micro-batch {batch.micro_batch}"),
-        ("gradient_accumulation_steps",): (batch.grad_accum, f"--grad-accum {batch.grad_accum}"),
-        ("zero_optimization", "stage"): (batch.zero_stage, f"--zero-stage {batch.zero_stage}"),
+    wanted = {}
+    for _, f in _fields():
+        value = getattr(batch, f.name)
+        wanted[_path(f)] = (value, f"--{f.name.replace('_', '-')} {value}")
+    return wanted | {
         ("bf16", "enabled"): (bf16, f"--precision {'bf16-mixed' if bf16 else 'fp32'}"),
         ("fp16", "enabled"): (False, "ljperf's precisions (fp32, bf16-mixed)"),
     }
