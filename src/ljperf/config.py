@@ -150,7 +150,9 @@ class OptimConfig:
         "CHECKPOINT_OPTIMIZATION=true makes auto the default",
     )
     memory_budget: str | None = opt(
-        None, "memory budget of --recompute auto, e.g. 70GiB (default: $LJPERF_MEMORY_BUDGET, else the device's)"
+        None,
+        "memory budget of --recompute auto, e.g. 70GiB (default: $LJPERF_MEMORY_BUDGET, else the device's)",
+        metavar="SIZE",
     )
     compile_mode: str = opt(
         "off",
@@ -166,12 +168,17 @@ class OptimConfig:
             parse_memory(self.memory_budget, what="--memory-budget")
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | None = None) -> None:
-    """Add one ``--flag`` per field of the dataclass ``cls``, typed from its annotation."""
-    group = parser.add_argument_group(title or cls.__doc__.splitlines()[0].rstrip("."))
+def add_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, only: tuple[str, ...] | None = None
+) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls`` (``only``: these fields), typed from its annotation, to
+    ``parser``'s group titled by ``cls``'s docstring, or to ``parser`` when it is a group already."""
+    group = parser
+    if isinstance(parser, argparse.ArgumentParser):
+        group = parser.add_argument_group(cls.__doc__.splitlines()[0].rstrip("."))
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if "help" not in f.metadata:
+        if "help" not in f.metadata or (only is not None and f.name not in only):
             continue
         kind = hints[f.name]
         extra = {k: v for k, v in f.metadata.items() if k not in ("help", "deepspeed")}

@@ -12,10 +12,11 @@ import json
 import os
 from dataclasses import asdict
 
+from ljperf import config as cfgmod
 from ljperf import deepspeed_config, hardware, models
 from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import fixed_plan
-from ljperf.config import LARGEST, check_zero_stage, positive
+from ljperf.config import LARGEST, EngineConfig, OptimConfig, TrainConfig, check_zero_stage, positive
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
 from ljperf.models import ModelSpec
@@ -25,30 +26,9 @@ from ljperf.units import format_bytes, parse_memory
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_model_arguments(parser)
     g = parser.add_argument_group("recipe")
-    g.add_argument(
-        "--zero-stage", type=int, help="DeepSpeed ZeRO stage 1, 2 or 3 (default: --deepspeed-config's, else 3)"
-    )
-    g.add_argument(
-        "--deepspeed-config",
-        metavar="PATH",
-        help="the job's DeepSpeed JSON config, checked as ljperf benchmark checks it: the forecast reads its micro "
-        "batch, accumulation and ZeRO stage (where the flags are not given), reduce_bucket_size and stage3 "
-        "prefetch, max-live and reuse-distance settings (deepspeed engine)",
-    )
     g.add_argument("--gpus", type=int, default=1, help="data-parallel ranks, the world size (default: 1)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cuda", help="device the job runs on (default: cuda)")
-    g.add_argument("--precision", choices=("fp32", "bf16-mixed"), help="default: bf16-mixed on cuda, fp32 on cpu")
-    g.add_argument(
-        "--micro-batch",
-        type=int,
-        help="sequences per rank per micro-step (default: --deepspeed-config's train_micro_batch_size_per_gpu, else 1)",
-    )
-    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: min(4096, the model's max positions))")
-    g.add_argument(
-        "--grad-accum",
-        type=int,
-        help="micro-steps per optimizer step (default: --deepspeed-config's gradient_accumulation_steps, else 1)",
-    )
+    cfgmod.add_arguments(g, TrainConfig, only=("micro_batch", "seq_len", "grad_accum", "precision"))
     g.add_argument(
         "--recompute",
         default="none",
@@ -61,11 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="sdpa",
         help="transformers attention: eager keeps the seq² attention weights (default: sdpa)",
     )
+    cfgmod.add_arguments(g, EngineConfig, only=("zero_stage", "reshard_after_forward"))
     g.add_argument(
-        "--reshard-after-forward",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="FSDP2: free gathered parameters after forward (default: on)",
+        "--deepspeed-config",
+        metavar="PATH",
+        help="the job's DeepSpeed JSON config, checked as ljperf benchmark checks it: the forecast reads its micro "
+        "batch, accumulation and ZeRO stage (where the flags are not given), reduce_bucket_size and stage3 "
+        "prefetch, max-live and reuse-distance settings (deepspeed engine)",
     )
     g.add_argument("--optimizer", choices=("single", "foreach", "fused"), help="AdamW kind (default: torch's pick)")
     m = parser.add_argument_group("memory")
@@ -76,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a known GPU instead, at the capacity torch reports (H100-80GB: 79.11 GiB): "
         + ", ".join(hardware.GPU_MEMORY_BYTES),
     )
-    m.add_argument("--memory-budget", metavar="SIZE", help="budget of --recompute auto (docs/checkpoint.md)")
+    cfgmod.add_arguments(m, OptimConfig, only=("memory_budget",))
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     out.add_argument("--calibrate", nargs="+", metavar="RECORD", help="fit device overheads from benchmark records")
@@ -117,9 +99,12 @@ def recipe_from_args(
     args: argparse.Namespace, *, engine: str, spec: ModelSpec
 ) -> tuple[Recipe, list[deepspeed_config.Finding]]:
     """The recipe of the flags and --deepspeed-config, and the config's lint warnings."""
-    # checked first: a 0 would fall through ``or`` to a default, or be reported as contradicting --deepspeed-config
-    for name in ("gpus", "seq_len", "micro_batch", "grad_accum"):
-        positive(name, getattr(args, name))
+    # checked first, as ljperf benchmark checks them: a 0 would fall through ``or`` to a default, or be reported
+    # as contradicting --deepspeed-config
+    positive("gpus", args.gpus)
+    TrainConfig(
+        micro_batch=args.micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum, precision=args.precision
+    )
     if args.zero_stage is not None:
         check_zero_stage(args.zero_stage)
     seq_len = spec.seq_len(args.seq_len)
