@@ -33,6 +33,9 @@ def test_auto_plan_fits_the_budget_in_a_real_run(tmp_path):
     assert 0 < plan.count("none") < len(plan) or "selective" in plan
     assert results["peak_allocated_bytes"] <= budget  # measured, not forecast
     assert "recomputing" in proc.stdout
+    # On CPU the closed loop needs --warmup 3 (its plan's first step is measured before timing): off, and said.
+    assert "closed_loop" not in results["recompute"]
+    assert "closed loop off: it needs --warmup 3 or more here" in proc.stdout
 
 
 def test_budget_nothing_fits_exits_2_with_advice():

@@ -294,6 +294,11 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
     track_step = 1 if train.warmup >= 2 else train.warmup + train.steps
     total = train.warmup + train.steps + (1 if track_step >= train.warmup + train.steps else 0)
     measure_steps = {track_step}
+    # The closed loop's plan must run the timed steps, and on CPU its first step is measured again before them.
+    loop_warmup = 2 if device.type == "cuda" else 3
+    solved = state.recompute is not None and state.recompute.budget_bytes is not None
+    if solved and train.warmup < loop_warmup and run.is_main:
+        print(f"closed loop off: it needs --warmup {loop_warmup} or more here; the solver's plan runs as forecast")
     fault = Fault.from_env()
     for step in range(total):
         batches = data.micro_batches(step, run.rank, device)
@@ -302,12 +307,12 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
         elapsed = None
         if step in measure_steps:
             loss = measured_memory_step(run, engine, batches, state=state)
-            if step == track_step and state.recompute is not None:
+            if step == track_step and solved and train.warmup >= loop_warmup:
                 measured = memory.cuda_peaks(device)[0] if device.type == "cuda" else state.peak_allocated
                 if loop := close_the_loop(run, engine.model, state.recompute, measured=measured):
                     state.recompute, state.closed_loop = loop
                     # CUDA's counters were reset for the new plan; the CPU measures its first step if untimed
-                    if state.closed_loop["replanned"] and device.type != "cuda" and step + 1 < train.warmup:
+                    if state.closed_loop["replanned"] and device.type != "cuda":
                         measure_steps.add(step + 1)
         else:
             hardware.synchronize(device)
