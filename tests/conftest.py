@@ -49,11 +49,6 @@ def read_record(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-@pytest.fixture
-def ljperf():
-    return run_ljperf
-
-
 @pytest.fixture(autouse=True, scope="session")
 def fresh_forecast_cache(tmp_path_factory):
     """Traced forecast coefficients from an empty cache (inherited by CLI subprocesses): no stale entries
