@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -25,10 +26,12 @@ def run_ljperf(
     timeout: float = 300,
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
-    address_space: int | None = None,
+    memory_above_imports: int | None = None,
 ):
-    """Run ``python -m ljperf ARGS``; returns the CompletedProcess (text output captured). ``address_space``
-    (bytes) limits its memory, so that a large enough tensor really fails to allocate."""
+    """Run ``python -m ljperf ARGS``; returns the CompletedProcess (text output captured).
+    ``memory_above_imports`` (bytes) limits the address space it may map beyond what importing torch and ljperf
+    takes, so that a large enough tensor really fails to allocate."""
+    address_space = memory_above_imports and imported_address_space() + memory_above_imports
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
@@ -43,6 +46,16 @@ def run_ljperf(
         preexec_fn=limit if address_space else None,
         check=False,
     )
+
+
+@functools.cache
+def imported_address_space() -> int:
+    """Bytes of address space a process maps once torch and ljperf's commands are imported: about 0.7 GB with
+    the CPU build of torch, 3.2 GB with a CUDA build (its libraries are mapped even without a GPU)."""
+    code = "import ljperf.benchmark, ljperf.comm; print(open('/proc/self/status').read())"
+    status = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    (peak,) = (line.split()[1] for line in status.splitlines() if line.startswith("VmPeak:"))
+    return int(peak) * 1024
 
 
 def read_record(path: str | Path) -> dict:

@@ -296,8 +296,8 @@ def test_host_memory_running_out_is_an_oom(tmp_path):
     """The CPU allocator raises a plain RuntimeError, not torch.OutOfMemoryError; the run is still ``oom``."""
     out = tmp_path / "r.json"
     big = ["--micro-batch", "64", "--seq-len", "2048", "--steps", "1", "--warmup", "0", "--output", str(out)]
-    # 3 GB: torch imports; a 64 × 2048-token batch does not fit.
-    proc = run_ljperf(*TINY, *big, timeout=120, address_space=3 * 10**9)
+    # 2.3 GB above the imports: a 64 × 2048-token batch does not fit.
+    proc = run_ljperf(*TINY, *big, timeout=120, memory_above_imports=2300 * 10**6)
     assert proc.returncode == 3, proc.stderr[-3000:]
     res = read_record(out)["results"]
     assert res["status"] == "oom" and res["reason"].startswith("out of host memory (DefaultCPUAllocator"), res
