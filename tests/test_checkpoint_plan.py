@@ -91,6 +91,22 @@ def test_plan_auto_prints_the_cheapest_plan_that_fits(capsys):
     assert "recompute auto: " in out and f"(budget {format_bytes(budget)}; measured on this CPU)" in out, out
 
 
+def test_a_plan_that_does_not_fit_says_what_full_recompute_would_peak_at(capsys):
+    spec = models.resolve(name="llama-tiny")
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=512)
+    none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
+    for memory, advice in (
+        ((none + full) // 2, "which fits; --recompute auto recomputes the fewest layers that fit"),
+        (full - 1, "which does not fit either: fewer tokens per micro-step (--micro-batch, --seq-len) or a sharding"),
+    ):
+        assert main(["plan", *TINY, "--gpu-memory", str(memory), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert not out["fits"] and out["recipe"]["recompute"] == ["none"] * spec.layers
+        assert f"with --recompute full: {format_bytes(full)} on the device, {advice}" in "\n".join(out["notes"])
+    assert main(["plan", *TINY, "--gpu-memory", "1GiB", "--json"]) == 0  # it fits: no advice
+    assert not any("--recompute full" in note for note in json.loads(capsys.readouterr().out)["notes"])
+
+
 def test_plan_auto_nothing_fits_exits_2_with_what_would(capsys):
     spec = models.resolve(name="llama-tiny")
     half = Recipe(device="cpu", precision="fp32", micro_batch=1, seq_len=512, recompute=("full",) * spec.layers)

@@ -86,6 +86,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if decision is not None:
         report["recompute"] = decision.record() | {"rates": rates}
         report["notes"].append("largest micro batch counted with full recompute, the most --recompute auto saves")
+    elif not report["fits"] and set(recipe.layer_modes(spec.layers)) != {"full"}:
+        full = forecast(spec, recipe.with_(recompute=("full",) * spec.layers), device_name=device_name).device_bytes
+        shard = "a sharding engine (fsdp/, deepspeed/)" if recipe.engine == "torch" else "more --gpus"
+        report["notes"].append(
+            f"with --recompute full: {format_bytes(full)} on the device, "
+            + ("which fits; --recompute auto recomputes the fewest layers that fit" if full <= memory else
+               f"which does not fit either: fewer tokens per micro-step (--micro-batch, --seq-len) or {shard}")
+        )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
     else:
