@@ -130,6 +130,9 @@ def test_injected_oom_is_recorded_with_exit_3(tmp_path):
     assert "Traceback" not in proc.stderr
     res = read_record(out)["results"]
     assert res["status"] == "oom" and res["steps_completed"] == 0
+    # The forecast is kept beside the peak measured before the OOM (step 2, untimed).
+    assert abs(res["forecast"]["error_pct"]) < 5
+    assert "memory forecast" in proc.stdout
 
 
 # End to end in a subprocess (the full matrix runs in-process in test_cli_inputs.py).

@@ -205,7 +205,7 @@ def run_worker(cfg: BenchmarkConfig) -> int:
     if recompute is not None:
         loop = {"closed_loop": state.closed_loop} if state.closed_loop else {}
         record["results"]["recompute"] = recompute.record() | loop
-    if run.is_main and status == "ok":
+    if run.is_main and status in ("ok", "oom"):  # an OOM's record shows what the forecast expected
         from ljperf.forecast.bench import benchmark_forecast, forecast_line
 
         plan = recompute.plan if recompute is not None else None
