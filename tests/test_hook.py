@@ -109,9 +109,9 @@ def forecasts_none_and_full(engine: str = "torch", world: int = 1) -> tuple[int,
     return none, full
 
 
-def assert_planned(hooked: dict, plain: dict, stderr: str) -> int:
+def assert_planned(hooked: dict, plain: dict, stderr: str) -> tuple[int, int]:
     """One plan line; its recomputed layers (the first ones) checkpoint and run their MLP twice per step; the
-    losses are the plain run's. Returns the layers recomputed."""
+    losses are the plain run's. Returns the layers recomputed and of them the fully recomputed."""
     lines = LINE.findall(stderr)  # tqdm's progress may share the line
     assert len(lines) == 1, stderr[-2000:]
     recomputed, layers, selective, full = map(int, lines[0])
@@ -120,7 +120,13 @@ def assert_planned(hooked: dict, plain: dict, stderr: str) -> int:
     assert hooked["mlp_calls_per_step"] == [2.0] * recomputed + [1.0] * (layers - recomputed)
     assert plain["checkpointed"] == [False] * layers and plain["mlp_calls_per_step"] == [1.0] * layers
     assert hooked["losses"] == plain["losses"]  # recompute changes no number
-    return recomputed
+    return recomputed, full
+
+
+def assert_partial(recomputed: int, full: int) -> None:
+    """A plan between no and full recompute, so the test means something. Every layer selective is one: the
+    solver ranks plans by the rates it measures on this CPU, which vary with the load (seen in a CI-like run)."""
+    assert recomputed > 0 and full < 6, (recomputed, full)
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +138,14 @@ def plain_trainer(tmp_path_factory) -> dict:
 def test_trainer_script_gets_the_planned_layers_and_logs_one_line(tmp_path, plain_trainer):
     budget = budget_between_none_and_full()
     hooked, stderr = run_script(tmp_path, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET=str(budget))
-    assert 0 < assert_planned(hooked, plain_trainer, stderr) < 6  # a partial plan: the test means something
+    assert_partial(*assert_planned(hooked, plain_trainer, stderr))
     assert "does not fit" not in stderr
 
 
 @pytest.mark.slow
 def test_budget_nothing_fits_recomputes_every_layer_and_warns(tmp_path, plain_trainer):
     hooked, stderr = run_script(tmp_path, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET="1MiB")
-    assert assert_planned(hooked, plain_trainer, stderr) == 6
+    assert assert_planned(hooked, plain_trainer, stderr) == (6, 6)
     warning = [line for line in stderr.splitlines() if "UserWarning: [ljperf] recomputing 6/6" in line]
     assert len(warning) == 1 and "(does not fit: " in warning[0], stderr[-2000:]
 
@@ -154,7 +160,7 @@ def test_distributed_script_gets_the_planned_layers(tmp_path, script, engine):
         tmp_path, script, nproc=2, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET=str(budget)
     )
     assert hooked["ljperf_imported"] and not plain["ljperf_imported"]
-    assert 0 < assert_planned(hooked, plain, stderr) < 6
+    assert_partial(*assert_planned(hooked, plain, stderr))
     # The closed loop's CPU measurement of step 2 (live tensors, DeepSpeed's flat partitions included) matches
     # the forecast, so the plan stands (measured: FSDP2 25.00 vs 25.00 MiB, ZeRO-3 25.08 vs 25.08 MiB)
     loop = re.search(r"\[ljperf\] closed loop: measured ([\d.]+) MiB vs forecast ([\d.]+) MiB; the plan stands", stderr)
@@ -179,7 +185,7 @@ def test_zero3_ranks_with_different_lengths_run_one_plan(tmp_path):
         LJPERF_MEMORY_BUDGET=str(budget),
         **lengths,
     )
-    assert 0 < assert_planned(hooked, plain, stderr) < 6
+    assert_partial(*assert_planned(hooked, plain, stderr))
     assert hooked["checkpointed_by_rank"] == [hooked["checkpointed"]] * 2
 
 

@@ -8,7 +8,7 @@ step, every rank's checkpointing flags, and whether ljperf was imported, as one 
 import deepspeed
 import torch
 import torch.distributed as dist
-from tiny_llama import MICRO_BATCH, batch, build, checkpointed, count_mlp_calls, print_report
+from tiny_llama import MICRO_BATCH, batch, build, checkpointed, count_mlp_calls, leave_group, print_report
 
 STEPS = 3
 
@@ -36,8 +36,7 @@ def main() -> None:
     dist.all_gather_object(by_rank, checkpointed(model))
     if rank == 0:
         print_report(losses, model, calls, STEPS, checkpointed_by_rank=by_rank)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

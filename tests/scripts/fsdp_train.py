@@ -10,7 +10,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from tiny_llama import batch, build, checkpointed, count_mlp_calls, print_report
+from tiny_llama import batch, build, checkpointed, count_mlp_calls, leave_group, print_report
 from torch.distributed.fsdp import fully_shard
 
 STEPS = 3
@@ -39,8 +39,7 @@ def main() -> None:
     dist.all_gather_object(by_rank, checkpointed(model))
     if rank == 0:
         print_report(losses, model, calls, STEPS, checkpointed_by_rank=by_rank)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 if __name__ == "__main__":

@@ -60,3 +60,17 @@ def print_report(losses: list[float], model, calls: list[int], steps: int, **ext
         "ljperf_imported": "ljperf" in sys.modules,
     }
     print(json.dumps(report), flush=True)
+
+
+def leave_group() -> None:
+    """Leave the process group as a careful script does: a barrier and a short sleep first. gloo's threads free a
+    finished collective after ``wait()`` returns, and a group destroyed at once can abort the process at exit on
+    a loaded CPU ("terminate called without an active exception": 2 in 5 plain DeepSpeed runs without ljperf,
+    with two busy processes beside them). ``ljperf.runtime.shutdown_process`` does the same."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    time.sleep(0.2)
+    dist.destroy_process_group()
