@@ -77,6 +77,7 @@ CASES = [
     (["benchmark", "--model-config", "/nonexistent/config.json"], {}, "no such file"),
     (["benchmark"], {}, "exactly one of --model"),
     (["plan", "--model", "torch/nope"], {}, "unknown model"),
+    (["plan", "--model", "torch/llama-tiny", "--deepspeed-config", "{bad}"], {}, "for the deepspeed engine"),
     (["plan", "--model-config", "{gpt2}", "--device", "cpu"], {}, "GPT2LMHeadModel keeps its decoder layers elsewhere"),
     (["plan", "--model", "torch/llama-tiny", "--gpu-memory", "80XB"], {}, "80XB"),
     (["plan", "--model", "torch/llama-tiny", "--gpus", "0"], {}, "--gpus"),

@@ -83,10 +83,6 @@ class BenchmarkConfig:
             raise UsageError(
                 f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{self.model.name}"
             )
-        if optim.memory_budget and optim.recompute != "auto":
-            raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
-        if self.engine_opts.deepspeed_config and engine != "deepspeed":
-            raise UsageError(f"--deepspeed-config is for the deepspeed engine, not {engine}")
         if optim.compile_mode != "off" and self.train.warmup < 1:
             raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
 
@@ -108,10 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) 
 
 def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConfig:
     engine, spec = models.model_from_args(args)
-    user = deepspeed_config.load(args.deepspeed_config) if engine == "deepspeed" and args.deepspeed_config else {}
-    flags = deepspeed_config.settings(
-        user, micro_batch=args.micro_batch, grad_accum=args.grad_accum, zero_stage=args.zero_stage
-    )
+    user, flags = deepspeed_config.from_args(args, engine=engine)
     args.micro_batch, args.grad_accum, args.zero_stage = flags.micro_batch, flags.grad_accum, flags.zero_stage
     if args.compile and args.compile_mode not in (None, "regional"):
         raise UsageError(f"--compile is --compile-mode regional: it contradicts --compile-mode {args.compile_mode}")

@@ -166,6 +166,8 @@ class OptimConfig:
             raise UsageError(f"--compile-mode {self.compile_mode!r}: choose one of {', '.join(COMPILE_MODES)}")
         if self.memory_budget is not None:
             parse_memory(self.memory_budget, what="--memory-budget")
+            if self.recompute != "auto":
+                raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
 
 
 def add_arguments(

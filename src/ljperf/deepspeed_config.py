@@ -405,6 +405,15 @@ def settings(user: dict, *, micro_batch: int | None, grad_accum: int | None, zer
     return Settings(**values)
 
 
+def from_args(args: Any, *, engine: str) -> tuple[dict, Settings]:
+    """The user's ``--deepspeed-config`` as loaded (``{}``: none) and the ``settings`` of the run's flags with it:
+    what ``ljperf benchmark`` and ``ljperf plan`` read from their ``args``."""
+    if args.deepspeed_config and engine != "deepspeed":
+        raise UsageError(f"--deepspeed-config is for the deepspeed engine, not {engine}")
+    user = load(args.deepspeed_config) if args.deepspeed_config else {}
+    return user, settings(user, micro_batch=args.micro_batch, grad_accum=args.grad_accum, zero_stage=args.zero_stage)
+
+
 def resolve(config: dict, opts: Options, *, source: str) -> tuple[dict, list[Finding]]:
     """Fill the ``"auto"`` values of a merged config from ``opts``; returns it and the lint's warnings.
 

@@ -116,15 +116,9 @@ def recipe_from_args(
     if args.zero_stage is not None:
         check_zero_stage(args.zero_stage)
     seq_len = spec.seq_len(args.seq_len)
-    if args.memory_budget and args.recompute != "auto":
-        raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
+    OptimConfig(recompute=args.recompute, memory_budget=args.memory_budget)
     precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "fp32")
-    if args.deepspeed_config and engine != "deepspeed":
-        raise UsageError(f"--deepspeed-config is for the deepspeed engine, not {engine}")
-    user = deepspeed_config.load(args.deepspeed_config) if args.deepspeed_config else {}
-    batch = deepspeed_config.settings(
-        user, micro_batch=args.micro_batch, grad_accum=args.grad_accum, zero_stage=args.zero_stage
-    )
+    user, batch = deepspeed_config.from_args(args, engine=engine)
     warnings, zero = [], ZeroSettings()
     if user:
         config = deepspeed_config.merge(user)
