@@ -83,6 +83,7 @@ class BenchmarkConfig:
             raise UsageError(
                 f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{self.model.name}"
             )
+        cfgmod.check_budget_flags(recompute=optim.recompute, memory_budget=optim.memory_budget)
         if optim.compile_mode != "off" and self.train.warmup < 1:
             raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
 

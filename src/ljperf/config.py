@@ -166,8 +166,13 @@ class OptimConfig:
             raise UsageError(f"--compile-mode {self.compile_mode!r}: choose one of {', '.join(COMPILE_MODES)}")
         if self.memory_budget is not None:
             parse_memory(self.memory_budget, what="--memory-budget")
-            if self.recompute != "auto":
-                raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
+
+
+def check_budget_flags(*, recompute: str, memory_budget: str | None) -> None:
+    """The flags as given: a budget is for --recompute auto. Not an ``OptimConfig`` rule: the solver replaces
+    ``auto`` with the plan it chose, and the run keeps its budget."""
+    if memory_budget and recompute != "auto":
+        raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
 
 
 def add_arguments(

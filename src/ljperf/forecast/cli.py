@@ -116,7 +116,7 @@ def recipe_from_args(
     if args.zero_stage is not None:
         check_zero_stage(args.zero_stage)
     seq_len = spec.seq_len(args.seq_len)
-    OptimConfig(recompute=args.recompute, memory_budget=args.memory_budget)
+    cfgmod.check_budget_flags(recompute=args.recompute, memory_budget=args.memory_budget)
     precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "fp32")
     user, batch = deepspeed_config.from_args(args, engine=engine)
     warnings, zero = [], ZeroSettings()
