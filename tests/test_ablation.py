@@ -158,6 +158,8 @@ def test_ablation_report_failure_and_resume(tmp_path):
     assert mb2["speedup"]["value"] == pytest.approx(ratio) and mb2["gain"]["value"] == pytest.approx(ratio)
     assert by_name["broken"]["speedup"] is None
     report_md = (out / "report.md").read_text()
+    # The title shows what the variants change, each value (broken's refused runs hold no config).
+    assert report_md.startswith("# Ablation: torch/llama-tiny · 1 process(es) · mb 1|2 × seq 64 × accum 1 · fp32 · ")
     assert "| mb2 | --micro-batch 2 | ok ×2 |" in report_md and "## Failed runs" in report_md
     assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

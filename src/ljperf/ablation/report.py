@@ -152,12 +152,23 @@ def rows(stats: list[VariantStats]) -> tuple[list[str], list[list[str]]]:
 
 
 def title(records: list[dict]) -> str:
-    cfg = _reference(records).get("config")
+    """The runs' shared settings; one the variants change shows each value, as ``mb 1|2``."""
     repeats = max(r["ablation"]["repeat"] for r in records)
-    if not cfg:
+    configs = [r["config"] for r in sorted(records, key=_order) if r.get("config")]
+    if not configs:
         return f"ablation · {repeats} repeat(s)"
-    train = cfg["train"]
-    return f"{run_title(cfg)} · {train['steps']} steps (+{train['warmup']} warm-up) × {repeats} repeat(s)"
+
+    def values(section: str, key: str) -> str:
+        return "|".join(dict.fromkeys(str(c[section][key]) for c in configs))
+
+    cfg = {
+        "engine": {"name": values("engine", "name")},
+        "model": {"name": values("model", "name")},
+        "launch": {"world_size": values("launch", "world_size")},
+        "train": {k: values("train", k) for k in ("micro_batch", "seq_len", "grad_accum", "precision")},
+    }
+    steps = f"{values('train', 'steps')} steps (+{values('train', 'warmup')} warm-up)"
+    return f"{run_title(cfg)} · {steps} × {repeats} repeat(s)"
 
 
 def print_table(records: list[dict], stats: list[VariantStats]) -> None:
