@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -15,7 +16,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ljperf import memory, models
+from ljperf import benchmark, memory, models
 from ljperf.engines.common import causal_lm_loss
 
 from conftest import cli_env, read_record, run_ljperf
@@ -173,6 +174,38 @@ def test_runs_under_a_users_own_torchrun(tmp_path):
     assert record["env"]["world_size"] == 2 and record["results"]["status"] == "ok"
     launch = record["config"]["launch"]  # torchrun's numbers, not ljperf's flags' defaults (it said 1 per node)
     assert (launch["nproc_per_node"], launch["nnodes"], launch["world_size"]) == (2, 1, 2)
+
+
+@pytest.mark.slow
+def test_a_users_torchrun_checks_the_output_before_training(tmp_path):
+    """Rank 0 checks --output under any torchrun (it was skipped there: the run trained, then lost its record in a
+    FileNotFoundError traceback)."""
+    args = ["benchmark", *TINY, "--steps", "50", "--output", str(tmp_path / "missing" / "r.json")]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*torchrun, "-m", "ljperf", *args], capture_output=True, text=True, env=cli_env(), timeout=300
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("ljperf benchmark:")]
+    assert errors == [
+        f"ljperf benchmark: error: --output {args[-1]!r}: folder {str(tmp_path / 'missing')!r} does not exist"
+    ]
+    assert "FileNotFoundError" not in proc.stderr and "loss" not in proc.stdout
+
+
+def test_a_record_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, capsys):
+    """The folder is checked before the run; if it goes during the run, the end says so (was a traceback)."""
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    parser = argparse.ArgumentParser()
+    benchmark.add_arguments(parser)
+    argv = [*TINY, "--device", "cpu", "--steps", "1", "--warmup", "0", "--output", str(folder / "r.json")]
+    cfg = benchmark.config_from_args(parser.parse_args(argv), argv)
+    folder.rmdir()
+    assert benchmark.run_worker(cfg) == 1
+    err = capsys.readouterr().err
+    assert f"ljperf benchmark: the record could not be written to {folder / 'r.json'}: " in err
+    assert "Traceback" not in err
 
 
 def test_a_table_title_prints_on_one_line():

@@ -28,6 +28,7 @@ from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.data import SyntheticTokens
 from ljperf.engines import make_engine
 from ljperf.errors import (
+    EXIT_ERROR,
     EXIT_OK,
     EXIT_SIGINT,
     EXIT_SIGTERM,
@@ -124,7 +125,9 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
     device_type = resolve_device_type(cfg.train.device)
     cfg.train = resolve_train(cfg.train, model=spec, device_type=device_type)
     check_process_count(cfg.launch, device_type)
-    if cfg.output is not None and not under_torchrun():
+    if cfg.output is not None and os.environ.get("GROUP_RANK", "0") == "0":
+        # Rank 0's node writes it, under any launcher. All its ranks check: one blocked joining the group would
+        # not see torchrun's SIGTERM, and would hold the run 30 s until its SIGKILL.
         check_writable(cfg.output)
     if engine == "deepspeed" and not under_torchrun():
         # A contradicting DeepSpeed config fails here (exit 2), before any process starts.
@@ -206,7 +209,11 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         record["results"]["forecast"] = benchmark_forecast(run, record["results"], plan)
     if run.is_main:
         if cfg.output:
-            write_json(cfg.output, record)
+            try:
+                write_json(cfg.output, record)
+            except OSError as exc:  # checked before the run, so the disk filled or the folder went since
+                print(f"ljperf benchmark: the record could not be written to {cfg.output}: {exc}", file=sys.stderr)
+                exit_code = exit_code or EXIT_ERROR
         reporter.finished(record)
         print_result_table(record)
         if record["results"].get("forecast"):
