@@ -110,13 +110,18 @@ def test_an_oom_on_another_rank_is_the_runs_oom(tmp_path):
     """Rank 1 runs out of memory: exit 3 and an ``oom`` record naming rank 1 (it said rank 0 was killed by
     SIGTERM, the launcher's own signal, with exit 1)."""
     out = tmp_path / "r.json"
-    args = [*TINY, "--nproc-per-node", "2", "--steps", "2", "--warmup", "0", "--output", str(out)]
-    proc = start(args, tmp_path, LJPERF_FAULT="oom,step=0,rank=1")
-    _, stderr = proc.communicate(timeout=180)
+    args = [*TINY, "--nproc-per-node", "2", "--steps", "1", "--warmup", "2", "--output", str(out)]
+    proc = start(args, tmp_path, LJPERF_FAULT="oom,step=2,rank=1")  # after step 1, where memory is measured
+    stdout, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 3, stderr[-2000:]
     assert "rank 1 ran out of memory" in stderr.strip().splitlines()[-1]
     res = read_record(out)["results"]
     assert res["status"] == "oom" and "rank 1" in res["reason"]
+    # What rank 0 knew: its own peak, a forecast beside it, and no figure for the rank that failed.
+    assert res["peak_allocated_bytes_per_rank"][1] is None and res["peak_allocated_bytes_per_rank"][0] > 0
+    assert res["forecast"]["peak_allocated_bytes"] > 0 and "memory forecast" in stdout
+    # One table, the launcher's, with the run's cause (rank 0 saw only its peer vanish: a gloo error).
+    assert stdout.count("status") == 1 and "│ oom (rank 1 ran out of memory" in stdout, stdout
 
 
 def test_the_cause_is_named_before_a_rank_that_lost_its_peer_in_the_same_second():

@@ -202,8 +202,9 @@ def run_worker(cfg: BenchmarkConfig) -> int:
     if recompute is not None:
         loop = {"closed_loop": state.closed_loop} if state.closed_loop else {}
         record["results"]["recompute"] = recompute.record() | loop
-    if run.is_main and status in ("ok", "oom"):  # an OOM's record shows what the forecast expected
-        from ljperf.forecast.bench import benchmark_forecast, forecast_line
+    if run.is_main and exit_code not in (EXIT_SIGINT, EXIT_SIGTERM):
+        # A failed run's record shows what the forecast expected too (a peer's OOM reaches rank 0 as an error).
+        from ljperf.forecast.bench import benchmark_forecast
 
         plan = recompute.plan if recompute is not None else None
         record["results"]["forecast"] = benchmark_forecast(run, record["results"], plan)
@@ -215,10 +216,9 @@ def run_worker(cfg: BenchmarkConfig) -> int:
                 print(f"ljperf benchmark: the record could not be written to {cfg.output}: {exc}", file=sys.stderr)
                 exit_code = exit_code or EXIT_ERROR
         reporter.finished(record)
-        print_result_table(record)
-        if record["results"].get("forecast"):
-            print(forecast_line(record["results"]))
-        if status != "ok" and not reporter.watched:  # ljperf's launcher prints its own line
+        if status == "ok" or not reporter.watched:  # else ljperf's launcher prints it, with the failing rank's cause
+            print_result_table(record)
+        if status != "ok" and not reporter.watched:
             print(f"ljperf benchmark: {status}: {reason}", file=sys.stderr)
     if status == "ok":
         shutdown_process()
@@ -360,7 +360,7 @@ def results_section(
     """The ``results`` of the record; all ranks call it (it gathers when the run is healthy)."""
     healthy = status == "ok" and dist.is_initialized()
     losses = [float(x) for x in _mean_over_ranks(state.losses, healthy)]
-    per_rank_alloc, per_rank_reserved = _per_rank_memory(state, healthy)
+    per_rank_alloc, per_rank_reserved = _per_rank_memory(run, state, healthy)
     out: dict[str, Any] = {
         "status": status,
         "reason": reason,
@@ -416,14 +416,15 @@ def _mean_over_ranks(losses: list[torch.Tensor], healthy: bool) -> list[float]:
     return stacked.tolist()
 
 
-def _per_rank_memory(state: LoopState, healthy: bool) -> tuple[list[int | None], list[int | None]]:
+def _per_rank_memory(run: RunContext, state: LoopState, healthy: bool) -> tuple[list[int | None], list[int | None]]:
+    """One entry per rank; a failed run knows only its own (the others are None)."""
     mine = (state.peak_allocated, state.peak_reserved)
-    if healthy and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * run.world
+    if healthy and run.world > 1:
         dist.all_gather_object(gathered, mine)
     else:
-        gathered = [mine]
-    return [g[0] for g in gathered], [g[1] for g in gathered]
+        gathered[run.rank] = mine
+    return [g and g[0] for g in gathered], [g and g[1] for g in gathered]
 
 
 def results_from_progress(cfg: BenchmarkConfig, progress: Path) -> dict[str, Any]:

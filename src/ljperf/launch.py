@@ -208,7 +208,7 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
             # Refused before training, as a one-process run would be: one line, no record (cli._hand_to_launcher).
             print(f"ljperf benchmark: error: {message}", file=sys.stderr)
             return code
-        status, reason = _keep_failed_record(
+        results = _keep_failed_record(
             cfg,
             record_path=record_path,
             folder=folder,
@@ -216,9 +216,11 @@ def launch(cfg: BenchmarkConfig, *, record_from_progress: Callable[[Path], dict[
             record_from_progress=record_from_progress,
             oom=code == EXIT_OOM,
         )
-        if status == "oom":
+        if results["status"] == "oom":
             code = EXIT_OOM
-        raise RunFailed(reason + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code) from None
+        raise RunFailed(
+            results["reason"] + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code
+        ) from None
     finally:
         shutil.rmtree(folder.path, ignore_errors=True)
     return 0
@@ -232,9 +234,12 @@ def _keep_failed_record(
     reason: str,
     record_from_progress: Callable[[Path], dict[str, Any]],
     oom: bool = False,
-) -> tuple[str, str]:
+) -> dict[str, Any]:
     """Make sure a record with a failed status exists (``oom`` when a rank ran out of memory) whose reason is the
-    launcher's ``reason`` (``failure_reason``: it names the ranks' own reasons); returns that status and reason."""
+    launcher's ``reason`` (``failure_reason``: it names the ranks' own reasons); prints its table (rank 0 left it
+    to this) and returns its results."""
+    from ljperf.report import print_result_table
+
     record = None
     if record_path.exists() and folder.finished():
         record = read_json(record_path)
@@ -249,4 +254,5 @@ def _keep_failed_record(
         results["status"], results["reason"] = "error", reason
     if cfg.output:
         write_json(record_path, record)
-    return results["status"], results["reason"]
+    print_result_table(record)
+    return results

@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ljperf.forecast.bench import forecast_line
 from ljperf.launch import RunFolder
 from ljperf.units import format_bytes
 
@@ -90,7 +91,7 @@ def titled_table(title: str, **options: Any) -> Table:
 
 
 def print_result_table(record: dict) -> None:
-    """The result of a benchmark run as a table: metric, value, unit."""
+    """The result of a benchmark run as a table (metric, value, unit), then its memory forecast line."""
     res = record["results"]
     table = titled_table(run_title(record["config"]))
     table.add_column("metric")
@@ -113,6 +114,8 @@ def print_result_table(record: dict) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    if line := forecast_line(res):
+        print(line)
 
 
 def _loss_range(losses: list[float]) -> str:
