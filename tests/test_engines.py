@@ -50,7 +50,7 @@ def levels(findings: list[dsc.Finding]) -> list[str]:
 
 def test_lint_clean_config_is_all_ok():
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
-    assert levels(dsc.lint(config, world_size=2)) == ["ok"] * 5
+    assert levels(dsc.lint(config, world_size=2)) == ["ok"] * 6
 
 
 def test_lint_batch_identity_fails_with_the_numbers():
@@ -79,16 +79,39 @@ def test_lint_fails_a_train_batch_size_the_known_factors_do_not_divide():
 
 def test_settings_take_the_configs_numbers_where_no_flag_is_given():
     user = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 2}}
-    none = dict(micro_batch=None, grad_accum=None, zero_stage=None)
+    none = dict(micro_batch=None, grad_accum=None, zero_stage=None, source="my.json")
     assert dsc.settings(user, **none) == dsc.Settings(micro_batch=4, grad_accum=8, zero_stage=2)
-    given = dsc.settings(user, micro_batch=2, grad_accum=None, zero_stage=3)
+    given = dsc.settings(user, **(none | dict(micro_batch=2, zero_stage=3)))
     assert given == dsc.Settings(micro_batch=2, grad_accum=8, zero_stage=3)  # resolve then refuses 2 vs 4
     assert dsc.settings({}, **none) == dsc.Settings(micro_batch=1, grad_accum=1, zero_stage=3)
-    odd = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2.0}
-    odd["zero_optimization"] = {"stage": 0}
-    assert dsc.settings(odd, **none) == dsc.Settings(micro_batch=1, grad_accum=1, zero_stage=3)
-    with pytest.raises(UsageError, match=r"zero_optimization.stage is 0 but ljperf runs --zero-stage 3"):
-        dsc.check(dsc.merge(odd), dsc.settings(odd, **none), world=2, bf16=False, source="my.json")
+    # "auto" is the flag's default; 2.0 and "2" are read as DeepSpeed reads them, and written as numbers, with a
+    # warning (a quoted stage stood for 3, the default, and then contradicted it)
+    odd = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2.0, "bf16": {"enabled": "no"}}
+    odd["zero_optimization"] = {"stage": "2"}
+    assert dsc.settings(odd, **none) == dsc.Settings(micro_batch=1, grad_accum=2, zero_stage=2)
+    [quoted, *rest] = dsc.check(dsc.merge(odd), dsc.settings(odd, **none), world=2, bf16=False, source="my.json")
+    assert (
+        quoted.message
+        == (
+            'gradient_accumulation_steps is 2.0, read as 2; zero_optimization.stage is "2", read as 2; '
+            'bf16.enabled is "no", read as false'
+        )
+        and rest == []
+    )
+    config, _ = dsc.resolve(dsc.merge(odd), opts(micro_batch=1, zero_stage=2), source="my.json")
+    assert (config["gradient_accumulation_steps"], config["zero_optimization"]["stage"]) == (2, 2)
+    assert config["bf16"]["enabled"] is False and config["train_batch_size"] == 4
+    with pytest.raises(UsageError, match=r'zero_optimization.stage is "2" but ljperf runs --zero-stage 3'):
+        dsc.check(dsc.merge(odd), dsc.settings(odd, **none | {"zero_stage": 3}), world=2, bf16=False, source="my")
+    # A number ljperf cannot run, standing in for a flag: refused with the flag's rule (it said "ljperf runs
+    # --zero-stage 3", a flag nobody gave)
+    for stage, why in ((0, "--zero-stage 0: choose 1, 2 or 3"), ("two", 'want an integer, or "auto"')):
+        with pytest.raises(UsageError, match=f"^my.json sets zero_optimization.stage to {json.dumps(stage)}, which "):
+            dsc.settings({"zero_optimization": {"stage": stage}}, **none)
+        with pytest.raises(UsageError, match=why):
+            dsc.settings({"zero_optimization": {"stage": stage}}, **none)
+    assert [f.level for f in dsc.lint({"zero_optimization": {"stage": 7}})][-1] == "fail"  # doctor's lint too
+    assert [f.level for f in dsc.lint({"zero_optimization": {"stage": "0"}})][-1] == "ok"
 
 
 def test_lint_warns_numeric_prefetch_and_unknown_keys_and_fails_two_precisions():
@@ -98,12 +121,13 @@ def test_lint_warns_numeric_prefetch_and_unknown_keys_and_fails_two_precisions()
         "bf16": {"enabled": True},
         "fp16": {"enabled": True},
     }
-    unknown, batch, precision, prefetch, types = dsc.lint(config)
+    unknown, batch, precision, prefetch, types, stage = dsc.lint(config)
     assert unknown.level == "warn" and "train_micro_batch_size_per_gpu" in unknown.message  # the close match
     assert batch.level == "ok"
     assert precision.level == "fail" and "bf16 and fp16" in precision.message
     assert prefetch.level == "warn" and '"auto"' in prefetch.fix
     assert types.level == "ok"  # 5e7 is a number (a wrong one for this key, which prefetch names)
+    assert stage.level == "ok"
     auto = {"zero_optimization": {"stage3_prefetch_bucket_size": "auto"}}
     assert dsc.lint(auto)[3].level == "ok"
 

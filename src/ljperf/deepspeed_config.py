@@ -121,7 +121,8 @@ def _section(config: dict, key: str) -> dict:
 
 
 def lint(config: dict, *, world_size: int | None = None) -> list[Finding]:
-    """Check a DeepSpeed config: one finding per check (unknown keys, batch identity, precision, prefetch bucket).
+    """Check a DeepSpeed config: one finding per check (unknown keys, batch identity, precision, prefetch bucket,
+    JSON types, ZeRO stage).
 
     ``world_size`` is the data-parallel world size; without it the batch identity is checked up to the world
     size (``train_batch_size`` must be a multiple of micro batch × accumulation).
@@ -134,6 +135,7 @@ def lint(config: dict, *, world_size: int | None = None) -> list[Finding]:
         _precision(config),
         _prefetch(config),
         _types(config),
+        _stage(config),
     ]
 
 
@@ -223,6 +225,18 @@ def _precision(config: dict) -> Finding:
             fix='enable one: "bf16": {"enabled": true} on Ampere or newer, else fp16',
         )
     return Finding(level="ok", message="at most one of bf16/fp16 is enabled", fix="")
+
+
+def _stage(config: dict) -> Finding:
+    stage = _section(config, "zero_optimization").get("stage", AUTO)
+    read = _read(stage, 0)
+    if stage == AUTO or (read in (0, 1, 2, 3) and not isinstance(read, bool)):
+        return Finding(level="ok", message="the ZeRO stage is one DeepSpeed has", fix="")
+    return Finding(
+        level="fail",
+        message=f"zero_optimization.stage is {json.dumps(stage)}: DeepSpeed has stages 0 to 3",
+        fix="set 1, 2 or 3 (0 turns ZeRO off)",
+    )
 
 
 def _prefetch(config: dict) -> Finding:
@@ -379,29 +393,58 @@ def _path(f: Field) -> tuple[str, ...]:
     return tuple(f.metadata["deepspeed"].split("."))
 
 
-def _runs(cls: type, f: Field, number: Any) -> bool:
-    """Whether ljperf runs ``number`` as ``f``'s flag: an int its option class accepts."""
+def _read(value: Any, like: Any) -> Any:
+    """``value`` as DeepSpeed's pydantic (lax mode) reads a setting of ``like``'s type: ``"3"`` is 3 and ``"yes"``
+    true; anything else as it is."""
+    if isinstance(like, bool):
+        if isinstance(value, str):
+            return _BOOLS.get(value.strip().lower(), value)
+        return bool(value) if value in (0, 1) and not isinstance(value, bool | float) else value
+    if isinstance(value, str) and isinstance(like, int | float):
+        try:
+            return type(like)(value.strip())
+        except ValueError:
+            return value
+    if isinstance(like, int) and not isinstance(like, bool) and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+_BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def _refusal(cls: type, f: Field, number: Any) -> str | None:
+    """Why ljperf cannot run ``number`` as ``f``'s flag (an int its option class accepts), or None if it can."""
     if not isinstance(number, int) or isinstance(number, bool):
-        return False
+        return f'want an integer, or "{AUTO}"'
     try:
         cls(**{f.name: number})
-    except UsageError:
-        return False
-    return True
+    except UsageError as exc:
+        return str(exc)
+    return None
 
 
-def settings(user: dict, *, micro_batch: int | None, grad_accum: int | None, zero_stage: int | None) -> Settings:
+def settings(
+    user: dict, *, micro_batch: int | None, grad_accum: int | None, zero_stage: int | None, source: str
+) -> Settings:
     """The micro batch, accumulation and ZeRO stage of a run with the user's config ``user`` (``{}``: none): a
     flag given on the command line (not None), else the number the config holds, else ljperf's default.
 
-    A given flag that contradicts the config's number stays: ``resolve`` and ``check`` refuse it, naming both;
-    so does a number ljperf cannot run (``"stage": 0``), against the default.
+    A given flag that contradicts the config's number stays: ``resolve`` and ``check`` refuse it, naming both.
+    A number that stands in for a flag and that ljperf cannot run (``"stage": 0``) raises ``UsageError``.
     """
     given = {"micro_batch": micro_batch, "grad_accum": grad_accum, "zero_stage": zero_stage}
     values = {}
     for cls, f in _fields():
-        number = _get(user, _path(f))
-        values[f.name] = given[f.name] if given[f.name] is not None else number if _runs(cls, f, number) else f.default
+        written = _get(user, _path(f))
+        if given[f.name] is not None or written in (None, AUTO):
+            values[f.name] = f.default if given[f.name] is None else given[f.name]
+            continue
+        number = _read(written, f.default)
+        if (why := _refusal(cls, f, number)) is not None:
+            name = f.metadata["deepspeed"]
+            raise UsageError(f"{source} sets {name} to {json.dumps(written)}, which ljperf cannot run: {why}")
+        values[f.name] = number
     return Settings(**values)
 
 
@@ -411,7 +454,8 @@ def from_args(args: Any, *, engine: str) -> tuple[dict, Settings]:
     if args.deepspeed_config and engine != "deepspeed":
         raise UsageError(f"--deepspeed-config is for the deepspeed engine, not {engine}")
     user = load(args.deepspeed_config) if args.deepspeed_config else {}
-    return user, settings(user, micro_batch=args.micro_batch, grad_accum=args.grad_accum, zero_stage=args.zero_stage)
+    flags = {"micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "zero_stage": args.zero_stage}
+    return user, settings(user, **flags, source=f"--deepspeed-config {str(args.deepspeed_config)!r}")
 
 
 def resolve(config: dict, opts: Options, *, source: str) -> tuple[dict, list[Finding]]:
@@ -422,9 +466,8 @@ def resolve(config: dict, opts: Options, *, source: str) -> tuple[dict, list[Fin
     config = copy.deepcopy(config)
     lr = {("optimizer", "params", "lr"): (opts.lr, f"--lr {opts.lr:g}")}
     batch = Settings(micro_batch=opts.micro_batch, grad_accum=opts.grad_accum, zero_stage=opts.zero_stage)
-    _agree(config, _wanted(batch, bf16=opts.bf16) | lr, source=source)
+    retyped = _agree(config, _wanted(batch, bf16=opts.bf16) | lr, world=opts.world, source=source)
     fills: dict[tuple[str, ...], Any] = {
-        ("train_batch_size",): opts.micro_batch * opts.grad_accum * opts.world,
         ("gradient_clipping",): 0.0,
         ("optimizer", "params", "betas"): list(opts.betas),
         ("optimizer", "params", "eps"): opts.eps,
@@ -435,7 +478,7 @@ def resolve(config: dict, opts: Options, *, source: str) -> tuple[dict, list[Fin
     for path, value in fills.items():
         if _get(config, path) == AUTO:
             _set(config, path, value)
-    return config, _warnings(config, world=opts.world, source=source)
+    return config, retyped + _warnings(config, world=opts.world, source=source)
 
 
 def check(config: dict, batch: Settings, *, world: int, bf16: bool, source: str) -> list[Finding]:
@@ -443,10 +486,8 @@ def check(config: dict, batch: Settings, *, world: int, bf16: bool, source: str)
     that contradicts ``batch`` or the precision, and every ``fail`` finding, raise ``UsageError``; returns the
     lint's warnings."""
     config = copy.deepcopy(config)
-    _agree(config, _wanted(batch, bf16=bf16), source=source)
-    if _get(config, ("train_batch_size",)) == AUTO:
-        _set(config, ("train_batch_size",), batch.micro_batch * batch.grad_accum * world)
-    return _warnings(config, world=world, source=source)
+    retyped = _agree(config, _wanted(batch, bf16=bf16), world=world, source=source)
+    return retyped + _warnings(config, world=world, source=source)
 
 
 def _wanted(batch: Settings, *, bf16: bool) -> dict[tuple[str, ...], tuple[Any, str]]:
@@ -461,20 +502,32 @@ def _wanted(batch: Settings, *, bf16: bool) -> dict[tuple[str, ...], tuple[Any, 
     }
 
 
-def _agree(config: dict, wanted: dict[tuple[str, ...], tuple[Any, str]], *, source: str) -> None:
-    """Fill the ``"auto"`` values of ``wanted`` in ``config``; a number that differs raises ``UsageError``."""
-    mismatches = []
+def _agree(config: dict, wanted: dict[tuple[str, ...], tuple[Any, str]], *, world: int, source: str) -> list[Finding]:
+    """Fill the ``"auto"`` values of ``wanted`` in ``config``, and ``train_batch_size``'s; a number that differs
+    raises ``UsageError``. A quoted value that reads as the same (``"stage": "3"``) is written as a number (some
+    DeepSpeed reads take it as it is, and fail on it later); the returned warnings say so."""
+    mismatches, quoted = [], []
     for path, (value, flag) in wanted.items():
         current = _get(config, path)
+        if current is None:
+            continue
+        name = ".".join(path)
         if current == AUTO:
             _set(config, path, value)
-        elif current is not None and current != value:
-            name = ".".join(path)
+        elif (read := _read(current, value)) != value or isinstance(read, bool) != isinstance(value, bool):
             mismatches.append(
                 f'{name} is {json.dumps(current)} but ljperf runs {flag} (set it to "auto" or {json.dumps(value)})'
             )
+        elif type(read) is not type(current):
+            _set(config, path, value)
+            quoted.append(f"{name} is {json.dumps(current)}, read as {json.dumps(value)}")
     if mismatches:
         raise UsageError(f"{source} contradicts ljperf's options: {'; '.join(mismatches)}")
+    if _get(config, ("train_batch_size",)) == AUTO:
+        batch = wanted[("train_micro_batch_size_per_gpu",)][0] * wanted[("gradient_accumulation_steps",)][0]
+        _set(config, ("train_batch_size",), batch * world)
+    fix = "write JSON numbers and true/false without quotes"
+    return [Finding(level="warn", message="; ".join(quoted), fix=fix)] if quoted else []
 
 
 def _warnings(config: dict, *, world: int, source: str) -> list[Finding]:
