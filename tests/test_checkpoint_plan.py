@@ -89,6 +89,12 @@ def test_plan_auto_prints_the_cheapest_plan_that_fits(capsys):
     assert main(["plan", *TINY, "--gpu-memory", "1GiB", "--recompute", "auto", "--memory-budget", str(budget)]) == 0
     out = capsys.readouterr().out
     assert "recompute auto: " in out and f"(budget {format_bytes(budget)}; measured on this CPU)" in out, out
+    assert f"fits in the budget {format_bytes(budget)} (device 1.00 GiB): headroom " in out
+    # A budget above the device's memory is its own risk: a note says so
+    assert main(["plan", *TINY, "--gpu-memory", str(budget), "--recompute", "auto", "--memory-budget", "1GiB"]) == 0
+    assert (
+        f"note: the memory budget 1.00 GiB is more than the device's {format_bytes(budget)}" in capsys.readouterr().out
+    )
 
 
 def test_a_plan_that_does_not_fit_says_what_full_recompute_would_peak_at(capsys):
@@ -113,6 +119,8 @@ def test_plan_auto_nothing_fits_exits_2_with_what_would(capsys):
     rc, out, err = plan_json(capsys, *TINY, "--gpu-memory", str(forecast(spec, half).device_bytes))
     assert rc == 2
     assert out["recompute"]["fits"] is False and out["recompute"]["plan"] == ["full"] * 4
+    assert out["fits"] is False and out["max_micro_batch"] == 1  # against the budget (it said true, and 7005)
+    assert out["headroom_bytes"] == out["memory_budget_bytes"] - out["device_bytes"] < 0
     assert "would fit with --micro-batch 1" in err and err.count("\n") == 1
 
 

@@ -81,11 +81,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         recipe = recipe.with_(recompute=decision.plan)
     result = forecast(spec, recipe, device_name=device_name)
     most = recipe.with_(recompute=("full",) * spec.layers) if decision else recipe  # the most auto can save
-    best = max_micro_batch(spec, most, memory, device_name=device_name)
-    report = plan_record(spec, recipe, result, memory=memory, max_micro_batch=best, warnings=warnings)
+    budget = decision.budget_bytes if decision else None  # auto's limit: fits, headroom and the largest batch
+    best = max_micro_batch(spec, most, budget or memory, device_name=device_name)
+    report = plan_record(spec, recipe, result, memory=memory, budget=budget, max_micro_batch=best, warnings=warnings)
     if decision is not None:
         report["recompute"] = decision.record() | {"rates": rates}
         report["notes"].append("largest micro batch counted with full recompute, the most --recompute auto saves")
+        if decision.budget_bytes > memory:
+            report["notes"].append(
+                f"the memory budget {format_bytes(decision.budget_bytes)} is more than the device's "
+                f"{format_bytes(memory)}: a plan within it can still run out of memory"
+            )
     elif not report["fits"] and set(recipe.layer_modes(spec.layers)) != {"full"}:
         full = forecast(spec, recipe.with_(recompute=("full",) * spec.layers), device_name=device_name).device_bytes
         shard = "a sharding engine (fsdp/, deepspeed/)" if recipe.engine == "torch" else "more --gpus"
@@ -205,10 +211,12 @@ def plan_record(
     result: Forecast,
     *,
     memory: int,
+    budget: int | None,
     max_micro_batch: int,
     warnings: list[deepspeed_config.Finding],
 ) -> dict:
-    """The JSON object of ``ljperf plan --json``."""
+    """The JSON object of ``ljperf plan --json``: what fits is measured against ``budget`` (--recompute auto's)
+    when there is one, else against the device's ``memory``."""
     from ljperf.forecast.timeline import block_params
     from ljperf.result import SCHEMA_VERSION
 
@@ -230,8 +238,9 @@ def plan_record(
         "phase": result.phase,
         "source": result.source,
         "gpu_memory_bytes": memory,
-        "headroom_bytes": memory - result.device_bytes,
-        "fits": result.device_bytes <= memory,
+        "memory_budget_bytes": budget,
+        "headroom_bytes": (budget or memory) - result.device_bytes,
+        "fits": result.device_bytes <= (budget or memory),
         "max_micro_batch": max_micro_batch,
         "notes": result.notes,
         "warnings": [f"{f.message}; fix: {f.fix}" for f in warnings],
@@ -269,8 +278,11 @@ def print_plan(report: dict) -> None:
             f" = {format_bytes(report['device_bytes'])} on the device"
         )
     verdict = "fits" if report["fits"] else "does NOT fit"
+    where = format_bytes(report["gpu_memory_bytes"])
+    if (budget := report["memory_budget_bytes"]) is not None:
+        where = f"the budget {format_bytes(budget)} (device {where})"
     lines.append(
-        f"{verdict} in {format_bytes(report['gpu_memory_bytes'])}: headroom {format_bytes(report['headroom_bytes'])};"
+        f"{verdict} in {where}: headroom {format_bytes(report['headroom_bytes'])};"
         f" largest micro batch that fits: {report['max_micro_batch']}"
     )
     lines += [f"note: {n}" for n in report["notes"]]
