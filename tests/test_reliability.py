@@ -245,6 +245,31 @@ def test_signals_keep_a_partial_record_and_end_the_children(tmp_path, sig, code)
     assert not [p for p in workers if alive(p)]
 
 
+@pytest.mark.slow
+def test_a_signal_while_inductor_runs_the_cpp_compiler_ends_the_run(tmp_path):
+    """Inductor wraps its C++ compiler in ``except Exception`` (the CPU's vector ISA check returns False): the
+    signal's exception must not be an ``Exception``, or the run went on and exited 0 with status ok."""
+    out = tmp_path / "r.json"
+    args = [*TINY, "--compile", "--steps", "3", "--output", str(out)]
+    proc = start(args, tmp_path, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # empty: it must compile
+    deadline = time.monotonic() + 120
+    while not any(_name(pid) in ("g++", "cc1plus", "gcc", "cc") for pid in children(proc.pid)):
+        assert proc.poll() is None and time.monotonic() < deadline, "no C++ compiler ran"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "ljperf benchmark: error: interrupted by SIGTERM"
+    assert read_record(out)["results"]["reason"] == "interrupted by SIGTERM"
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def test_single_process_sigterm_keeps_the_record(tmp_path):
     out, run_dir = tmp_path / "r.json", tmp_path / "ljperf-run-single"
     run_dir.mkdir()

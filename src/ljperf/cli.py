@@ -17,7 +17,16 @@ from types import ModuleType
 from typing import NoReturn
 
 from ljperf import __version__
-from ljperf.errors import EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE, RunFailed, UsageError, interruption
+from ljperf.errors import (
+    EXIT_OK,
+    EXIT_SIGINT,
+    EXIT_SIGTERM,
+    EXIT_USAGE,
+    Interrupted,
+    RunFailed,
+    UsageError,
+    interruption,
+)
 
 EXIT_SIGPIPE = 141
 """What a shell reports for a command whose reader closed the pipe (``ljperf models --json | head``)."""
@@ -150,6 +159,9 @@ def _run_command(module: ModuleType, args: argparse.Namespace, argv: list[str]) 
         return EXIT_USAGE
     except RunFailed as exc:
         print(f"{prog}: failed: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Interrupted as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -23,9 +23,11 @@ class RunFailed(Exception):
         self.exit_code = exit_code
 
 
-class Interrupted(Exception):
+class Interrupted(KeyboardInterrupt):
     """SIGTERM or SIGINT arrived (``ljperf benchmark``'s handler raises it); the run unwinds so the partial result
-    is kept. Code that turns failures into fallbacks (compile) must let it through: see ``interruption``."""
+    is kept. Not an ``Exception``: libraries' ``except Exception`` would swallow it (inductor's check of the CPU's
+    vector ISA, around the compiler it runs, returns False instead), and the run would go on. Code that turns
+    failures into fallbacks (compile) must let a wrapped one through too: see ``interruption``."""
 
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
