@@ -207,10 +207,12 @@ def test_parser_never_tracebacks_on_invalid_values(flags, capsys):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_a_reader_that_stops_early_gets_no_traceback():
-    """``ljperf models --json | head``: the closed pipe ends the command quietly (141, as a shell reports it)."""
+@pytest.mark.parametrize("args", [["--json"], []])
+def test_a_reader_that_stops_early_gets_no_traceback(args):
+    """``ljperf models --json | head``: the closed pipe ends the command quietly (141, as a shell reports it);
+    also a table printed by rich (its console exited 1 on a closed pipe)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ljperf", "models", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-m", "ljperf", "models", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     proc.stdout.close()
     stderr = proc.stderr.read().decode()

@@ -15,8 +15,15 @@ from ljperf.forecast.bench import forecast_line
 from ljperf.launch import RunFolder
 from ljperf.units import format_bytes
 
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError  # to ljperf.cli, which exits 141 as for print() (rich's own exits 1)
+
+
 # Wide enough for the tables when output goes to a file or CI log (rich assumes 80 columns there).
-console = Console() if sys.stdout.isatty() else Console(width=140)
+console = _Console() if sys.stdout.isatty() else _Console(width=140)
 
 
 class ProgressReporter:
