@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
 
 from ljperf import models
+from ljperf.ablation import report
 from ljperf.ablation.cli import check_variant, split_argv
+from ljperf.ablation.runner import normalized
 from ljperf.ablation.stats import Spread, VariantStats, contributions
 from ljperf.ablation.variants import BUILTIN, parse_environments, parse_variants
 from ljperf.errors import UsageError
@@ -87,6 +91,54 @@ def test_variant_lists():
         parse_variants(None, ["--micro-batch 2"])
 
 
+def test_the_same_settings_written_otherwise_are_the_same_command():
+    """Resume compares the benchmark flags however they are ordered or written (``--x=y``)."""
+    given = ["--model", "torch/llama-tiny", "--seq-len", "64", "--steps", "2", "--compile", "--lr", "-1e-3"]
+    rewritten = ["--compile", "--lr=-1e-3", "--steps=2", "--seq-len", "64", "--model=torch/llama-tiny"]
+    assert normalized(given) == normalized(rewritten)
+    assert normalized(given) != normalized([*given, "--micro-batch", "2"])
+    # A flag given twice: the last one wins, so the order of its values is a setting.
+    assert normalized(["--micro-batch", "1", "--micro-batch", "2"]) != normalized(
+        ["--micro-batch=2", "--micro-batch=1"]
+    )
+    assert normalized(["--no-reshard-after-forward", "--reshard-after-forward"]) != normalized(
+        ["--reshard-after-forward", "--no-reshard-after-forward"]
+    )
+
+
+def _record(**results: object) -> dict:
+    """The smallest run record: what the report reads of it (a run that crashed before its benchmark started)."""
+    env = {"name": "local", "python": sys.executable, "prefix": sys.prefix, "versions": {}}
+    meta = {"variant": "base", "variant_index": 0, "flags": "", "repeat": 1, "environment": env}
+    meta |= {"environment_index": 0, "command": list(SHORT), "wall_s": 1.5, "log": "base.r1.log"}
+    return {"ablation": meta, "results": {"status": "error", "reason": "crashed", **results}}
+
+
+def test_a_file_that_is_not_a_run_record_is_skipped_with_a_warning(tmp_path, capsys):
+    runs = tmp_path / "runs" / "local"
+    runs.mkdir(parents=True)
+    config = {"engine": {"name": "torch"}, "model": {"name": "llama-tiny"}}
+    not_records = {
+        "junk.json": {"ablation": {}, "results": {}},
+        "no-status.json": {**_record(), "results": {}},
+        "text-figure.json": _record(status="ok", tokens_per_s="fast"),
+        "text-losses.json": _record(status="ok", losses=["nan?"]),
+        "no-environment.json": {**_record(), "ablation": {**_record()["ablation"], "environment": "local"}},
+        "short-config.json": {**_record(), "config": config},
+    }
+    for name, record in not_records.items():
+        (runs / name).write_text(json.dumps(record))
+    (runs / "damaged.json").write_text('{"trunc')
+    (runs / "base.r1.json").write_text(json.dumps(_record()))
+    assert report.load_records(tmp_path) == [_record()]
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert len(warnings) == len(not_records) + 1
+    assert all(any(name in line for line in warnings) for name in [*not_records, "damaged.json"])
+    # What a record must have is all the report reads: the smallest one renders.
+    report.render(tmp_path, [_record()], command=None)
+    assert "| base | (none) | error |" in (tmp_path / "report.md").read_text()
+
+
 def test_usage_errors_exit_2(tmp_path, monkeypatch):
     unknown = run_ljperf("ablation", *SHORT, "--variants", "base,turbo", "--out", str(tmp_path / "a"))
     assert unknown.returncode == 2 and "unknown variant 'turbo'" in unknown.stderr and "ckpt-full" in unknown.stderr
@@ -96,6 +148,9 @@ def test_usage_errors_exit_2(tmp_path, monkeypatch):
         check_variant(list(SHORT), *parse_variants(None, ["x=--micro-batch 0"]))
     with pytest.raises(UsageError, match="unrecognized arguments: --no-such-flag"):
         check_variant(list(SHORT), *parse_variants(None, ["x=--no-such-flag"]))
+    for flag in ("--help", "-h"):  # not the benchmark's help and exit 0 in the middle of an ablation
+        with pytest.raises(UsageError, match=f"variant x \\({flag}\\): unrecognized arguments: {flag}"):
+            check_variant(list(SHORT), *parse_variants(None, [f"x={flag}"]))
     # The runs start without CHECKPOINT_OPTIMIZATION, so it cannot make --memory-budget valid here either.
     monkeypatch.setenv("CHECKPOINT_OPTIMIZATION", "true")
     with pytest.raises(UsageError, match="--memory-budget is the budget of --recompute auto"):
@@ -163,10 +218,13 @@ def test_ablation_report_failure_and_resume(tmp_path):
     assert "| mb2 | --micro-batch 2 | ok ×2 |" in report_md and "## Failed runs" in report_md
     assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # Resume: nothing runs again, no record is rewritten.
+    # Resume, also with the flags reordered and written as --flag=value: nothing runs again, no record is rewritten.
     mtimes = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")}
-    again = run_ljperf("ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out))
-    assert again.returncode == 1 and "6 of 6 runs already finished" in again.stdout
+    rewritten = ["--steps=2", "--warmup", "1", "--model=torch/llama-tiny", "--seq-len", "64"]
+    rewritten += ["--variant", "mb1=--micro-batch=1", "--variant", "mb2=--micro-batch 2"]
+    rewritten += ["--variant", "broken=--memory-budget 1MiB --recompute auto", "--repeat=2"]
+    again = run_ljperf("ablation", *rewritten, "--out", str(out))
+    assert again.returncode == 1 and "6 of 6 runs already finished" in again.stdout, again.stderr
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")} == mtimes
     # A missing run (as if killed before it finished) is the only one that runs.
     (out / "runs" / "local" / "mb2.r2.json").unlink()
@@ -176,31 +234,75 @@ def test_ablation_report_failure_and_resume(tmp_path):
     # Other flags with the same folder: refused rather than mixed.
     other = run_ljperf("ablation", *SHORT, "--lr", "1e-3", *VARIANTS, "--repeat", "2", "--out", str(out))
     assert other.returncode == 2 and "--force" in other.stderr
+    # So are runs of other variants: the report would show them beside (or instead of) this command's.
+    renamed = run_ljperf("ablation", *SHORT, "--variants", "base", "--repeat", "2", "--out", str(out))
+    assert renamed.returncode == 2 and renamed.stderr.count("\n") == 1, renamed.stderr
+    assert "broken.r1: not among this command's runs" in renamed.stderr and "--force" in renamed.stderr
+    assert not list(out.glob("runs/local/base.*"))
 
-    # ljperf report rebuilds everything from the JSON.
+    # ljperf report rebuilds everything from the JSON, skipping a file that is not a run record.
     for name in ("summary.json", "report.md", "ablation.png"):
         (out / name).unlink()
+    (out / "runs" / "local" / "junk.json").write_text('{"ablation": {}, "results": {}}')
     rebuilt = run_ljperf("report", str(out))
     assert rebuilt.returncode == 0, rebuilt.stderr
+    assert "junk.json: no valid ablation.variant" in rebuilt.stdout
     assert (out / "ablation.png").exists() and "| mb2 |" in (out / "report.md").read_text()
     assert read_record(out / "summary.json")["args"] is None
 
 
 @pytest.mark.slow
-def test_timeout_is_recorded_and_force_reruns(tmp_path):
+def test_timeout_force_and_sigterm(tmp_path):
     out = tmp_path / "t"
-    args = ("ablation", *SHORT, "--variants", "base", "--repeat", "1", "--timeout", "0.5", "--out", str(out))
-    first = run_ljperf(*args)
-    assert first.returncode == 1 and "1 of 1 runs failed" in first.stderr
+    args = ("ablation", *SHORT, "--repeat", "1", "--out", str(out))
+    first = run_ljperf(*args, "--variants", "base,ckpt-full", "--timeout", "0.5")
+    assert first.returncode == 1 and "2 of 2 runs failed" in first.stderr
     path = out / "runs" / "local" / "base.r1.json"
     rec = read_record(path)
     assert rec["results"]["status"] == "timeout" and "--timeout 0.5 s" in rec["results"]["reason"]
     assert rec["ablation"]["wall_s"] < 20
     assert not list(out.glob("runs/local/.*"))  # no pending file left behind
+
+    # --force re-runs every run, and deletes those of another command (here ckpt-full, which it does not run):
+    # what ljperf report shows is this command's runs.
     before = path.stat().st_mtime_ns
-    forced = run_ljperf(*args, "--force")
+    forced = run_ljperf(*args, "--variants", "base", "--timeout", "0.5", "--force")
     assert forced.returncode == 1 and "already finished" not in forced.stdout
     assert path.stat().st_mtime_ns > before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["base.r1.json", "base.r1.log"]
+    assert [r["ablation"]["variant"] for r in report.load_records(out)] == ["base"]
+
+    # SIGTERM (a scheduler ending the job): the running benchmark is stopped, finished runs are kept, exit 143.
+    before = path.stat().st_mtime_ns
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ljperf", *args, "--variants", "base,ckpt-full"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+    )
+    child = _wait_for_child(proc.pid, b"benchmark")
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and stderr.strip() == "ljperf ablation: interrupted by SIGTERM", stderr
+    assert not Path(f"/proc/{child}").exists()  # ended and reaped by the ablation
+    assert path.stat().st_mtime_ns == before
+    assert sorted(p.name for p in path.parent.glob("*.json")) == ["base.r1.json"]  # no pending, no ckpt-full
+
+
+def _wait_for_child(pid: int, word: bytes, timeout: float = 120) -> int:
+    """The pid of a child of ``pid`` whose command line holds ``word``, once it has started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if parent == pid and word in (entry / "cmdline").read_bytes():
+                    return int(entry.name)
+            except (OSError, ValueError, IndexError):  # not a process, or one that ended meanwhile
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no child of {pid} with {word!r} in its command line after {timeout} s")
 
 
 def _venv(root: Path) -> Path:

@@ -84,7 +84,8 @@ def split_argv(argv: list[str], command: str) -> list[str]:
 
 def check_variant(shared: list[str], variant: Variant) -> benchmark.BenchmarkConfig:
     """Parse and validate the variant's benchmark command here, before any run starts."""
-    parser = _Strict(prog="ljperf benchmark", allow_abbrev=False)
+    # No help flag: a variant's --help would print the benchmark's help and end the ablation (exit 0) unnoticed.
+    parser = _Strict(prog="ljperf benchmark", allow_abbrev=False, add_help=False)
     benchmark.add_arguments(parser, environment=False)  # the runs start without CHECKPOINT_OPTIMIZATION
     try:
         args = parser.parse_args([*shared, *variant.flags])

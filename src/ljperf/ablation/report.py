@@ -47,9 +47,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def load_records(out: Path) -> list[dict[str, Any]]:
-    """Every finished run in ``out`` (pending files of unfinished runs start with a dot)."""
-    paths = sorted(p for p in out.glob("runs/*/*.json") if not p.name.startswith("."))
-    return [rec for rec in map(runner.read_record, paths) if rec is not None]
+    """Every finished run in ``out``; a file that is not a run record is skipped with a warning."""
+    return [rec for rec in map(runner.read_record, runner.record_paths(out)) if rec is not None]
 
 
 def render(out: Path, records: list[dict[str, Any]], *, command: list[str] | None) -> list[VariantStats]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import numbers
 import os
 import shlex
 import signal
@@ -22,7 +23,7 @@ from typing import Any
 from rich.markup import escape
 
 from ljperf.ablation.variants import Environment, Variant
-from ljperf.errors import UsageError
+from ljperf.errors import Interrupted, UsageError
 from ljperf.hooks import startup
 from ljperf.launch import RUN_DIR_ENV
 from ljperf.report import console
@@ -85,13 +86,31 @@ def plan(
 
 
 def run_all(runs: list[PlannedRun], *, out: Path, timeout: float, force: bool) -> list[dict[str, Any]]:
-    """Execute the plan (skipping finished runs unless ``force``); returns the records in plan order."""
-    done = [None] * len(runs) if force else [finished(run, out) for run in runs]
+    """Execute the plan (skipping finished runs unless ``force``); returns the records in plan order.
+
+    Runs in ``out`` of another command (other flags, interpreter, variants or repeats) are refused, or deleted
+    with ``force``: the folder then holds this command's runs only, and ``ljperf report`` shows what this did.
+    """
+    planned = {run.path(out): run for run in runs}
+    existing = {path: rec for path in record_paths(out) if (rec := read_record(path)) is not None}
+    stale = [path for path, rec in existing.items() if path not in planned or not same_run(rec, planned[path])]
+    if stale and not force:
+        raise UsageError(
+            f"{stale[0]} is a run of another ablation ({_describe(existing[stale[0]], planned.get(stale[0]))}); "
+            "pass --force to delete the other runs and re-run this one, or choose another --out"
+        )
+    for path in stale:
+        path.unlink()
+        path.with_suffix(".log").unlink(missing_ok=True)
+    if stale:
+        console.print(f"--force: deleted {len(stale)} run(s) of another ablation from {escape(str(out))}")
+    done = [None] * len(runs) if force else [finished(run, existing.get(run.path(out)), out) for run in runs]
     todo = [i for i, record in enumerate(done) if record is None]
     if len(todo) < len(runs):
         console.print(f"resuming {out}: {len(runs) - len(todo)} of {len(runs)} runs already finished")
     records = []
-    # SIGTERM (a scheduler ending the job) unwinds like Ctrl-C: the running benchmark is stopped, not orphaned.
+    # SIGTERM (a scheduler ending the job) unwinds like Ctrl-C: the running benchmark is stopped, not orphaned,
+    # and ljperf exits 143.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for i, run in enumerate(runs):
@@ -107,37 +126,142 @@ def run_all(runs: list[PlannedRun], *, out: Path, timeout: float, force: bool) -
     return records
 
 
-def _interrupt(_signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+def record_paths(out: Path) -> list[Path]:
+    """The run records in ``out`` (pending files of unfinished runs start with a dot)."""
+    return sorted(p for p in out.glob("runs/*/*.json") if not p.name.startswith("."))
+
+
+# What resume and the report read from a record (dotted path: type): a record edited by hand that lacks one is
+# skipped like a damaged file, not a traceback in the report.
+_REQUIRED: dict[str, type] = {
+    "ablation.variant": str,
+    "ablation.variant_index": int,
+    "ablation.flags": str,
+    "ablation.repeat": int,
+    "ablation.environment.name": str,
+    "ablation.environment.python": str,
+    "ablation.environment.versions": dict,
+    "ablation.environment_index": int,
+    "ablation.command": list,
+    "ablation.wall_s": numbers.Real,
+    "ablation.log": str,
+    "results.status": str,
+}
+# Read where present (a failed run has no figures, a crash record no config).
+_OPTIONAL: dict[str, type] = {
+    "results.tokens_per_s": numbers.Real,
+    "results.step_time_s_p50": numbers.Real,
+    "results.peak_allocated_bytes": numbers.Real,
+    "results.mfu": numbers.Real,
+    "results.losses": list,
+    "start_time": str,
+    "env": dict,
+    "config": dict,
+}
+# The shared settings the report's title shows, read from every record that has a config.
+_CONFIG = (
+    "engine.name",
+    "model.name",
+    "launch.world_size",
+    *(f"train.{key}" for key in ("micro_batch", "seq_len", "grad_accum", "precision", "steps", "warmup")),
+)
 
 
 def read_record(path: Path) -> dict[str, Any] | None:
-    """A run's record, or None for a file that is not one (damaged outside ljperf, which writes atomically)."""
+    """A run's record, or None (with a warning) for a file that is not one: damaged or edited outside ljperf,
+    which writes atomically."""
     try:
         record = read_json(path)
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(record, dict) and isinstance(record.get("ablation"), dict)
-    return record if ok and isinstance(record.get("results"), dict) else None
+        problem = _missing(record)
+    except (OSError, ValueError) as exc:
+        problem = f"unreadable: {exc}"
+    if problem is None:
+        return record
+    console.print(f"[yellow]warning[/yellow]: skipping {escape(str(path))}: {escape(problem)}")
+    return None
 
 
-def finished(run: PlannedRun, out: Path) -> dict[str, Any] | None:
-    """The record of ``run`` if an earlier invocation finished it; refuses a folder of another ablation."""
-    path = run.path(out)
-    record = read_record(path) if path.exists() else None
-    if record is None:  # none yet, or a damaged file: run it (again)
-        return None
+def _missing(record: Any) -> str | None:
+    """What ``record`` lacks of a run record, or None."""
+    for path, kind in _REQUIRED.items():
+        if not _is(_get(record, path), kind):
+            return f"no valid {path}"
+    for path, kind in _OPTIONAL.items():
+        if _get(record, path) is not None and not _is(_get(record, path), kind):
+            return f"{path} is not a {kind.__name__}"
+    if not all(isinstance(arg, str) for arg in record["ablation"]["command"]):
+        return "ablation.command is not a list of strings"
+    if not all(_is(loss, numbers.Real) for loss in record["results"].get("losses") or []):
+        return "results.losses is not a list of numbers"
+    missing = [path for path in _CONFIG if record.get("config") and _get(record["config"], path) is None]
+    return f"no config.{missing[0]}" if missing else None
+
+
+def _get(record: Any, path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(record, dict):
+            return None
+        record = record.get(key)
+    return record
+
+
+def _is(value: Any, kind: type) -> bool:
+    return isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+
+
+def normalized(command: list[str] | tuple[str, ...]) -> list[list[str]]:
+    """``command``'s flags, each with its values, ``--x=y`` split, sorted: the same settings however written.
+
+    The sort is stable, so a flag given twice (the last one wins) keeps its order, ``--no-x`` included."""
+    groups: list[list[str]] = []
+    for arg in command:
+        flag = arg.startswith("-") and not _is_number(arg)
+        if not flag and groups:
+            groups[-1].append(arg)
+        elif arg.startswith("--") and "=" in arg:
+            groups.append(arg.split("=", 1))
+        else:
+            groups.append([arg])
+    return sorted(groups, key=lambda group: group[0].removeprefix("--no-").lstrip("-"))
+
+
+def _is_number(arg: str) -> bool:
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return True
+
+
+def same_run(record: dict[str, Any], run: PlannedRun) -> bool:
+    """Whether ``record`` is a run of ``run``'s benchmark command under the same interpreter."""
     meta = record["ablation"]
-    if meta.get("command") != list(run.command) or meta.get("environment", {}).get("python") != (
-        run.environment.python
+    return normalized(meta["command"]) == normalized(run.command) and (
+        meta["environment"]["python"] == run.environment.python
+    )
+
+
+def _describe(record: dict[str, Any], run: PlannedRun | None) -> str:
+    meta = record["ablation"]
+    if run is None:
+        return f"{meta['environment']['name']}/{meta['variant']}.r{meta['repeat']}: not among this command's runs"
+    if normalized(meta["command"]) != normalized(run.command):
+        return shlex.join(meta["command"])
+    return f"under {meta['environment']['python']}"
+
+
+def finished(run: PlannedRun, record: dict[str, Any] | None, out: Path) -> dict[str, Any] | None:
+    """``run``'s record from an earlier invocation (None: run it), placed in this plan (variants may be reordered)."""
+    if record is not None and (
+        record["ablation"]["variant_index"] != run.variant_index
+        or record["ablation"]["environment_index"] != run.environment_index
     ):
-        raise UsageError(
-            f"{path} is a run of another ablation ({shlex.join(meta.get('command', []))}); "
-            "pass --force to replace the runs in that folder, or choose another --out"
-        )
-    if meta.get("variant_index") != run.variant_index or meta.get("environment_index") != run.environment_index:
-        record["ablation"] = {**meta, **run.meta()}
-        write_json(path, record)
+        record["ablation"] = {**record["ablation"], **run.meta()}
+        write_json(run.path(out), record)
     return record
 
 
