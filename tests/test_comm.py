@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from ljperf import comm
+from ljperf import config as cfgmod
 from ljperf.cli import main
 from ljperf.errors import UsageError
 
@@ -40,6 +42,12 @@ def test_sizes_and_counts():
     assert cfg.sizes == [1024, 4096, 16384, 65536, 262144, 1048576]
     assert comm.CommConfig(ops="all").op_list == list(comm.OPS)
     assert comm.CommConfig(min_bytes="1M", max_bytes="3M").sizes == [2**20, 2**21]
+    assert comm.CommConfig(max_bytes="4K").sizes == [1024, 2048, 4096]  # --min-bytes defaults to 1K
+    # --max-bytes below that default alone is one size, not exit 2 (as on the command line: the flag left out)
+    parser = argparse.ArgumentParser()
+    cfgmod.add_arguments(parser, comm.CommConfig)
+    small = cfgmod.from_args(comm.CommConfig, parser.parse_args(["--max-bytes", "5"]))
+    assert small.sizes == [5] and small.min_bytes == "5"
     # nccl-tests' sizes: the whole buffer; split ops round to a multiple of the world size.
     assert comm.element_count("all_reduce", 1000, element_size=4, world=3) == 250
     assert comm.element_count("all_gather", 1000, element_size=4, world=3) == 249
@@ -51,6 +59,7 @@ def test_sizes_and_counts():
     [
         {"ops": "allreduce"},
         {"min_bytes": "2M", "max_bytes": "1M"},
+        {"min_bytes": "1K", "max_bytes": "5"},  # a given min larger than the max is still refused
         {"min_bytes": "lots"},
         {"step_factor": 1},
         {"iters": 0},

@@ -196,9 +196,14 @@ def test_doctor_cli_deepspeed_config(tmp_path):
     warned = [c for c in record["results"]["checks"] if c["status"] == WARN]
     assert [c["check"] for c in warned] == ["deepspeed-config"]
     assert '"auto"' in warned[0]["fix"]
-    both = write_config(tmp_path, "both.json", {"bf16": {"enabled": True}, "fp16": {"enabled": True}})
-    code, record = doctor_json("--deepspeed-config", both, skip_all_but())
-    assert code == 1 and record["results"]["status"] == FAIL
+    # Two failing rows of one check: the summary names it once (it said "deepspeed-config, deepspeed-config")
+    on = {"enabled": True}
+    bad = {"bf16": on, "fp16": on, "train_batch_size": 3, "gradient_accumulation_steps": 2}
+    proc = run_ljperf("doctor", "--json", "--deepspeed-config", write_config(tmp_path, "bad.json", bad), skip_all_but())
+    record = json.loads(proc.stdout)
+    assert proc.returncode == 1 and record["results"]["status"] == FAIL
+    assert [c["check"] for c in record["results"]["checks"] if c["status"] == FAIL] == ["deepspeed-config"] * 2
+    assert proc.stderr.strip().splitlines()[-1] == "ljperf doctor: failed: deepspeed-config ×2 (see their fixes)"
 
 
 @pytest.mark.parametrize(

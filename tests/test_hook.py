@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from tests.conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
 
+from ljperf.hooks.checkpoint import REPLACES
+
 SCRIPTS = Path(__file__).parent / "scripts"
 LINE = re.compile(r"\[ljperf\] recomputing (\d+)/(\d+) layers \(selective (\d+), full (\d+)\)[^\n]*")
 
@@ -136,10 +138,33 @@ def plain_trainer(tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 def test_trainer_script_gets_the_planned_layers_and_logs_one_line(tmp_path, plain_trainer):
+    """The script's own ``gradient_checkpointing=True`` (every layer) gives way to the plan, and the line says so
+    (it was replaced silently: with a large budget no layer recomputed and nothing told)."""
     budget = budget_between_none_and_full()
-    hooked, stderr = run_script(tmp_path, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET=str(budget))
+    hooked, stderr = run_script(
+        tmp_path,
+        CHECKPOINT_OPTIMIZATION="true",
+        LJPERF_MEMORY_BUDGET=str(budget),
+        HOOK_SCRIPT_GRADIENT_CHECKPOINTING="1",
+    )
     assert_partial(*assert_planned(hooked, plain_trainer, stderr))
+    (line,) = (m[0] for m in LINE.finditer(stderr))
+    assert line.endswith(f"({REPLACES})"), line
     assert "does not fit" not in stderr
+
+
+def test_the_scripts_own_gradient_checkpointing_is_told_apart_from_a_plan():
+    from tests.scripts.tiny_llama import build
+
+    from ljperf.checkpoint.apply import apply_plan
+    from ljperf.hooks.checkpoint import _script_checkpoints
+
+    model = build()
+    assert not _script_checkpoints(model)
+    model.gradient_checkpointing_enable()
+    assert _script_checkpoints(model)
+    apply_plan(model, ("full",) * 6)  # the hook's own plan, even with every layer checkpointing
+    assert not _script_checkpoints(model)
 
 
 @pytest.mark.slow
@@ -148,6 +173,7 @@ def test_budget_nothing_fits_recomputes_every_layer_and_warns(tmp_path, plain_tr
     assert assert_planned(hooked, plain_trainer, stderr) == (6, 6)
     warning = [line for line in stderr.splitlines() if "UserWarning: [ljperf] recomputing 6/6" in line]
     assert len(warning) == 1 and "(does not fit: " in warning[0], stderr[-2000:]
+    assert REPLACES not in stderr  # the script left checkpointing off
 
 
 @pytest.mark.slow

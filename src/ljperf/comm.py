@@ -46,6 +46,7 @@ SPLIT_OPS = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Largest integer each dtype holds exactly: the check's values stay below it for small worlds.
 _EXACT_INT = {torch.float32: 2**24, torch.bfloat16: 2**8, torch.float16: 2**11}
+DEFAULT_MIN_BYTES = "1K"
 CHECK_CHUNK = 1 << 24  # elements compared at a time, so the check needs little extra memory
 
 
@@ -54,7 +55,11 @@ class CommConfig:
     """Which collectives to time, at which sizes, how often."""
 
     ops: str = opt("all", f"comma-separated collectives ({', '.join(OPS)}) or all")
-    min_bytes: str = opt("1K", "smallest message (nccl-tests -b); K/M/G are binary, KB/MB/GB decimal")
+    min_bytes: str | None = opt(
+        None,
+        f"smallest message (nccl-tests -b; default: {DEFAULT_MIN_BYTES}, or --max-bytes when smaller); "
+        "K/M/G are binary, KB/MB/GB decimal",
+    )
     max_bytes: str = opt("64M", "largest message (nccl-tests -e)")
     step_factor: int = opt(2, "multiply the size by this from --min-bytes to --max-bytes (nccl-tests -f)")
     iters: int = opt(20, "timed iterations per size (nccl-tests -n)")
@@ -73,8 +78,10 @@ class CommConfig:
         if unknown or not names:
             raise UsageError(f"--ops {self.ops!r}: choose from {', '.join(OPS)} or all")
         self.op_list = list(OPS) if "all" in names else list(dict.fromkeys(names))
-        low = parse_size(self.min_bytes, what="--min-bytes")
         high = parse_size(self.max_bytes, what="--max-bytes")
+        if self.min_bytes is None:  # a max below the default min asks for small sizes, not for an error
+            self.min_bytes = DEFAULT_MIN_BYTES if parse_size(DEFAULT_MIN_BYTES) <= high else self.max_bytes
+        low = parse_size(self.min_bytes, what="--min-bytes")
         if low > high:
             raise UsageError(f"--min-bytes {self.min_bytes} is larger than --max-bytes {self.max_bytes}")
         if self.step_factor < 2:

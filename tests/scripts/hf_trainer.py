@@ -2,6 +2,8 @@
 
 Run: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=20MiB python tests/scripts/hf_trainer.py OUT_DIR``.
 Prints the losses, which layers checkpoint, their MLP calls per step, and whether ljperf was imported (one JSON line).
+``HOOK_SCRIPT_GRADIENT_CHECKPOINTING=1`` sets ``TrainingArguments(gradient_checkpointing=True)``, which the hook's
+plan replaces.
 ``HOOK_SCRIPT_DEVICE=cuda`` trains on the GPU (``benchmarks/gpu_session.sh``); the tests run it on CPU.
 """
 
@@ -25,6 +27,7 @@ def main() -> None:
         save_strategy="no",
         seed=0,
         dataloader_num_workers=0,
+        gradient_checkpointing=os.environ.get("HOOK_SCRIPT_GRADIENT_CHECKPOINTING") == "1",
     )
     trainer = Trainer(model=model, args=args, train_dataset=data)
     calls = count_mlp_calls(model)

@@ -95,8 +95,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         print_table(rows, status)
     if failed := [r.check for r in rows if r.status == FAIL]:
-        raise RunFailed(f"{', '.join(failed)} (see {'its' if len(failed) == 1 else 'their'} fix)")
+        raise RunFailed(failure_line(failed))
     return EXIT_OK
+
+
+def failure_line(failed: list[str]) -> str:
+    """The failed checks, each named once (``deepspeed-config ×2`` when it failed on two rows)."""
+    counts = Counter(failed)
+    names = ", ".join(name if n == 1 else f"{name} ×{n}" for name, n in counts.items())
+    return f"{names} (see {'its fix' if len(failed) == 1 else 'their fixes'})"
 
 
 def _devices() -> list[str]:

@@ -5,7 +5,8 @@ Run: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=70GiB python train.py``
 ``Trainer.__init__``, ``deepspeed.initialize`` and FSDP2's ``fully_shard`` (when called on an HF model, the
 root) are patched when imported; they attach a forward pre-hook to the model that plans from the first
 training batch's shape (and again when a batch is larger), applies the plan before that forward and logs one
-line. Ranks plan with rank 0's budget and device rates; under ZeRO-3 every rank plans for the largest batch
+line; a script's own gradient checkpointing (``gradient_checkpointing=True``) is replaced by the plan, and the
+line says so. Ranks plan with rank 0's budget and device rates; under ZeRO-3 every rank plans for the largest batch
 of any rank, so all run one plan (``_agreed``). The second training step's peak is measured and, when it
 misses the forecast, the plan is corrected once (the closed loop, ``_Planner``): under ZeRO-3 from the largest
 peak of any rank, elsewhere by each rank from its own. When even full recompute cannot fit, every layer
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # the hook imports ljperf's planning code only when it plans
     from ljperf.models import ModelSpec
 
 PREFIX = "[ljperf]"
+REPLACES = "replaces the script's gradient_checkpointing=True"
 
 
 def register() -> None:
@@ -241,13 +243,15 @@ class _Planner:
         )
         if _agreed(self.setup):
             decision = shared_from_rank0(decision)
+        replaces = self.decision is None and _script_checkpoints(self.model)
         apply_plan(self.model, decision.plan)
         self.decision, self.shape = decision, shape
+        line = prefix + decision.line() + (f" ({REPLACES})" if replaces else "")
         if decision.fits is False:
             if _is_main():
-                warnings.warn(f"{PREFIX} {prefix}{decision.line()}", stacklevel=3)
+                warnings.warn(f"{PREFIX} {line}", stacklevel=3)
         else:
-            log(prefix + decision.line(), rank_local=rank_local)
+            log(line, rank_local=rank_local)
 
     def measure(self, shape: tuple[int, int], device: torch.device) -> None:
         """Open the window at the second step's first training forward, widen it to each forward's batch, and
@@ -327,6 +331,17 @@ class _Window:
             self.tracker.__exit__(None, None, None)
             self.peak, self.tracker = self.tracker.peak, None
         return cuda_peaks(self.device)[0] if self.device.type == "cuda" else self.peak
+
+
+def _script_checkpoints(model: torch.nn.Module) -> bool:
+    """Whether the script turned HF gradient checkpointing on itself (``TrainingArguments(gradient_checkpointing=
+    True)``, ``model.gradient_checkpointing_enable()``): a layer checkpoints that no ljperf plan set."""
+    from ljperf.checkpoint.apply import find_blocks
+
+    return any(
+        getattr(block, "gradient_checkpointing", False) and not hasattr(block, "_ljperf_recompute")
+        for block in find_blocks(model)
+    )
 
 
 def _batch_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
