@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from ljperf import config as cfgmod
 from ljperf import deepspeed_config, hardware, memory, models
+from ljperf.checkpoint import parse_recompute
+from ljperf.checkpoint.apply import fixed_plan
 from ljperf.checkpoint.solver import close_the_loop, prepare_run
 from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.data import SyntheticTokens
@@ -85,6 +87,8 @@ class BenchmarkConfig:
                 f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{self.model.name}"
             )
         cfgmod.check_budget_flags(recompute=optim.recompute, memory_budget=optim.memory_budget)
+        if (plan := parse_recompute(optim.recompute)) != "auto":
+            fixed_plan(plan, self.model.layers)  # one that does not match the model fails here, not in every rank
         if optim.compile_mode != "off" and self.train.warmup < 1:
             raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
 
