@@ -129,8 +129,13 @@ def test_injected_oom_is_recorded_with_exit_3(tmp_path):
     proc = run_ljperf("benchmark", *TINY, "--steps", "3", "--output", str(out), env=cli_env(LJPERF_FAULT="oom,step=3"))
     assert proc.returncode == 3
     assert "Traceback" not in proc.stderr
-    res = read_record(out)["results"]
+    record = read_record(out)
+    jsonschema.validate(record, schema())
+    res = record["results"]
     assert res["status"] == "oom" and res["steps_completed"] == 0
+    # No step timed: every figure a finished run has, each null (the mean, HFU and the peak used were missing)
+    figures = ("step_time_s_p50", "step_time_s_mean", "tokens_per_s", "tflops_per_device", "mfu", "hfu")
+    assert all(res[key] is None for key in (*figures, "peak_tflops_per_device"))
     # The forecast is kept beside the peak measured before the OOM (step 2, untimed).
     assert abs(res["forecast"]["error_pct"]) < 5
     assert "memory forecast" in proc.stdout

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from ljperf.errors import (
 from ljperf.faults import Fault
 from ljperf.hooks import startup
 from ljperf.launch import RunFolder
-from ljperf.metrics import throughput
+from ljperf.metrics import Throughput, throughput
 from ljperf.models import ModelSpec
 from ljperf.report import ProgressReporter, print_result_table
 from ljperf.result import check_writable, record_header, write_json
@@ -377,16 +377,8 @@ def results_section(
         "peak_reserved_bytes_per_rank": per_rank_reserved,
         "memory_method": state.memory_method,
     }
-    figures = dict.fromkeys(
-        (
-            "tokens_per_s",
-            "tokens_per_s_per_device",
-            "step_time_s_p50",
-            "step_time_s_p90",
-            "tflops_per_device",
-            "mfu",
-        )
-    )
+    # A run that timed no step has every figure, each null (it lacked the mean, HFU and the peak used).
+    figures: dict[str, Any] = dict.fromkeys([f.name for f in fields(Throughput)] + ["peak_tflops_per_device"])
     if state.step_times:
         train = cfg.train
         # The peak table holds dense bf16 figures: no MFU for fp32 or CPU unless --peak-tflops says.
@@ -401,8 +393,7 @@ def results_section(
                 recompute_flops_per_token=recompute_flops_per_token,
                 peak_tflops=peak,
             )
-        )
-        out["peak_tflops_per_device"] = peak
+        ) | {"peak_tflops_per_device": peak}
     if cfg.optim.compile_mode != "off":
         from ljperf.compile import session
 
