@@ -6,6 +6,7 @@ import pytest
 from tests.conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
 
 from ljperf import models
+from ljperf.checkpoint.solver import Decision
 from ljperf.forecast import Recipe, forecast
 
 SHAPE = ("--seq-len", "512", "--micro-batch", "2")
@@ -72,3 +73,15 @@ def test_closed_loop_replans_from_the_measured_peak(tmp_path):
     assert runs["auto"]["peak_allocated_bytes"] == runs["plain"]["peak_allocated_bytes"]
     assert runs["auto"]["losses"] == runs["plain"]["losses"]
     assert "closed loop: measured" in stdout["auto"]
+
+
+def test_the_plan_line_gives_each_size_a_unit_that_suits_it():
+    """``forecast 21.3 of 0.0 MiB`` (a 1 KiB budget) and ``0.0 of 22.4 GiB`` said nothing."""
+
+    def line(forecast: float, budget: int) -> str:
+        return Decision(plan=("full",), budget_bytes=budget, forecast_bytes=forecast, fits=True).line()
+
+    assert line(71.2 * 1024**3, 72 * 1024**3).endswith("forecast 71.2 of 72.0 GiB")
+    assert line(5 * 1024**2, 200 * 1024**2).endswith("forecast 5.0 of 200.0 MiB")
+    assert line(int(21.3 * 1024**2), 1024).endswith("forecast 21.30 MiB of 1.00 KiB")
+    assert line(20 * 1024, int(22.4 * 1024**3)).endswith("forecast 20.00 KiB of 22.40 GiB")

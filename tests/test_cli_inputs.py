@@ -85,7 +85,7 @@ CASES = [
     (
         ["plan", "--model", "fsdp/llama-tiny", "--gpus", "2", "--device", "cpu", *["--seq-len", "32"], *AUTO_1MIB],
         {},
-        "nothing tried fits (4 processes, 8 processes)",  # ranks on a CPU are not GPUs
+        "full recompute does not fit with 4 processes or 8 processes either",  # ranks on a CPU are not GPUs
     ),
     (["plan", *TINY, "--device", "cpu", "--micro-batch", "99999999999"], {}, "--micro-batch must be larger than zero"),
     (["plan", "--model", "torch/llama-tiny", "--micro-batch", "0"], {}, "--micro-batch"),

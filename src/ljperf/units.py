@@ -44,11 +44,22 @@ def parse_memory(text: str, *, what: str) -> int:
     return value
 
 
+_BINARY = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+
+
 def format_bytes(n: float | None) -> str:
     """Human-readable binary size, e.g. ``1.50 GiB``; ``-`` for None."""
     if n is None:
         return "-"
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+    for unit, scale in _BINARY:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def format_part(part: float, whole: float) -> str:
+    """``71.2 of 72.0 GiB``; ``21.30 MiB of 1.00 KiB`` when one unit does not suit both."""
+    unit, scale = next(((u, s) for u, s in _BINARY if abs(whole) >= s), ("B", 1))
+    if format_bytes(part).endswith(f" {unit}"):
+        return f"{part / scale:.1f} of {whole / scale:.1f} {unit}"
+    return f"{format_bytes(part)} of {format_bytes(whole)}"

@@ -26,7 +26,7 @@ from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import SAVE_OPS, Plan, fixed_plan, summary
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Forecast, Recipe
-from ljperf.units import format_bytes, parse_memory
+from ljperf.units import format_bytes, format_part, parse_memory
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -38,7 +38,6 @@ T = TypeVar("T")
 BUDGET_ENV = "LJPERF_MEMORY_BUDGET"
 GPU_MARGIN = 0.10
 """Share of a GPU's memory the default budget leaves free (CUDA context, NCCL buffers, fragmentation)."""
-GiB = 1024**3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,9 +67,7 @@ class Decision:
         """``recomputing 12/32 layers (selective 4, full 8): forecast 71.2 of 72.0 GiB``."""
         if self.budget_bytes is None or self.forecast_bytes is None:
             return f"recomputing {summary(self.plan)}"
-        unit, scale = ("GiB", GiB) if self.budget_bytes >= GiB else ("MiB", 1024**2)
-        forecast, budget = self.forecast_bytes / scale, self.budget_bytes / scale
-        text = f"recomputing {summary(self.plan)}: forecast {forecast:.1f} of {budget:.1f} {unit}"
+        text = f"recomputing {summary(self.plan)}: forecast {format_part(self.forecast_bytes, self.budget_bytes)}"
         return text if self.fits else f"{text} (does not fit: {'; '.join(self.advice)})"
 
     def record(self) -> dict:
@@ -381,8 +378,10 @@ def advice(recipe: Recipe, budget: int, full_peak: Callable[[Recipe], int]) -> l
     fitting = [text for text, r in options if full_peak(r) <= budget]
     if fitting:
         return [f"would fit with {text}" for text in fitting]
-    tried = ", ".join(text for text, _ in options)
-    return [f"nothing tried fits ({tried})" if tried else "only a larger memory budget would fit"]
+    if not options:
+        return ["only a larger memory budget would fit"]
+    *most, last = [text for text, _ in options]
+    return [f"full recompute does not fit with {', '.join(most) + ' or ' if most else ''}{last} either"]
 
 
 def alternatives(recipe: Recipe) -> list[tuple[str, Recipe]]:
