@@ -75,6 +75,7 @@ CASES = [
     (["benchmark", *TINY, "--memory-budget", "1GiB"], {}, "--memory-budget is the budget of --recompute auto"),
     (["benchmark", *TINY, "--deepspeed-config", "{bad}"], {}, "for the deepspeed engine"),
     (["benchmark", "--model-config", "/nonexistent/config.json"], {}, "no such file"),
+    (["plan", "--model-config", "{folder}"], {}, "is a folder, and its config.json: no such file"),
     (["benchmark"], {}, "exactly one of --model"),
     (["plan", "--model", "torch/nope"], {}, "unknown model"),
     (["plan", "--model", "torch/llama-tiny", "--deepspeed-config", "{bad}"], {}, "for the deepspeed engine"),

@@ -59,10 +59,10 @@ def read_config_dict(*, name: str | None = None, path: str | Path | None = None)
         text = resources.files("ljperf").joinpath("catalog", f"{name}.json").read_text()
         return json.loads(text)
     assert path is not None
-    p = Path(path)
+    p, what = Path(path), f"--model-config {str(path)!r}"
     if p.is_dir():
-        p = p / "config.json"
-    return read_json_object(p, what=f"--model-config {str(path)!r}")
+        p, what = p / "config.json", f"{what} is a folder, and its config.json"
+    return read_json_object(p, what=what)
 
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
