@@ -364,7 +364,7 @@ def test_plan_output_keeps_each_note_on_one_line_and_zero_for_deepspeed(capsys):
     assert recipe["zero_stage"] == 3 and recipe["zero"]["prefetch_bucket_size"] == 50_000_000
 
 
-def test_calibration_fits_scale_and_offset(tmp_path):
+def test_calibration_fits_scale_and_offset(tmp_path, monkeypatch, capsys):
     def record(predicted: int, measured: int) -> dict:
         return {
             "env": {"devices": ["NVIDIA H200"]},
@@ -386,6 +386,15 @@ def test_calibration_fits_scale_and_offset(tmp_path):
     assert fitted.scale == pytest.approx(1.1) and fitted.offset == 500
     assert fitted.reserved_scale == pytest.approx(1.1, rel=1e-3)
     assert calibrate.load(tmp_path / "calibration.json")["NVIDIA H200"].samples == 2
+    # The command: --json prints what it fitted (it printed the text lines); a --model is refused, not ignored
+    monkeypatch.setenv("LJPERF_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["plan", "--calibrate", *paths, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["devices"]["NVIDIA H200"]["offset"] == 500 and out["saved_to"] == str(
+        tmp_path / "cache" / "calibration.json"
+    )
+    assert main(["plan", "--calibrate", *paths, "--model", "torch/llama3-8b"]) == 2
+    assert "it takes no --model" in capsys.readouterr().err
 
 
 WORKER = os.path.join(os.path.dirname(__file__), "scripts", "engines_worker.py")

@@ -67,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``ljperf plan``."""
     if args.calibrate:
+        if args.model or args.model_config:
+            raise UsageError("--calibrate fits the GPUs of the records it reads: it takes no --model or --model-config")
         return calibrate_command(args)
     from ljperf.forecast.api import forecast
 
@@ -296,6 +298,10 @@ def calibrate_command(args: argparse.Namespace) -> int:
     from ljperf.forecast.calibrate import calibrate, calibration_path
 
     fitted = calibrate(args.calibrate)
+    if args.json:
+        devices = {name: asdict(terms) for name, terms in fitted.items()}
+        print(json.dumps({"kind": "calibration", "saved_to": str(calibration_path()), "devices": devices}, indent=2))
+        return 0
     for name, terms in fitted.items():
         print(
             f"{name}: scale {terms.scale:.4f}, offset {format_bytes(terms.offset)}, "
