@@ -222,6 +222,7 @@ def test_a_hung_rank_ends_the_run_after_the_timeout(tmp_path):
     assert "Traceback" not in stdout + stderr, stdout[-3000:]  # gloo's error quotes "[/path.cc:N]": not markup
     last = stderr.strip().splitlines()[-1]
     assert "rank" in last and "timed out" in last.lower(), last
+    assert "still running when it timed out, so maybe hung: rank 1" in last  # rank 0 waited; rank 1 slept
     res = read_record(out)["results"]
     assert res["status"] == "error" and res["steps_completed"] >= 1 and "timed out" in res["reason"].lower()
     time.sleep(1)

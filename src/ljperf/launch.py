@@ -135,7 +135,13 @@ def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[
     # Out of memory, and a usage error only a rank could find (a recompute plan that cannot fit), keep their codes.
     code = failure.exitcode if failure.exitcode in (EXIT_OOM, EXIT_USAGE) else EXIT_ERROR
     if rank in left:
-        return f"rank {rank} {how}: {left[rank][1]}", code
+        reason = f"rank {rank} {how}: {left[rank][1]}"
+        # A collective that timed out names the rank that waited; the ranks the agent had to end were still in
+        # the run, and one of them is what it waited for.
+        waiting = [str(r) for r, f in sorted(exc.failures.items()) if f.exitcode in ended and r != rank]
+        if "timed out" in left[rank][1].lower() and waiting:
+            reason += f"; still running when it timed out, so maybe hung: rank {', '.join(waiting)}"
+        return reason, code
     # A rank killed outright said nothing: what the first rank that did say (often that it lost its peer).
     said = sorted((when, r, why) for r, (when, why) in left.items())
     return f"rank {rank} {how}" + (f"; rank {said[0][1]} reported {said[0][2]}" if said else ""), code
