@@ -11,6 +11,8 @@ repeats), and of the fastest step seen by each (robust when other jobs share the
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import statistics
 import tempfile
 import time
@@ -45,9 +47,12 @@ def ljperf_run(name: str, *, micro_batch: int, seq_len: int, warmup: int, steps:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         argv = ["benchmark", "--model", f"torch/{name}", "--micro-batch", str(micro_batch), "--seq-len", str(seq_len)]
-        argv += ["--warmup", str(warmup), "--steps", str(steps), "--output", str(out)]
-        if cli.main(argv) != 0:
-            raise SystemExit("ljperf benchmark failed")
+        argv += ["--warmup", str(warmup), "--steps", str(steps), "--device", "cpu", "--output", str(out)]
+        shown = io.StringIO()
+        with contextlib.redirect_stdout(shown):  # its own table: only the step times are compared here
+            code = cli.main(argv)
+        if code != 0:
+            raise SystemExit(f"ljperf benchmark failed (exit {code}):\n{shown.getvalue()}")
         return read_json(out)["results"]["step_times_s"]
 
 
