@@ -19,6 +19,7 @@ import datetime
 import gc
 import re
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -62,7 +63,9 @@ def measure(run: RunContext) -> tuple[int, int | None] | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--models", help=f"comma-separated catalog names (default: {MODELS['cuda']} on cuda)")
+    parser.add_argument(
+        "--models", help=f"comma-separated catalog names (default: {MODELS['cuda']} on cuda, {MODELS['cpu']} on cpu)"
+    )
     parser.add_argument("--recompute", choices=("none", "full"), default="none")
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
@@ -118,7 +121,7 @@ def main() -> None:
                 record = {
                     "kind": "forecast_gpu",
                     "env": env,
-                    "config": {"model": {"name": name}, "train": {"device": args.device}, "recipe": vars(recipe)},
+                    "config": {"model": {"name": name}, "train": {"device": args.device}, "recipe": asdict(recipe)},
                     "results": {
                         "status": "ok",
                         "peak_allocated_bytes": measured[0],
