@@ -47,19 +47,22 @@ def parse_memory(text: str, *, what: str) -> int:
 _BINARY = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 
 
+def _unit(n: float) -> tuple[str, int]:
+    """The largest binary unit ``n`` is at least one of (bytes below 1 KiB)."""
+    return next(((unit, scale) for unit, scale in _BINARY if abs(n) >= scale), ("B", 1))
+
+
 def format_bytes(n: float | None) -> str:
     """Human-readable binary size, e.g. ``1.50 GiB``; ``-`` for None."""
     if n is None:
         return "-"
-    for unit, scale in _BINARY:
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+    unit, scale = _unit(n)
+    return f"{int(n)} B" if unit == "B" else f"{n / scale:.2f} {unit}"
 
 
 def format_part(part: float, whole: float) -> str:
     """``71.2 of 72.0 GiB``; ``21.30 MiB of 1.00 KiB`` when one unit does not suit both."""
-    unit, scale = next(((u, s) for u, s in _BINARY if abs(whole) >= s), ("B", 1))
-    if format_bytes(part).endswith(f" {unit}"):
-        return f"{part / scale:.1f} of {whole / scale:.1f} {unit}"
-    return f"{format_bytes(part)} of {format_bytes(whole)}"
+    if _unit(part) != (unit_scale := _unit(whole)):
+        return f"{format_bytes(part)} of {format_bytes(whole)}"
+    unit, scale = unit_scale
+    return f"{part / scale:.1f} of {whole / scale:.1f} {unit}"
