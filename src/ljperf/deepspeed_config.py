@@ -466,7 +466,8 @@ def resolve(config: dict, opts: Options, *, source: str) -> tuple[dict, list[Fin
     config = copy.deepcopy(config)
     lr = {("optimizer", "params", "lr"): (opts.lr, f"--lr {opts.lr:g}")}
     batch = Settings(micro_batch=opts.micro_batch, grad_accum=opts.grad_accum, zero_stage=opts.zero_stage)
-    retyped = _agree(config, _wanted(batch, bf16=opts.bf16) | lr, world=opts.world, source=source)
+    retyped = _agree(config, _wanted(batch, bf16=opts.bf16) | lr, source=source)
+    _fill_train_batch(config, batch, world=opts.world)
     fills: dict[tuple[str, ...], Any] = {
         ("gradient_clipping",): 0.0,
         ("optimizer", "params", "betas"): list(opts.betas),
@@ -486,7 +487,8 @@ def check(config: dict, batch: Settings, *, world: int, bf16: bool, source: str)
     that contradicts ``batch`` or the precision, and every ``fail`` finding, raise ``UsageError``; returns the
     lint's warnings."""
     config = copy.deepcopy(config)
-    retyped = _agree(config, _wanted(batch, bf16=bf16), world=world, source=source)
+    retyped = _agree(config, _wanted(batch, bf16=bf16), source=source)
+    _fill_train_batch(config, batch, world=world)
     return retyped + _warnings(config, world=world, source=source)
 
 
@@ -502,10 +504,10 @@ def _wanted(batch: Settings, *, bf16: bool) -> dict[tuple[str, ...], tuple[Any, 
     }
 
 
-def _agree(config: dict, wanted: dict[tuple[str, ...], tuple[Any, str]], *, world: int, source: str) -> list[Finding]:
-    """Fill the ``"auto"`` values of ``wanted`` in ``config``, and ``train_batch_size``'s; a number that differs
-    raises ``UsageError``. A quoted value that reads as the same (``"stage": "3"``) is written as a number (some
-    DeepSpeed reads take it as it is, and fail on it later); the returned warnings say so."""
+def _agree(config: dict, wanted: dict[tuple[str, ...], tuple[Any, str]], *, source: str) -> list[Finding]:
+    """Fill the ``"auto"`` values of ``wanted`` in ``config``; a number that differs raises ``UsageError``. A
+    quoted value that reads as the same (``"stage": "3"``) is written as a number (some DeepSpeed reads take it as
+    it is, and fail on it later); the returned warnings say so."""
     mismatches, quoted = [], []
     for path, (value, flag) in wanted.items():
         current = _get(config, path)
@@ -523,11 +525,13 @@ def _agree(config: dict, wanted: dict[tuple[str, ...], tuple[Any, str]], *, worl
             quoted.append(f"{name} is {json.dumps(current)}, read as {json.dumps(value)}")
     if mismatches:
         raise UsageError(f"{source} contradicts ljperf's options: {'; '.join(mismatches)}")
-    if _get(config, ("train_batch_size",)) == AUTO:
-        batch = wanted[("train_micro_batch_size_per_gpu",)][0] * wanted[("gradient_accumulation_steps",)][0]
-        _set(config, ("train_batch_size",), batch * world)
     fix = "write JSON numbers and true/false without quotes"
     return [Finding(level="warn", message="; ".join(quoted), fix=fix)] if quoted else []
+
+
+def _fill_train_batch(config: dict, batch: Settings, *, world: int) -> None:
+    if _get(config, ("train_batch_size",)) == AUTO:
+        _set(config, ("train_batch_size",), batch.micro_batch * batch.grad_accum * world)
 
 
 def _warnings(config: dict, *, world: int, source: str) -> list[Finding]:
