@@ -419,7 +419,7 @@ def _per_rank_memory(run: RunContext, state: LoopState, healthy: bool) -> tuple[
         dist.all_gather_object(gathered, mine)
     else:
         gathered[run.rank] = mine
-    return [g and g[0] for g in gathered], [g and g[1] for g in gathered]
+    return [None if g is None else g[0] for g in gathered], [None if g is None else g[1] for g in gathered]
 
 
 def results_from_progress(cfg: BenchmarkConfig, progress: Path) -> dict[str, Any]:
