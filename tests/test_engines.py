@@ -16,6 +16,7 @@ import pytest
 from ljperf import benchmark
 from ljperf import deepspeed_config as dsc
 from ljperf.errors import UsageError
+from ljperf.models import read_config_dict
 from ljperf.runtime import free_port
 
 from conftest import cli_env, read_record, run_ljperf
@@ -29,6 +30,8 @@ ENGINES = {
     "zero1": "--model deepspeed/qwen-tiny --zero-stage 1",
     "zero2": "--model deepspeed/qwen-tiny --zero-stage 2",
     "zero3": "--model deepspeed/qwen-tiny --zero-stage 3 --deepspeed-config {prefetch}",
+    # The catalog's real models say "torch_dtype": "bfloat16"; ljperf still trains fp32 master weights.
+    "fsdp-bf16-config": "--model-config {bf16_config} --engine fsdp",
 }
 PARAMS = 1_001_600  # qwen-tiny, the tied weight counted once
 
@@ -192,7 +195,11 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("engines")
     prefetch = out / "prefetch.json"
     prefetch.write_text(json.dumps({"zero_optimization": {"stage3_prefetch_bucket_size": 50_000_000}}))
-    specs = [f"{name}={args.format(prefetch=prefetch)} {COMMON}" for name, args in ENGINES.items()]
+    bf16_config = out / "qwen-tiny-bf16.json"
+    bf16_config.write_text(json.dumps({**read_config_dict(name="qwen-tiny"), "torch_dtype": "bfloat16"}))
+    specs = [
+        f"{name}={args.format(prefetch=prefetch, bf16_config=bf16_config)} {COMMON}" for name, args in ENGINES.items()
+    ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER), str(out), *specs]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cli_env(), check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -213,7 +220,7 @@ def test_losses_of_all_engines_agree(runs):
 @pytest.mark.slow
 def test_fsdp_and_zero3_hold_half_of_the_parameters_per_rank(runs):
     records, _ = runs
-    for name in ("fsdp", "zero3"):
+    for name in ("fsdp", "fsdp-bf16-config", "zero3"):
         assert records[name]["config"]["engine"]["local_params"] == pytest.approx(PARAMS / 2, rel=0.01), name
     for name in ("zero1", "zero2"):  # parameters replicated; only optimizer states (and gradients) partitioned
         assert records[name]["config"]["engine"]["local_params"] == PARAMS

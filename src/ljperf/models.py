@@ -246,7 +246,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def build_meta(spec: ModelSpec, *, attn_implementation: str | None = None) -> torch.nn.Module:
-    """The model with parameters on the meta device and real (CPU) buffers such as RoPE frequencies."""
+    """The model with fp32 parameters on the meta device and real (CPU) buffers such as RoPE frequencies."""
+    import torch
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -254,8 +255,10 @@ def build_meta(spec: ModelSpec, *, attn_implementation: str | None = None) -> to
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     config.use_cache = False
+    # fp32 master weights whatever the config's dtype (the catalog's real models say bfloat16): every engine and
+    # the forecast's trace take their dtype from here; bf16 compute is the engines' mixed precision.
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     model.tie_weights()  # transformers 5 ties only in from_pretrained
     model._ljperf_built = True  # ljperf's runs plan recompute through --recompute; the startup hook keeps off
     return model

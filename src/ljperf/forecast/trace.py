@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
 TRACE_LAYERS = 3
 FAMILIES = {
     "b1": ((1, 32), (1, 64), (1, 96), (1, 128)),
