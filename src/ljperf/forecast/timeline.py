@@ -8,11 +8,21 @@ communication buffers) is the base level, computed from the parameter counts.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ljperf import models
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
-from ljperf.forecast.trace import Patterns, architecture_key, cache_dir, cached
+from ljperf.forecast.trace import (
+    EDGES,
+    TRACE_LAYERS,
+    Patterns,
+    TraceError,
+    architecture_key,
+    cache_dir,
+    cached,
+    peak_and_net,
+)
 
 FP32 = 4
 TOKEN_BYTES = 8  # int64 token ids
@@ -389,13 +399,34 @@ class _Grads:
         walk.level -= made - kept
 
 
+def edge_values(patterns: dict[str, Patterns], modes: tuple[str, ...], b: int, s: int) -> dict[str, tuple[int, int]]:
+    """The edge segments of ``modes[0]``'s trace, with what each layer leaves to them (``Patterns.per_layer``)
+    counted for the plan's layers in their own modes instead of the traced copy's ``TRACE_LAYERS``."""
+    first = patterns[modes[0]]
+    counts = Counter(modes)
+    counts[modes[0]] -= TRACE_LAYERS
+    out = {}
+    for name in first.segments:
+        if name.split("@")[0] not in EDGES:
+            continue
+        values = first.points(name, b, s)
+        for mode, count in counts.items():
+            if count and name in patterns[mode].per_layer:
+                share = patterns[mode].points(name, b, s, per_layer=True)
+                if len(share) != len(values):
+                    raise TraceError(f"segment {name} runs other ops in recompute modes {modes[0]} and {mode}")
+                values = [v + count * d for v, d in zip(values, share, strict=True)]
+        out[name] = peak_and_net(values)
+    return out
+
+
 def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns]) -> Forecast:
     """The forecast of ``recipe`` from the traced patterns of each recompute mode it uses."""
     blocks = block_params(spec)
     shard = engine_sharding(spec, recipe)
     modes = recipe.layer_modes(spec.layers)
     values = {mode: pats.evaluate(recipe.micro_batch, recipe.seq_len) for mode, pats in patterns.items()}
-    edge = values[modes[0]]
+    edge = edge_values(patterns, modes, recipe.micro_batch, recipe.seq_len)
     batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * TOKEN_BYTES
     held_grads = shard.grads if shard.grads_persistent else 0
     walk = _Walk(

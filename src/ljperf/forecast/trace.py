@@ -7,7 +7,10 @@ A 3-layer copy of the model (real hidden size, vocabulary and code) runs two mic
 tensor storages exactly as ``memory.LiveTensorBytes`` does on a real CPU step, and module/tensor hooks mark
 block boundaries: forward and backward of the embedding part ("pre"), of each decoder layer and of the
 norm/LM-head/loss part ("post"). The layer 0 / layer 1 / layer 2 segments stand for the first, middle and
-last layer of the full-depth model, which ``timeline`` composes.
+last layer of the full-depth model, which ``timeline`` composes. A 4-layer copy is traced too: where the
+edge segments (embedding, head, loss, the gap between micro-steps) differ between the two, the difference is
+what each layer leaves to them, such as the bf16 weight copies autocast keeps for a recomputed layer until the
+forward's autocast region ends, and ``timeline`` counts it once per layer of the full model.
 
 Every segment is traced at several (micro batch b, sequence s) shapes and each of its points is fitted exactly
 as bytes = c · (1, b, s, b·s, s², b·s²) (micro batch 1 separately, as c · (1, s, s²)): tensor sizes are such
@@ -48,8 +51,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-TRACE_VERSION = 2
+TRACE_VERSION = 3
 TRACE_LAYERS = 3
+"""Depth of the traced copy whose segments the composition uses."""
+SLOPE_LAYERS = TRACE_LAYERS + 1
+"""Depth of the second copy: the edge segments' per-layer share is their difference from the first."""
 FAMILIES = {
     "b1": ((1, 32), (1, 64), (1, 96), (1, 128)),
     "bn": ((2, 32), (3, 32), (4, 32), (2, 64), (3, 64), (2, 96), (3, 96)),
@@ -133,12 +139,22 @@ class RawTrace:
     marks: list[tuple[str, int]]
 
 
-MARKS = ["fwd", "f0", "f0e", "f1", "f1e", "f2", "f2e", "loss_grad", "b2", "b1", "b0", "b0e", "bwd_end"]
-"""The block marks of one micro-step ("loss", set when the model returns, is ignored)."""
+def block_marks(layers: int) -> list[str]:
+    """The block marks of one micro-step of a ``layers``-deep copy ("loss", set when the model returns, is
+    ignored)."""
+    forward = [mark for i in range(layers) for mark in (f"f{i}", f"f{i}e")]
+    return ["fwd", *forward, "loss_grad", *(f"b{i}" for i in reversed(range(layers))), "b0e", "bwd_end"]
 
 
 def trace_shape(
-    spec: models.ModelSpec, *, micro_batch: int, seq_len: int, precision: str, attn: str, mode: str
+    spec: models.ModelSpec,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    attn: str,
+    mode: str,
+    layers: int,
 ) -> RawTrace:
     """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -149,14 +165,14 @@ def trace_shape(
     from ljperf.hardware import DeviceInfo
     from ljperf.runtime import Process, RunContext
 
-    shallow = models.with_layers(spec, TRACE_LAYERS)
+    shallow = models.with_layers(spec, layers)
     fake_mode = FakeTensorMode()
     dtype = torch.bfloat16 if precision == "bf16-params" else None
     model = fake_model(shallow, attn=attn, fake_mode=fake_mode, dtype=dtype)
     if mode != "none":
         from ljperf.checkpoint.apply import apply_plan
 
-        apply_plan(model, (mode,) * TRACE_LAYERS)
+        apply_plan(model, (mode,) * layers)
     run = RunContext(
         engine="torch",
         model=shallow,
@@ -227,34 +243,42 @@ def _install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: d
 
 
 # --- segments ---------------------------------------------------------------------------------------------
-SEGMENTS = (
-    # (name, start mark, end mark) within one micro-step; "next" is the next micro-step's "fwd" or the end.
-    ("pre_f", "fwd", "f0"),
-    ("f0", "f0", "f1"),
-    ("f1", "f1", "f2"),
-    ("f2", "f2", "f2e"),
-    ("post_f", "f2e", "loss_grad"),
-    ("post_b", "loss_grad", "b2"),
-    ("b2", "b2", "b1"),
-    ("b1", "b1", "b0"),
-    ("b0", "b0", "b0e"),
-    ("pre_b", "b0e", "bwd_end"),
-    ("gap", "bwd_end", "next"),
-)
+def segments(layers: int) -> tuple[tuple[str, str, str], ...]:
+    """(name, start mark, end mark) within one micro-step of a ``layers``-deep copy; "next" is the next
+    micro-step's "fwd" or the end. Layers 0, 1 and the last are named f0/f1/f2 (b0/b1/b2) at every depth."""
+    last = layers - 1
+    return (
+        ("pre_f", "fwd", "f0"),
+        ("f0", "f0", "f1"),
+        ("f1", "f1", "f2"),
+        ("f2", f"f{last}", f"f{last}e"),
+        ("post_f", f"f{last}e", "loss_grad"),
+        ("post_b", "loss_grad", f"b{last}"),
+        ("b2", f"b{last}", f"b{last - 1}"),
+        ("b1", "b1", "b0"),
+        ("b0", "b0", "b0e"),
+        ("pre_b", "b0e", "bwd_end"),
+        ("gap", "bwd_end", "next"),
+    )
 
 
-def split_segments(raw: RawTrace) -> dict[str, list[int]]:
+EDGES = ("pre_f", "post_f", "post_b", "pre_b", "gap")
+"""The segments outside the decoder layers, which a layer can leave bytes to (``Patterns.per_layer``)."""
+
+
+def split_segments(raw: RawTrace, *, layers: int) -> dict[str, list[int]]:
     """``{"<segment>@<micro>": [bytes relative to the segment start, ...]}`` including start and end points."""
     names = [name for name, _ in raw.marks if name != "loss"]
-    if names != MARKS * MICRO_STEPS:
+    expected = block_marks(layers)
+    if names != expected * MICRO_STEPS:
         raise TraceError(f"unexpected block order in the trace: {names[:20]}")
     out: dict[str, list[int]] = {}
     marks = [(n, i) for n, i in raw.marks if n != "loss"]
     for micro in range(MICRO_STEPS):
-        at = dict(marks[micro * len(MARKS) : (micro + 1) * len(MARKS)])
-        nxt = marks[(micro + 1) * len(MARKS)][1] if micro + 1 < MICRO_STEPS else len(raw.points) - 1
+        at = dict(marks[micro * len(expected) : (micro + 1) * len(expected)])
+        nxt = marks[(micro + 1) * len(expected)][1] if micro + 1 < MICRO_STEPS else len(raw.points) - 1
         at["next"] = nxt
-        for name, start, end in SEGMENTS:
+        for name, start, end in segments(layers):
             lo, hi = at[start], at[end]
             base = raw.points[lo]
             out[f"{name}@{micro + 1}"] = [p - base for p in raw.points[lo : hi + 1]]
@@ -266,34 +290,57 @@ class Patterns:
     """Fitted segment patterns of one shape family: rows of integer coefficients over ``monomials(b, s)``."""
 
     segments: dict[str, list[list[int]]]
-    """``"<segment>@<micro>"`` → one coefficient row per timeline point (first = start, last = end)."""
-    base: list[int]
-    """Coefficients of the live bytes at the first forward of the traced model (params, buffers, 2 batches)."""
+    """``"<segment>@<micro>"`` → one coefficient row per timeline point (first = start, last = end), as the
+    ``TRACE_LAYERS``-deep copy runs them."""
+    per_layer: dict[str, list[list[int]]]
+    """Edge segment → what each layer adds to its points (rows as in ``segments``); absent where nothing."""
+
+    def points(self, name: str, b: int, s: int, *, per_layer: bool = False) -> list[int]:
+        """The points of segment ``name`` at micro batch ``b`` and sequence ``s`` (of its per-layer share)."""
+        rows = self.per_layer[name] if per_layer else self.segments[name]
+        m = monomials(b, s)
+        return [sum(c * x for c, x in zip(row, m, strict=True)) for row in rows]
 
     def evaluate(self, b: int, s: int) -> dict[str, tuple[int, int]]:
         """``segment → (peak above its start, end minus start)`` at micro batch ``b`` and sequence ``s``."""
-        m = monomials(b, s)
-        out = {}
-        for name, rows in self.segments.items():
-            values = [sum(c * x for c, x in zip(row, m, strict=True)) for row in rows]
-            out[name] = (max(values), values[-1])
-        return out
+        return {name: peak_and_net(self.points(name, b, s)) for name in self.segments}
 
 
-def fit_patterns(traces: dict[tuple[int, int], RawTrace]) -> Patterns:
+def peak_and_net(values: list[int]) -> tuple[int, int]:
+    """(peak above the start, end minus start) of a segment's points."""
+    return max(values), values[-1]
+
+
+def fit_patterns(traces: dict[tuple[int, int], RawTrace], *, layers: int) -> dict[str, list[list[int]]]:
     """Fit every point of every segment exactly over the traced shapes; raises TraceError when not exact."""
     shapes = list(traces)
-    split = {shape: split_segments(raw) for shape, raw in traces.items()}
+    split = {shape: split_segments(raw, layers=layers) for shape, raw in traces.items()}
     x = torch.tensor([monomials(b, s) for b, s in shapes], dtype=torch.float64)
-    segments: dict[str, list[list[int]]] = {}
+    fitted: dict[str, list[list[int]]] = {}
     for name in split[shapes[0]]:
         lengths = {len(split[shape][name]) for shape in shapes}
         if len(lengths) != 1:
             raise TraceError(f"segment {name} has a shape-dependent op sequence ({sorted(lengths)} points)")
         y = torch.tensor([split[shape][name] for shape in shapes], dtype=torch.float64)
-        segments[name] = _exact_fit(x, y, name)
-    bases = torch.tensor([[traces[shape].points[traces[shape].marks[0][1]]] for shape in shapes], dtype=torch.float64)
-    return Patterns(segments=segments, base=[row[0] for row in _exact_fit(x, bases, "base")])
+        fitted[name] = _exact_fit(x, y, name)
+    return fitted
+
+
+def with_per_layer(reference: dict[str, list[list[int]]], deeper: dict[str, list[list[int]]]) -> Patterns:
+    """Patterns from the fits of the ``TRACE_LAYERS``- and ``SLOPE_LAYERS``-deep copies: the layers' segments
+    must agree (the composition repeats them), and an edge segment's difference is its per-layer share."""
+    per_layer = {}
+    for name, rows in reference.items():
+        other = deeper[name]
+        if len(other) != len(rows):
+            raise TraceError(f"segment {name} has a depth-dependent op sequence ({len(rows)}, {len(other)} points)")
+        slope = [[d - r for r, d in zip(row, deep, strict=True)] for row, deep in zip(rows, other, strict=True)]
+        if not any(any(row) for row in slope):
+            continue
+        if name.split("@")[0] not in EDGES:
+            raise TraceError(f"decoder layer segment {name} depends on the model's depth")
+        per_layer[name] = slope
+    return Patterns(segments=reference, per_layer=per_layer)
 
 
 def _exact_fit(x: torch.Tensor, y: torch.Tensor, name: str) -> list[list[int]]:
@@ -337,20 +384,22 @@ def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: 
     path = cache_dir() / f"{spec.architecture}-{mode}-{fam}-{key}.json"
     if path not in _PATTERNS:
 
-        def trace() -> Patterns:
-            shapes = FAMILIES[fam]
+        def fit(layers: int) -> dict[str, list[list[int]]]:
             return fit_patterns(
                 {
-                    (b, s): trace_shape(spec, micro_batch=b, seq_len=s, precision=precision, attn=attn, mode=mode)
-                    for b, s in shapes
-                }
+                    (b, s): trace_shape(
+                        spec, micro_batch=b, seq_len=s, precision=precision, attn=attn, mode=mode, layers=layers
+                    )
+                    for b, s in FAMILIES[fam]
+                },
+                layers=layers,
             )
 
         _PATTERNS[path] = cached(
             path,
-            load=lambda data: Patterns(segments=data["segments"], base=data["base"]),
-            make=trace,
-            dump=lambda p: {"trace_version": TRACE_VERSION, "segments": p.segments, "base": p.base},
+            load=lambda data: Patterns(segments=data["segments"], per_layer=data["per_layer"]),
+            make=lambda: with_per_layer(fit(TRACE_LAYERS), fit(SLOPE_LAYERS)),
+            dump=lambda p: {"trace_version": TRACE_VERSION, "segments": p.segments, "per_layer": p.per_layer},
         )
     return _PATTERNS[path]
 
