@@ -94,6 +94,17 @@ def test_forecast_within_5_percent_of_memtracker_on_a_full_size_fake_step(
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
 
 
+def test_a_sliding_window_the_trace_does_not_reach_gets_a_note(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**models.read_config_dict(name="mistral-tiny"), "sliding_window": 512}))
+    args = ["plan", "--model-config", str(config), "--device", "cpu", "--precision", "fp32", "--json"]
+    assert main([*args, "--seq-len", "1024"]) == 0
+    (note,) = [n for n in json.loads(capsys.readouterr().out)["notes"] if "sliding window" in n]
+    assert note.startswith("sliding window 512 is shorter than --seq-len 1024 but longer than the traced 128")
+    assert main([*args, "--seq-len", "512"]) == 0
+    assert not [n for n in json.loads(capsys.readouterr().out)["notes"] if "sliding window" in n]
+
+
 def test_breakdown_adds_up_and_recompute_saves_activations():
     spec = models.resolve(name="llama-tiny")
     none = forecast(spec, Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64))
