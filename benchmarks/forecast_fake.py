@@ -1,12 +1,14 @@
-"""python benchmarks/forecast_fake.py [--models llama3.2-1b,mistral-7b,qwen3-8b] [--out-dir DIR]
+"""python benchmarks/forecast_fake.py [--engine torch|fsdp] [--world N] [--models llama3.2-1b,...] [--out-dir DIR]
 
 The forecast at real sizes without a GPU: for each catalog model (1B-8B), recompute (none, full), shape and
-precision, ``ljperf.forecast`` beside PyTorch's ``MemTracker`` over step 2 of the torch engine's full-depth model
-on fake tensors (``ljperf.forecast.fakestep``: nothing is allocated, the real HF code runs). The forecast traces a
-3- and a 4-layer copy at ≤ 128 tokens, so this checks its composition over depth and its extrapolation in shape.
-Target: within 5%. 2 CPU cores: about 10 minutes (an 8B step on fake tensors takes 15-30 s).
+precision, ``ljperf.forecast`` beside PyTorch's ``MemTracker`` over step 2 of the engine's full-size model on fake
+tensors (``ljperf.forecast.fakestep``: nothing is allocated, the real HF code runs; FSDP2 is rank 0 of ``--world``
+ranks on a fake process group). The forecast traces a 3- and a 4-layer copy at ≤ 128 tokens, so this checks its
+composition over depth, its extrapolation in shape and, for FSDP2, its analytic sharding terms. Target: within 5%.
+2 CPU cores: about 20 minutes for the torch engine (an 8B step on fake tensors takes 20-60 s).
 
-Writes ``forecast_fake_cpu_<date>.md`` to ``--out-dir`` (default ``benchmarks/results``) after every row.
+Writes ``forecast_fake_<engine>-<world>_cpu_<date>.md`` to ``--out-dir`` (default ``benchmarks/results``) after
+every row.
 """
 
 from __future__ import annotations
@@ -32,16 +34,21 @@ GiB = 1024**3
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=("torch", "fsdp"), default="torch")
+    parser.add_argument("--world", type=int, help="ranks (default: 1 for torch, 8 for fsdp)")
     parser.add_argument("--models", default=MODELS, help=f"comma-separated catalog names (default: {MODELS})")
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
-    out = Path(args.out_dir) / f"forecast_fake_cpu_{datetime.date.today():%Y%m%d}.md"
+    world = args.world or (8 if args.engine == "fsdp" else 1)
+    out = Path(args.out_dir) / f"forecast_fake_{args.engine}-{world}_cpu_{datetime.date.today():%Y%m%d}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for name in args.models.split(","):
         spec = models.resolve(name=name)
         for (micro_batch, seq_len), (recompute, precision) in ((shape, run) for shape in SHAPES for run in RUNS):
             recipe = Recipe(
+                engine=args.engine,
+                world=world,
                 device="cpu",
                 precision=precision,
                 micro_batch=micro_batch,
@@ -66,20 +73,24 @@ def main() -> None:
                 "measure_s": time.perf_counter() - start - forecast_s,
             }
             rows.append(row)
-            print(table(rows[-1:], header=False), end="", flush=True)
-            write_atomic(out, lambda f: f.write(table(rows).encode()))
+            print(table(rows[-1:]), end="", flush=True)
+            write_atomic(out, lambda f: f.write(table(rows, engine=args.engine, world=world).encode()))
     print(out.read_text())
 
 
-def table(rows: list[dict], *, header: bool = True) -> str:
-    """Markdown: forecast beside MemTracker's peak on fake tensors, with the error and where the peak is."""
+def table(rows: list[dict], *, engine: str | None = None, world: int = 1) -> str:
+    """Markdown: forecast beside MemTracker's peak on fake tensors, with the error and where the peak is; with
+    ``engine``, the whole table (title, header, summary), else the rows alone."""
+    header = engine is not None
     lines = []
     if header:
+        what = "one process" if engine == "torch" else f"rank 0 of {world} on a fake process group"
         lines += [
             f"# Forecast vs MemTracker on a full-size fake step (CPU, torch {torch.__version__}, transformers "
             f"{transformers.__version__})",
             "",
-            "`python benchmarks/forecast_fake.py`: torch engine, one process, AdamW (single-tensor, as on CPU), sdpa.",
+            f"`python benchmarks/forecast_fake.py --engine {engine} --world {world}`: {engine} engine, {what}, AdamW "
+            "(single-tensor, as on CPU), sdpa.",
             "",
             "| model | layers | micro batch | seq len | recompute | precision | forecast GiB | MemTracker GiB | "
             "error % | forecast peak at | forecast s | fake step s |",

@@ -1,14 +1,18 @@
-"""The torch engine's real training step at full depth on fake tensors, measured by PyTorch's ``MemTracker``.
+"""An engine's real training step at full size on fake tensors, measured by PyTorch's ``MemTracker``.
 
 Run: ``fake_step_peak(models.resolve(name="llama3-8b"), Recipe(device="cpu", seq_len=8192))``, or
 ``python benchmarks/forecast_fake.py`` for the table. It checks ``forecast`` at sizes that real tensors cannot
-afford here (1B–8B models, thousands of tokens): nothing is allocated, and the measurement shares nothing with the
-forecast's 3-layer trace and composition but the model code. CPU kernels, one process, the torch engine only.
+afford here (1B–8B models, thousands of tokens, 8 ranks): nothing is allocated, and the measurement shares
+nothing with the forecast's 3-layer trace and its composition but the model code. The torch engine runs in one
+process; FSDP2 runs rank 0 of ``recipe.world`` ranks on torch's fake process group, whose collectives move no
+data but fill the buffers FSDP2 allocates (as NCCL does; gloo's own copies do not appear). CPU kernels only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+from collections.abc import Iterator
 from unittest import mock
 
 import torch
@@ -23,7 +27,8 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import masking_utils
 
-    from ljperf.config import LaunchConfig, OptimConfig, TrainConfig
+    from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
+    from ljperf.engines import fsdp_engine
     from ljperf.engines.common import adamw
     from ljperf.engines.torch_engine import TorchEngine
     from ljperf.forecast.trace import fake_model
@@ -31,36 +36,45 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
     from ljperf.optimize import apply_optimizations
     from ljperf.runtime import Process, RunContext
 
-    if (recipe.engine, recipe.world, recipe.device, recipe.optimizer or "single") != ("torch", 1, "cpu", "single"):
-        raise ValueError("fake_step_peak runs the torch engine in one CPU process (single-tensor AdamW)")
-    plan = ",".join(recipe.layer_modes(spec.layers))
-    train = TrainConfig(
-        micro_batch=recipe.micro_batch,
-        seq_len=recipe.seq_len,
-        grad_accum=recipe.grad_accum,
-        precision=recipe.precision,
-        attn_implementation=recipe.attn_implementation,
-        device="cpu",
-    )
+    if recipe.device != "cpu" or (recipe.optimizer or "single") != "single":
+        raise ValueError("fake_step_peak runs CPU kernels with single-tensor AdamW")
+    if recipe.engine not in ("torch", "fsdp") or (recipe.engine == "torch" and recipe.world != 1):
+        raise ValueError("fake_step_peak runs the torch engine in one process, or FSDP2")
     run = RunContext(
-        engine="torch",
+        engine=recipe.engine,
         model=spec,
-        train=train,
+        train=TrainConfig(
+            micro_batch=recipe.micro_batch,
+            seq_len=recipe.seq_len,
+            grad_accum=recipe.grad_accum,
+            precision=recipe.precision,
+            attn_implementation=recipe.attn_implementation,
+            device="cpu",
+        ),
         launch=LaunchConfig(),
-        optim=OptimConfig(recompute=plan),
-        process=Process(device=DeviceInfo(type="cpu", index=None, name="fake")),
+        engine_opts=EngineConfig(reshard_after_forward=recipe.reshard_after_forward),
+        optim=OptimConfig(recompute=",".join(recipe.layer_modes(spec.layers))),
+        process=Process(world=recipe.world, device=DeviceInfo(type="cpu", index=None, name="fake")),
     )
     fake_mode = FakeTensorMode()
-    engine = TorchEngine(run)
-    # The engine's fp32 master weights, made fake: ``setup``'s ``materialize`` cannot move fake parameters.
-    engine.model = apply_optimizations(
-        fake_model(spec, attn=recipe.attn_implementation, fake_mode=fake_mode, dtype=torch.float32), run
-    )
-    engine.optimizer = adamw(engine.model.parameters(), run=run)
     with contextlib.ExitStack() as stack:
+        mesh = stack.enter_context(_fake_world(recipe.world))
         # As in the trace: a real run passes no position ids, so transformers finds no packed sequences and lets
         # SDPA skip the causal mask; on fake tensors it cannot read the values and would build the mask.
         stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
+        if recipe.engine == "fsdp":
+            # A device mesh cannot be made on fake tensors: the engine gets the one made before.
+            stack.enter_context(mock.patch.object(fsdp_engine, "init_device_mesh", lambda *a, **k: mesh))
+            engine = fsdp_engine.FSDPEngine(run)
+            with fake_mode:
+                engine.setup(models.build_meta(spec, attn_implementation=recipe.attn_implementation))
+        else:
+            # The engine's fp32 master weights, made fake: ``setup``'s ``materialize`` cannot move fake parameters.
+            engine = TorchEngine(run)
+            engine.model = apply_optimizations(
+                fake_model(spec, attn=recipe.attn_implementation, fake_mode=fake_mode, dtype=torch.float32), run
+            )
+            engine.optimizer = adamw(engine.model.parameters(), run=run)
         stack.enter_context(fake_mode)
         batches = [torch.zeros(recipe.micro_batch, recipe.seq_len, dtype=torch.long) for _ in range(recipe.grad_accum)]
         engine.train_step(batches)
@@ -69,3 +83,24 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
         with tracker:
             engine.train_step(batches)
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
+@contextlib.contextmanager
+def _fake_world(world: int) -> Iterator[object | None]:
+    """``world`` ranks on torch's fake process group, this process rank 0 (and their device mesh); none for 1."""
+    if world == 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_step_peak needs a process without a process group")
+    excepthook = sys.excepthook  # init_process_group prefixes every later traceback with "[rank0]:"
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = excepthook

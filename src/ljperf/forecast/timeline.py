@@ -44,6 +44,8 @@ class BlockParams:
     """Parameter tensors of the full model (optimizer ``step`` scalars)."""
     largest: int
     """Elements of the largest parameter tensor."""
+    largest_rows: int
+    """Its first dimension (FSDP2 shards every parameter on it)."""
     buffer_bytes: int
     """Model buffers (RoPE frequencies)."""
 
@@ -74,11 +76,12 @@ def block_params(spec: models.ModelSpec) -> BlockParams:
         layers=spec.layers,
         tensors=data["other_tensors"] + spec.layers * data["layer_tensors"],
         largest=data["largest"],
+        largest_rows=data["largest_rows"],
         buffer_bytes=data["buffer_bytes"],
     )
 
 
-_BLOCK_FIELDS = ("pre", "layer", "post", "other_tensors", "layer_tensors", "largest", "buffer_bytes")
+_BLOCK_FIELDS = ("pre", "layer", "post", "other_tensors", "layer_tensors", "largest", "largest_rows", "buffer_bytes")
 
 
 def _block_counts(spec: models.ModelSpec) -> dict[str, int]:
@@ -90,12 +93,11 @@ def _block_counts(spec: models.ModelSpec) -> dict[str, int]:
     seen: set[int] = set()
     pre = post = 0
     layer_tensors = other_tensors = 0
-    largest = 0
+    largest = max(model.parameters(), key=lambda p: p.numel())
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        largest = max(largest, p.numel())
         if id(p) in in_layer:
             layer_tensors += 1
             continue
@@ -110,7 +112,8 @@ def _block_counts(spec: models.ModelSpec) -> dict[str, int]:
         "post": post,
         "layer_tensors": layer_tensors,
         "other_tensors": other_tensors,
-        "largest": largest,
+        "largest": largest.numel(),
+        "largest_rows": largest.shape[0],
         "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
     }
 
@@ -315,11 +318,14 @@ def zero3_sharding(
 
 
 def optimizer_transient(blocks: BlockParams, recipe: Recipe, *, local_params: int, flat: int = 0) -> int:
-    """Temporaries of one AdamW step: single-tensor makes sqrt and its quotient per tensor (``flat``: bytes of the
-    one flat partition an engine steps instead); foreach a whole copy."""
+    """Temporaries of one AdamW step: single-tensor makes sqrt and its quotient per tensor, the largest setting the
+    peak (``flat``: bytes of the one flat partition an engine steps instead); foreach a whole copy."""
     impl = recipe.optimizer_impl
     if impl == "single":
-        return 2 * (flat or min(blocks.largest * FP32, local_params))
+        largest = blocks.largest
+        if recipe.engine == "fsdp":  # rank 0 holds the first, largest, chunk of the rows
+            largest = -(-blocks.largest_rows // recipe.world) * (blocks.largest // blocks.largest_rows)
+        return 2 * (flat or largest * FP32)
     if impl == "foreach":
         return local_params
     return 0
