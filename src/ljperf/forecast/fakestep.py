@@ -40,6 +40,8 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
         raise ValueError("fake_step_peak runs CPU kernels with single-tensor AdamW")
     if recipe.engine not in ("torch", "fsdp") or (recipe.engine == "torch" and recipe.world != 1):
         raise ValueError("fake_step_peak runs the torch engine in one process, or FSDP2")
+    if recipe.grad_accum != 1:
+        raise ValueError("fake_step_peak measures one micro-step a step (MemTracker follows one forward a module)")
     run = RunContext(
         engine=recipe.engine,
         model=spec,

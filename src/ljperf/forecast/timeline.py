@@ -143,12 +143,14 @@ class Sharding:
     gather_bwd: int = 0
     """Extra bytes while a decoder layer runs backward (gathered current and prefetched, reduce buffer)."""
     gather_edges: dict[str, int] = field(default_factory=dict)
-    """Extra bytes in the embedding and head segments (``pre_f``, ``post_f``, ``post_b``, ``pre_b``), and in
-    the last layer's backward where it differs from ``gather_bwd`` (``last_b``)."""
+    """Extra bytes in the embedding and head segments (``pre_f``, ``post_f``, ``post_b``, ``pre_b``), in the
+    last and first layers' backward where they differ from ``gather_bwd`` (``last_b``, ``first_b``), and at
+    the start of backward (``root_bwd``: FSDP2's re-gather of the root)."""
     held_per_layer: int = 0
     """Gathered bytes a layer keeps from its forward to its backward (FSDP2 without resharding)."""
     root_reduced_last: bool = False
-    """The root's head and norm gradients wait, unreduced, for the embedding's (FSDP2: one root group)."""
+    """The root's head and norm gradients wait, unreduced, for the embedding's, and ``resident`` is released
+    before they are reduced (FSDP2: one root group, resharded after its backward)."""
     optimizer_flat: int = 0
     """Bytes of the one flat fp32 partition the optimizer steps (DeepSpeed); 0: it steps each parameter."""
     backward_bucket: int = 0
@@ -177,8 +179,10 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     kept until the next group's copy-out (overlap), so a running layer costs two gathered copies, and the last
     layer's buffer lives on through the head and loss. Backward prefetches the next layer (its flat buffer)
     and keeps the previous layer's reduce-scatter input (fp32 gradients) until the next reduce. The root
-    (embedding, norm, head) is gathered from its forward to the end of backward, and its gradients are
-    reduce-scattered together at the end (the head's stays whole through the layers' backward). ZeRO-3: see
+    (embedding, norm, head) is gathered from its forward to the end of backward: resharded after the forward,
+    it is gathered again at the start of backward (its flat buffer alive while the copy-out refills its
+    parameters), and resharded before its gradients are reduce-scattered together at the end (the head's stays
+    whole through the layers' backward). ZeRO-3: see
     ``zero3_sharding``. ZeRO-1/2 (``stage_1_and_2.py``): replicated compute-dtype parameters, sharded fp32
     master weights and moments; the optimizer steps the flat partition (its single-tensor temporaries are
     partition-sized). ZeRO-1 keeps whole gradients through backward and flattens this rank's share for the
@@ -203,7 +207,9 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
             gathered = {
                 "gather_fwd": 2 * layer,
                 "gather_bwd": 2 * layer + reduce_input,
-                "gather_edges": edges | {"post_b": layer, "last_b": 2 * layer},
+                # The last layer's backward holds no reduce input yet; the first's prefetches nothing.
+                "gather_edges": edges
+                | {"post_b": layer, "last_b": 2 * layer, "first_b": layer + reduce_input, "root_bwd": root},
             }
         else:  # layers stay gathered until their backward: no re-gather
             gathered = {
@@ -389,11 +395,11 @@ class _Grads:
         """Gradient bytes a block's backward allocates (replicated: later micro-steps accumulate in place)."""
         return params * self.traced if self.first or not self.replicated else 0
 
-    def reduce_root(self, params: int) -> int:
+    def reduce_root(self, params: int, *, embedding: int) -> int:
         """Bytes above the level while FSDP2 reduce-scatters the root's gradients: the fp32 input is filled from
-        the gradients, which are then freed while the output shard is made."""
+        them; the embedding's gradient is freed before the output shard is made, the head's and norm's after."""
         reduce_input = params * FP32
-        return max(reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - self.made(params))
+        return max(reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - self.made(embedding))
 
     def settle(self, walk: _Walk, params: int) -> None:
         made = self.made(params)
@@ -481,6 +487,7 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
         head = f"{where}, LM head and loss"
         walk.step(edge[f"post_f@{k}"], f"forward, {head}", extra=extra.get("post_f", 0), logits_and_loss=post_f)
         grads = _Grads(shard, first=micro == 1, traced=2 if recipe.trace_precision == "bf16-params" else FP32)
+        walk.visit(extra.get("root_bwd", 0), f"backward, {head}, root all-gather")
         walk.step(edge[f"post_b@{k}"], f"backward, {head}", extra=extra.get("post_b", 0), logits_and_loss=-post_f)
         if not shard.root_reduced_last:
             grads.settle(walk, blocks.post)
@@ -490,19 +497,25 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
             seg = values[modes[i]][f"b{pos[1]}@{k}"]
             saved = values[modes[i]][f"{pos}@{k}"][1]
             _, gather, held = shard.layer_terms(i)
-            gather = extra.get("last_b", gather) if i == n - 1 else gather
+            if i == n - 1:
+                gather = extra.get("last_b", gather)
+            elif i == 0:
+                gather = extra.get("first_b", gather)
             walk.step(seg, f"backward, {where}, layer {i}", extra=gather, activations=-saved)
             walk.add("gathered_parameters", -held)
             grads.settle(walk, blocks.layer)
         pre_f = edge[f"pre_f@{k}"][1]
         walk.step(edge[f"pre_b@{k}"], f"backward, {where}, embedding", extra=extra.get("pre_b", 0), activations=-pre_f)
         if shard.root_reduced_last:
-            walk.visit(grads.reduce_root(blocks.pre + blocks.post), f"backward, {where}, root reduce-scatter")
+            walk.add("gathered_parameters", -shard.resident)
+            root = grads.reduce_root(blocks.pre + blocks.post, embedding=blocks.pre)
+            walk.visit(root, f"backward, {where}, root reduce-scatter")
         grads.settle(walk, blocks.pre + (blocks.post if shard.root_reduced_last else 0))
         if micro == last or not shard.bucket_until_boundary:
             walk.add("comm_buffers", -shard.backward_bucket)
         walk.step(edge[f"gap@{k}"], f"backward, {where}")
-        walk.add("gathered_parameters", -shard.resident)
+        if not shard.root_reduced_last:
+            walk.add("gathered_parameters", -shard.resident)
     if not shard.grads_persistent and walk.parts["gradients"] != shard.grads:
         walk.level += shard.grads - walk.parts["gradients"]
         walk.parts["gradients"] = shard.grads
