@@ -29,10 +29,10 @@ def cache_dir(tmp_path_factory):
         yield
 
 
-def measured_peak(name: str, *, micro_batch: int, seq_len: int, recompute: str) -> int:
+def measured_peak(name: str, *, micro_batch: int, seq_len: int, recompute: str, precision: str = "fp32") -> int:
     """Peak live bytes of step 2 of a real torch-engine run, measured as ``ljperf benchmark`` does."""
     spec = models.resolve(name=name)
-    train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision="fp32", device="cpu", warmup=1, steps=1)
+    train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device="cpu", warmup=1, steps=1)
     run = RunContext(
         engine="torch", model=spec, train=train, launch=LaunchConfig(), optim=OptimConfig(recompute=recompute)
     )
@@ -68,11 +68,27 @@ def test_forecast_within_5_percent_of_a_real_step(name, recompute, micro_batch, 
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
+def test_bf16_weights_forecast_within_5_percent_of_a_real_step(name, recompute):
+    """``--precision bf16``: bf16 weights, gradients and AdamW moments under autocast (a model loaded in bfloat16),
+    half of bf16-mixed's model states. Measured: exact."""
+    spec = models.resolve(name=name)
+    recipe = Recipe(device="cpu", precision="bf16", micro_batch=2, seq_len=128, recompute=(recompute,) * spec.layers)
+    predicted = forecast(spec, recipe).peak_allocated_bytes
+    measured = measured_peak(name, micro_batch=2, seq_len=128, recompute=recompute, precision="bf16")
+    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+    mixed = forecast(spec, Recipe(device="cpu", precision="bf16-mixed", micro_batch=2, seq_len=128))
+    assert predicted < mixed.peak_allocated_bytes
+
+
 FULL_SIZE = [
     # (engine/model, world, recompute, micro batch, seq len, precision): catalog configs at full size, fake tensors.
     ("torch/llama3.2-1b", 1, "none", 1, 2048, "fp32"),
     # Autocast keeps a recomputed layer's bf16 weight copies until the forward ends: per layer, not per trace.
     ("torch/llama3.2-1b", 1, "full", 1, 2048, "bf16-mixed"),
+    ("torch/llama3.2-1b", 1, "none", 1, 2048, "bf16"),
     ("torch/qwen2.5-0.5b", 1, "selective,none", 1, 2048, "bf16-mixed"),
     # The optimizer step sets the peak: single-tensor AdamW's temporaries are of rank 0's shard of the embedding.
     ("fsdp/llama3.2-1b", 2, "full", 1, 256, "bf16-mixed"),

@@ -87,6 +87,7 @@ class BenchmarkConfig:
                 f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{self.model.name}"
             )
         cfgmod.check_budget_flags(recompute=optim.recompute, memory_budget=optim.memory_budget)
+        cfgmod.check_precision(self.train.precision, engine=engine)
         if (plan := parse_recompute(optim.recompute)) != "auto":
             fixed_plan(plan, self.model.layers)  # one that does not match the model fails here, not in every rank
         if optim.compile_mode != "off" and self.train.warmup < 1:

@@ -18,7 +18,7 @@ from ljperf.checkpoint import parse_recompute
 from ljperf.errors import UsageError
 from ljperf.units import parse_memory
 
-PRECISIONS = ("fp32", "bf16-mixed")
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 COMPILE_MODES = ("regional", "whole", "deepspeed", "off")
 
 
@@ -103,7 +103,12 @@ class TrainConfig:
     )
     steps: int = opt(20, "measured optimizer steps")
     warmup: int = opt(3, "unmeasured steps before timing (compile, allocator, optimizer-state creation)")
-    precision: str | None = opt(None, "fp32 or bf16-mixed (default: bf16-mixed on GPU, fp32 on CPU)")
+    precision: str | None = opt(
+        None,
+        "fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, gradients and AdamW states"
+        " under bf16 autocast, as a model loaded in bfloat16 trains; torch engine) (default: bf16-mixed on GPU,"
+        " fp32 on CPU)",
+    )
     device: str = opt("auto", "cpu, cuda or auto (cuda when available)")
     lr: float = opt(3e-4, "AdamW learning rate")
     seed: int = opt(0, "seed of the weights and of the synthetic token stream, 0..2^63-1")
@@ -166,6 +171,15 @@ class OptimConfig:
             raise UsageError(f"--compile-mode {self.compile_mode!r}: choose one of {', '.join(COMPILE_MODES)}")
         if self.memory_budget is not None:
             parse_memory(self.memory_budget, what="--memory-budget")
+
+
+def check_precision(precision: str | None, *, engine: str) -> None:
+    """``bf16`` (no fp32 master weights) is what the torch engine can run; FSDP2 and ZeRO keep fp32 masters."""
+    if precision == "bf16" and engine != "torch":
+        raise UsageError(
+            f"--precision bf16 (bf16 weights, no fp32 master copy) runs on the torch engine; {engine} keeps fp32"
+            " master weights: use bf16-mixed"
+        )
 
 
 def check_budget_flags(*, recompute: str, memory_budget: str | None) -> None:

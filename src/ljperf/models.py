@@ -311,8 +311,11 @@ def replace_parameters(
         module._parameters[key] = new[id(param)]
 
 
-def materialize(model: torch.nn.Module, *, device: torch.device, seed: int) -> torch.nn.Module:
-    """Replace meta parameters with seeded random values on ``device``; keeps tied weights tied."""
+def materialize(
+    model: torch.nn.Module, *, device: torch.device, seed: int, dtype: torch.dtype | None = None
+) -> torch.nn.Module:
+    """Replace meta parameters with seeded random values on ``device`` (fp32, or ``dtype``: the fp32 values
+    rounded); keeps tied weights tied."""
     import torch
 
     std = float(getattr(model.config, "initializer_range", 0.02))
@@ -321,7 +324,7 @@ def materialize(model: torch.nn.Module, *, device: torch.device, seed: int) -> t
     def make(_module: torch.nn.Module, _key: str, param: torch.nn.Parameter) -> torch.nn.Parameter:
         with torch.no_grad():
             value = init_value(names[id(param)], param.shape, std=std, seed=seed, device=device)
-        return torch.nn.Parameter(value, requires_grad=param.requires_grad)
+        return torch.nn.Parameter(value.to(dtype or value.dtype), requires_grad=param.requires_grad)
 
     replace_parameters(model, make)
     return model.to(device)

@@ -107,10 +107,16 @@ class RunContext:
 
     @property
     def bf16(self) -> bool:
-        return self.train.precision == "bf16-mixed"
+        """bf16 compute: ``bf16-mixed`` or ``bf16``."""
+        return self.train.precision in ("bf16-mixed", "bf16")
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The parameters' dtype: bf16 for ``bf16``, else fp32 (master weights)."""
+        return torch.bfloat16 if self.train.precision == "bf16" else torch.float32
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast for ``bf16-mixed`` (fp32 master weights), nothing for ``fp32``."""
+        """bf16 autocast for ``bf16-mixed`` (fp32 master weights) and ``bf16``, nothing for ``fp32``."""
         if not self.bf16:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)

@@ -24,7 +24,7 @@ class TorchEngine:
 
     def setup(self, model: torch.nn.Module) -> None:
         device = self.run.device.torch_device
-        model = materialize(model, device=device, seed=self.run.train.seed)
+        model = materialize(model, device=device, seed=self.run.train.seed, dtype=self.run.weight_dtype)
         model = apply_optimizations(model, self.run)
         if self.run.world > 1:
             ids = [device.index] if device.type == "cuda" else None

@@ -27,9 +27,9 @@ def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
     """Activation bytes one decoder layer keeps for its backward."""
     tokens = recipe.micro_batch * recipe.seq_len
     h, heads, kv, d = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
-    if mode == "full":
-        return 4 * h * tokens
-    a = 2 if recipe.precision == "bf16-mixed" else 4
+    if mode == "full":  # the layer's input: the residual stream, bf16 with bf16 parameters
+        return (2 if recipe.trace_precision == "bf16-params" else 4) * h * tokens
+    a = 2 if recipe.precision != "fp32" else 4
     ffn = getattr(spec.config, "intermediate_size", 4 * h)
     # bf16 parameters (FSDP2, DeepSpeed): each RMSNorm keeps its fp32 upcast of the input and the rsqrt instead
     per_token = 2 * (4 * h + 4) if recipe.trace_precision == "bf16-params" else 2 * (2 * 4 * h + 4)
@@ -51,7 +51,7 @@ def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
 def head_bytes(spec: ModelSpec, recipe: Recipe) -> int:
     """Logits (in the autocast width), their fp32 copy and log-softmax, kept until the loss backward."""
     tokens = recipe.micro_batch * recipe.seq_len
-    a = 2 if recipe.precision == "bf16-mixed" else 4
+    a = 2 if recipe.precision != "fp32" else 4
     return tokens * spec.vocab * (a + 4 + (4 if a == 2 else 0)) + 4 * spec.hidden * tokens
 
 

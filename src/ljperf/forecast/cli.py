@@ -126,6 +126,7 @@ def recipe_from_args(
     seq_len = spec.seq_len(args.seq_len)
     cfgmod.check_budget_flags(recompute=args.recompute, memory_budget=args.memory_budget)
     precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "fp32")
+    cfgmod.check_precision(precision, engine=engine)
     user, batch = deepspeed_config.from_args(args, engine=engine)
     warnings, zero = [], ZeroSettings()
     if user:

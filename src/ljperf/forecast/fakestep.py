@@ -71,10 +71,10 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
             with fake_mode:
                 engine.setup(models.build_meta(spec, attn_implementation=recipe.attn_implementation))
         else:
-            # The engine's fp32 master weights, made fake: ``setup``'s ``materialize`` cannot move fake parameters.
+            # The engine's weights, made fake: ``setup``'s ``materialize`` cannot move fake parameters.
             engine = TorchEngine(run)
             engine.model = apply_optimizations(
-                fake_model(spec, attn=recipe.attn_implementation, fake_mode=fake_mode, dtype=torch.float32), run
+                fake_model(spec, attn=recipe.attn_implementation, fake_mode=fake_mode, dtype=run.weight_dtype), run
             )
             engine.optimizer = adamw(engine.model.parameters(), run=run)
         stack.enter_context(fake_mode)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ljperf.checkpoint import MODES
-from ljperf.config import PRECISIONS, check_zero_stage, positive
+from ljperf.config import PRECISIONS, check_precision, check_zero_stage, positive
 from ljperf.errors import UsageError
 from ljperf.models import ENGINES
 
@@ -95,7 +95,8 @@ class Recipe:
     device: str = "cuda"
     """cpu or cuda: the optimizer implementation and the reserved-memory terms depend on it."""
     precision: str = "bf16-mixed"
-    """fp32, or bf16-mixed (fp32 master weights, bf16 autocast)."""
+    """fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, gradients and AdamW states
+    under autocast; torch engine)."""
     micro_batch: int = 1
     """Sequences per rank per micro-step."""
     seq_len: int = 4096
@@ -121,6 +122,7 @@ class Recipe:
             raise UsageError(f"--device {self.device!r}: choose cpu or cuda")
         if self.precision not in PRECISIONS:
             raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        check_precision(self.precision, engine=self.engine)
         for name in ("world", "micro_batch", "seq_len", "grad_accum"):
             positive(name, getattr(self, name))
         if self.attn_implementation not in ("sdpa", "eager"):
@@ -135,10 +137,15 @@ class Recipe:
     def trace_precision(self) -> str:
         """The code path to trace: FSDP2 (``param_dtype``) and DeepSpeed (``bf16``) compute with bf16 parameters,
         so autocast makes no weight copies and the residual stream is bf16 (``bf16-params``); DDP keeps fp32
-        parameters under autocast (``bf16-mixed``)."""
-        if self.precision == "bf16-mixed" and self.engine != "torch":
+        parameters under autocast (``bf16-mixed``); ``bf16`` weights are bf16 parameters on any engine."""
+        if self.precision == "bf16" or (self.precision == "bf16-mixed" and self.engine != "torch"):
             return "bf16-params"
         return self.precision
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per element of the parameters the optimizer steps, their gradients and AdamW's moments."""
+        return 2 if self.precision == "bf16" else 4
 
     @property
     def optimizer_impl(self) -> str:

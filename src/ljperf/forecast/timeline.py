@@ -194,6 +194,7 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     w = recipe.world
     step_scalars = blocks.tensors * FP32 if recipe.device == "cpu" else 0  # non-capturable steps live on the CPU
     if recipe.engine == "torch":
+        p = blocks.total * recipe.weight_bytes
         return Sharding(params=p, grads=p, optimizer=2 * p + step_scalars, comm_buffers=p if w > 1 else 0)
     compute = 2 if recipe.precision == "bf16-mixed" else FP32
     shard = -(-p // w)
@@ -331,7 +332,7 @@ def optimizer_transient(blocks: BlockParams, recipe: Recipe, *, local_params: in
         largest = blocks.largest
         if recipe.engine == "fsdp":  # rank 0 holds the first, largest, chunk of the rows
             largest = -(-blocks.largest_rows // recipe.world) * (blocks.largest // blocks.largest_rows)
-        return 2 * (flat or largest * FP32)
+        return 2 * (flat or largest * recipe.weight_bytes)
     if impl == "foreach":
         return local_params
     return 0

@@ -68,11 +68,15 @@ def _patch_trainer(module: ModuleType) -> None:
 
 
 def _trainer_setup(trainer: Trainer) -> dict[str, Any]:
+    import torch
+
     args = trainer.args
+    mixed = "bf16-mixed" if args.bf16 else "fp32"
+    bf16_weights = next(trainer.model.parameters()).dtype == torch.bfloat16  # loaded in bfloat16: no fp32 master
     setup = {
         "engine": "fsdp" if args.fsdp else "torch",
         "world": args.world_size,
-        "precision": "bf16-mixed" if args.bf16 else "fp32",
+        "precision": "bf16" if bf16_weights and not args.fsdp else mixed,
         "grad_accum": args.gradient_accumulation_steps,
     }
     ds = getattr(args, "hf_deepspeed_config", None)
@@ -81,6 +85,7 @@ def _trainer_setup(trainer: Trainer) -> dict[str, Any]:
 
         setup |= {
             "engine": "deepspeed",
+            "precision": mixed,  # DeepSpeed keeps fp32 master weights of a bf16 model
             # Stage 0 (DeepSpeed's data parallelism) is planned as ZeRO-1, as ``_deepspeed_setup`` does.
             "zero_stage": max(ds.config.get("zero_optimization", {}).get("stage", 0), 1),
             "zero": ZeroSettings.from_config(ds.config),
