@@ -6,6 +6,8 @@ afford here (1B–8B models, thousands of tokens, 8 ranks): nothing is allocated
 nothing with the forecast's 3-layer trace and its composition but the model code. The torch engine runs in one
 process; FSDP2 runs rank 0 of ``recipe.world`` ranks on torch's fake process group, whose collectives move no
 data but fill the buffers FSDP2 allocates (as NCCL does; gloo's own copies do not appear). CPU kernels only.
+FSDP2 needs torch 2.13 or newer: in 2.11 DTensor's sharding propagation makes global-shape tensors under the fake
+mode in every optimizer op, which MemTracker counts as optimizer states.
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ import torch
 from ljperf import models
 from ljperf.forecast.recipe import Recipe
 
+FSDP_TORCH = (2, 13)
+"""The first torch whose DTensor sharding propagation makes no fake tensors the measurement would count."""
+
+
+def torch_version() -> tuple[int, int]:
+    return tuple(int(x) for x in torch.__version__.split(".")[:2])  # type: ignore[return-value]
+
 
 def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
     """Peak bytes ``MemTracker`` counts over step 2 (the steady state: optimizer states exist) of ``recipe``."""
@@ -31,7 +40,7 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
     from ljperf.engines import fsdp_engine
     from ljperf.engines.common import adamw
     from ljperf.engines.torch_engine import TorchEngine
-    from ljperf.forecast.trace import fake_model
+    from ljperf.forecast.trace import fake_buffers, fake_model
     from ljperf.hardware import DeviceInfo
     from ljperf.optimize import apply_optimizations
     from ljperf.runtime import Process, RunContext
@@ -40,6 +49,8 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
         raise ValueError("fake_step_peak runs CPU kernels with single-tensor AdamW")
     if recipe.engine not in ("torch", "fsdp") or (recipe.engine == "torch" and recipe.world != 1):
         raise ValueError("fake_step_peak runs the torch engine in one process, or FSDP2")
+    if recipe.engine == "fsdp" and FSDP_TORCH > torch_version():
+        raise ValueError(f"fake_step_peak runs FSDP2 on torch {'.'.join(map(str, FSDP_TORCH))} or newer")
     if recipe.grad_accum != 1:
         raise ValueError("fake_step_peak measures one micro-step a step (MemTracker follows one forward a module)")
     run = RunContext(
@@ -58,7 +69,8 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
         optim=OptimConfig(recompute=",".join(recipe.layer_modes(spec.layers))),
         process=Process(world=recipe.world, device=DeviceInfo(type="cpu", index=None, name="fake")),
     )
-    fake_mode = FakeTensorMode()
+    # FSDP2 shards the parameters while they are still on the meta device: those inputs are not fake.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=recipe.engine == "fsdp")
     with contextlib.ExitStack() as stack:
         mesh = stack.enter_context(_fake_world(recipe.world))
         # As in the trace: a real run passes no position ids, so transformers finds no packed sequences and lets
@@ -68,8 +80,10 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
             # A device mesh cannot be made on fake tensors: the engine gets the one made before.
             stack.enter_context(mock.patch.object(fsdp_engine, "init_device_mesh", lambda *a, **k: mesh))
             engine = fsdp_engine.FSDPEngine(run)
+            # Built outside the fake mode: accelerate's meta-device init cannot wrap fake parameters (torch 2.11).
+            model = fake_buffers(models.build_meta(spec, attn_implementation=recipe.attn_implementation), fake_mode)
             with fake_mode:
-                engine.setup(models.build_meta(spec, attn_implementation=recipe.attn_implementation))
+                engine.setup(model)
         else:
             # The engine's weights, made fake: ``setup``'s ``materialize`` cannot move fake parameters.
             engine = TorchEngine(run)

@@ -124,6 +124,11 @@ def fake_model(
         models.replace_parameters(
             model, lambda _m, _k, param: torch.nn.Parameter(torch.empty(param.shape, dtype=dtype or param.dtype))
         )
+    return fake_buffers(model, fake_mode)
+
+
+def fake_buffers(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
+    """``model`` with its (real CPU) buffers made fake, in place."""
     for module in model.modules():
         for key, buf in module._buffers.items():
             if buf is not None:
