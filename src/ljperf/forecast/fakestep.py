@@ -49,7 +49,7 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
         raise ValueError("fake_step_peak runs CPU kernels with single-tensor AdamW")
     if recipe.engine not in ("torch", "fsdp") or (recipe.engine == "torch" and recipe.world != 1):
         raise ValueError("fake_step_peak runs the torch engine in one process, or FSDP2")
-    if recipe.engine == "fsdp" and FSDP_TORCH > torch_version():
+    if recipe.engine == "fsdp" and torch_version() < FSDP_TORCH:
         raise ValueError(f"fake_step_peak runs FSDP2 on torch {'.'.join(map(str, FSDP_TORCH))} or newer")
     if recipe.grad_accum != 1:
         raise ValueError("fake_step_peak measures one micro-step a step (MemTracker follows one forward a module)")
@@ -59,7 +59,6 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
         train=TrainConfig(
             micro_batch=recipe.micro_batch,
             seq_len=recipe.seq_len,
-            grad_accum=recipe.grad_accum,
             precision=recipe.precision,
             attn_implementation=recipe.attn_implementation,
             device="cpu",
@@ -92,12 +91,12 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
             )
             engine.optimizer = adamw(engine.model.parameters(), run=run)
         stack.enter_context(fake_mode)
-        batches = [torch.zeros(recipe.micro_batch, recipe.seq_len, dtype=torch.long) for _ in range(recipe.grad_accum)]
-        engine.train_step(batches)
+        tokens = torch.zeros(recipe.micro_batch, recipe.seq_len, dtype=torch.long)
+        engine.train_step([tokens])
         tracker = MemTracker()
-        tracker.track_external(engine.model, engine.optimizer, *batches)
+        tracker.track_external(engine.model, engine.optimizer, tokens)
         with tracker:
-            engine.train_step(batches)
+            engine.train_step([tokens])
     return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
