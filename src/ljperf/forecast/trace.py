@@ -7,10 +7,11 @@ A 3-layer copy of the model (real hidden size, vocabulary and code) runs two mic
 tensor storages exactly as ``memory.LiveTensorBytes`` does on a real CPU step, and module/tensor hooks mark
 block boundaries: forward and backward of the embedding part ("pre"), of each decoder layer and of the
 norm/LM-head/loss part ("post"). The layer 0 / layer 1 / layer 2 segments stand for the first, middle and
-last layer of the full-depth model, which ``timeline`` composes. A 4-layer copy is traced too: where the
-edge segments (embedding, head, loss, the gap between micro-steps) differ between the two, the difference is
-what each layer leaves to them, such as the bf16 weight copies autocast keeps for a recomputed layer until the
-forward's autocast region ends, and ``timeline`` counts it once per layer of the full model.
+last layer of the full-depth model, which ``timeline`` composes. A 4-layer copy is traced too (at one shape,
+and at the others only where it differs from the 3-layer one): where the edge segments (embedding, head, loss,
+the gap between micro-steps) differ between the two, the difference is what each layer leaves to them, such as
+the bf16 weight copies autocast keeps for a recomputed layer until the forward's autocast region ends, and
+``timeline`` counts it once per layer of the full model.
 
 Every segment is traced at several (micro batch b, sequence s) shapes and each of its points is fitted exactly
 as bytes = c · (1, b, s, b·s, s², b·s²) (micro batch 1 separately, as c · (1, s, s²)): tensor sizes are such
@@ -389,21 +390,29 @@ def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: 
     path = cache_dir() / f"{spec.architecture}-{mode}-{fam}-{key}.json"
     if path not in _PATTERNS:
 
-        def fit(layers: int) -> dict[str, list[list[int]]]:
-            return fit_patterns(
-                {
-                    (b, s): trace_shape(
-                        spec, micro_batch=b, seq_len=s, precision=precision, attn=attn, mode=mode, layers=layers
-                    )
-                    for b, s in FAMILIES[fam]
-                },
-                layers=layers,
-            )
+        def trace(shape: tuple[int, int], layers: int) -> RawTrace:
+            b, s = shape
+            return trace_shape(spec, micro_batch=b, seq_len=s, precision=precision, attn=attn, mode=mode, layers=layers)
+
+        def make() -> Patterns:
+            shapes = FAMILIES[fam]
+            reference = {shape: trace(shape, TRACE_LAYERS) for shape in shapes}
+            patterns = fit_patterns(reference, layers=TRACE_LAYERS)
+            # The deeper copy at one shape first: where its segments equal the reference's, no layer leaves anything
+            # to the edges (the usual case), and the other shapes need not be traced again.
+            probe = shapes[-1]
+            deeper = {probe: trace(probe, SLOPE_LAYERS)}
+            if split_segments(deeper[probe], layers=SLOPE_LAYERS) == split_segments(
+                reference[probe], layers=TRACE_LAYERS
+            ):
+                return Patterns(segments=patterns, per_layer={})
+            deeper |= {shape: trace(shape, SLOPE_LAYERS) for shape in shapes[:-1]}
+            return with_per_layer(patterns, fit_patterns(deeper, layers=SLOPE_LAYERS))
 
         _PATTERNS[path] = cached(
             path,
             load=lambda data: Patterns(segments=data["segments"], per_layer=data["per_layer"]),
-            make=lambda: with_per_layer(fit(TRACE_LAYERS), fit(SLOPE_LAYERS)),
+            make=make,
             dump=lambda p: {"trace_version": TRACE_VERSION, "segments": p.segments, "per_layer": p.per_layer},
         )
     return _PATTERNS[path]
