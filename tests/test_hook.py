@@ -285,7 +285,9 @@ def test_ljperf_benchmark_plans_itself_under_the_variable(tmp_path):
     results = read_record(out)["results"]
     plan = results["recompute"]["plan"]
     assert results["recompute"]["budget_bytes"] == (none + full) // 2
-    assert 0 < plan.count("full") + plan.count("selective") < spec.layers
+    # Between none and full: some recompute, less than full everywhere. Which layers, and selective or full,
+    # follows the rates measured in the run (under CI load it once chose full + 3 selective on 4 layers).
+    assert plan.count("full") + plan.count("selective") > 0 and plan.count("full") < spec.layers
     assert abs(results["forecast"]["error_pct"]) < 1
 
 

@@ -225,7 +225,7 @@ def run_worker(cfg: BenchmarkConfig) -> int:
             print_result_table(record)
         if status != "ok" and not reporter.watched:
             print(f"ljperf benchmark: {status}: {reason}", file=sys.stderr)
-    if status == "ok" or run.world == 1:  # a failed group is left: a barrier could wait on a lost peer
+    if status == "ok" or run.world == 1:  # a failed group is kept: its barrier could wait on a lost peer
         shutdown_process()
     for sig, handler in previous.items():
         signal.signal(sig, handler)

@@ -312,7 +312,7 @@ def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, outpu
     }
     if process.is_main and output:
         write_json(output, record)
-    if status == "ok" or process.world == 1:  # a failed group is left: a barrier could wait on a lost peer
+    if status == "ok" or process.world == 1:  # a failed group is kept: its barrier could wait on a lost peer
         shutdown_process()
     for sig, handler in previous.items():
         signal.signal(sig, handler)
