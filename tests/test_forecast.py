@@ -160,6 +160,24 @@ def test_breakdown_adds_up_and_recompute_saves_activations():
     assert costs["full"].saved_bytes == 2 * 64 * spec.hidden * 4
 
 
+@pytest.mark.parametrize(
+    ("model", "engine", "recompute"), [("llama-tiny", "deepspeed", "none"), ("llama3-8b", "fsdp", "full")]
+)
+def test_what_a_sharded_engine_gathers_or_reduces_at_the_peak_is_named_not_temporaries(model, engine, recompute):
+    """ZeRO-3's head gather at the LM head, and FSDP2's root reduce-scatter input, are in their own parts."""
+    spec = models.resolve(name=model)
+    blocks = timeline.block_params(spec)
+    recipe = Recipe(engine=engine, world=8, precision="bf16-mixed", micro_batch=1, seq_len=2048)
+    result = forecast(spec, recipe.with_(recompute=(recompute,) * spec.layers))
+    assert sum(result.breakdown.values()) == result.peak_allocated_bytes
+    if engine == "deepspeed":  # llama-tiny is within the reuse distance: every layer stays gathered to the head
+        assert "LM head" in result.phase
+        assert result.breakdown["gathered_parameters"] == blocks.total * 2
+    else:
+        assert result.phase == "backward, micro-step 1, root reduce-scatter"
+        assert result.breakdown["comm_buffers"] >= (blocks.pre + blocks.post) * 4
+
+
 @pytest.mark.parametrize(("engine", "zero_stage"), [("torch", 1), ("fsdp", 1), ("deepspeed", 2), ("deepspeed", 3)])
 def test_many_micro_steps_cost_no_more_time_than_five(engine, zero_stage):
     """Micro-steps 2 .. G-1 repeat; the forecast must not walk each (G = 10⁶ once took minutes)."""

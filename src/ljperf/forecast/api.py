@@ -85,6 +85,8 @@ def analytic_forecast(spec: models.ModelSpec, recipe: Recipe, *, reason: str) ->
         "optimizer_states": shard.optimizer,
         "gradients": grads_seen if forward >= optimizer else shard.grads,
         "activations": acts if forward >= optimizer else 0,
+        "logits_and_loss": logits_grad if forward >= optimizer else 0,
+        "gathered_parameters": shard.resident + gathered if forward >= optimizer else 0,
         "batch": batch,
         "comm_buffers": shard.comm_buffers,
     }

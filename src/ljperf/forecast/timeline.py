@@ -139,13 +139,16 @@ class Sharding:
     resident: int = 0
     """Gathered from the first forward to the end of backward (FSDP2's root: embedding, final norm, head)."""
     gather_fwd: int = 0
-    """Extra bytes while a decoder layer runs forward (its gathered parameters, all-gather buffers)."""
+    """Gathered bytes while a decoder layer runs forward (its parameters, prefetched ones, all-gather buffers)."""
     gather_bwd: int = 0
-    """Extra bytes while a decoder layer runs backward (gathered current and prefetched, reduce buffer)."""
+    """Gathered bytes while a decoder layer runs backward (the current layer's and the prefetched one's)."""
     gather_edges: dict[str, int] = field(default_factory=dict)
-    """Extra bytes in the embedding and head segments (``pre_f``, ``post_f``, ``post_b``, ``pre_b``), in the
+    """Gathered bytes in the embedding and head segments (``pre_f``, ``post_f``, ``post_b``, ``pre_b``), in the
     last and first layers' backward where they differ from ``gather_bwd`` (``last_b``, ``first_b``), and at
     the start of backward (``root_bwd``: FSDP2's re-gather of the root)."""
+    reduce_input: int = 0
+    """Bytes of the previous layer's reduce-scatter input, held while a layer (not the last, whose backward
+    runs first) and the embedding run backward (FSDP2: one layer's gradients in fp32)."""
     held_per_layer: int = 0
     """Gathered bytes a layer keeps from its forward to its backward (FSDP2 without resharding)."""
     root_reduced_last: bool = False
@@ -202,23 +205,16 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     root = (blocks.pre + blocks.post) * compute
     moments = 2 * shard + step_scalars
     if recipe.engine == "fsdp":
-        reduce_input = blocks.layer * FP32
-        edges = {"pre_f": root, "post_f": layer, "pre_b": reduce_input}
+        edges = {"pre_f": root, "post_f": layer}
         if recipe.reshard_after_forward:
             gathered = {
                 "gather_fwd": 2 * layer,
-                "gather_bwd": 2 * layer + reduce_input,
-                # The last layer's backward holds no reduce input yet; the first's prefetches nothing.
-                "gather_edges": edges
-                | {"post_b": layer, "last_b": 2 * layer, "first_b": layer + reduce_input, "root_bwd": root},
+                "gather_bwd": 2 * layer,
+                # The first layer's backward (the last to run) prefetches nothing.
+                "gather_edges": edges | {"post_b": layer, "first_b": layer, "root_bwd": root},
             }
         else:  # layers stay gathered until their backward: no re-gather
-            gathered = {
-                "gather_fwd": layer,
-                "gather_bwd": reduce_input,
-                "gather_edges": edges | {"last_b": 0},
-                "held_per_layer": layer,
-            }
+            gathered = {"gather_fwd": layer, "gather_edges": edges, "held_per_layer": layer}
         return Sharding(
             params=shard,
             grads=shard,
@@ -226,6 +222,7 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
             grad_keep=1 / w,
             resident=root,
             root_reduced_last=True,
+            reduce_input=blocks.layer * FP32,
             **gathered,
         )
     ipg = recipe.zero.reduce_bucket_elements(spec.hidden) * compute  # the IPG (gradient) bucket
@@ -348,10 +345,15 @@ class _Walk:
     peak_parts: dict[str, int] | None = None
     phase: str = ""
 
-    def visit(self, above: int, phase: str) -> None:
+    def visit(self, above: int, phase: str, *, gathered: int = 0, reducing: int = 0) -> None:
+        """A moment ``above`` the level (of which ``gathered`` bytes are parameters gathered only for it and
+        ``reducing`` a reduce-scatter's input); the rest of ``above`` is temporaries."""
+        above += gathered + reducing
         if self.level + above > self.peak:
             self.peak = self.level + above
             self.peak_parts = dict(self.parts)
+            self.peak_parts["gathered_parameters"] += gathered
+            self.peak_parts["comm_buffers"] += reducing
             self.phase = phase
 
     def add(self, part: str, nbytes: int) -> None:
@@ -371,9 +373,12 @@ class _Walk:
         for name, value in self.parts.items():
             self.parts[name] += (value - parts.get(name, 0)) * times
 
-    def step(self, seg: tuple[int, int], phase: str, *, extra: int = 0, **attributed: int) -> None:
-        """Visit a segment ``(peak above start, net change)``; ``attributed`` moves bytes into named parts."""
-        self.visit(seg[0] + extra, phase)
+    def step(
+        self, seg: tuple[int, int], phase: str, *, gathered: int = 0, reducing: int = 0, **attributed: int
+    ) -> None:
+        """Visit a segment ``(peak above start, net change)`` with what it gathers and reduces while it runs;
+        ``attributed`` moves bytes into named parts."""
+        self.visit(seg[0], phase, gathered=gathered, reducing=reducing)
         self.level += seg[1]
         for name, value in attributed.items():
             self.parts[name] = self.parts.get(name, 0) + value
@@ -476,20 +481,20 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
         walk.step(
             edge[f"pre_f@{k}"],
             f"forward, {where}, embedding",
-            extra=extra.get("pre_f", 0),
+            gathered=extra.get("pre_f", 0),
             activations=edge[f"pre_f@{k}"][1],
         )
         for i, pos in enumerate(position):
             seg = values[modes[i]][f"{pos}@{k}"]
             gather, _, held = shard.layer_terms(i)
-            walk.step(seg, f"forward, {where}, layer {i}", extra=gather, activations=seg[1])
+            walk.step(seg, f"forward, {where}, layer {i}", gathered=gather, activations=seg[1])
             walk.add("gathered_parameters", held)
         post_f = edge[f"post_f@{k}"][1]
         head = f"{where}, LM head and loss"
-        walk.step(edge[f"post_f@{k}"], f"forward, {head}", extra=extra.get("post_f", 0), logits_and_loss=post_f)
+        walk.step(edge[f"post_f@{k}"], f"forward, {head}", gathered=extra.get("post_f", 0), logits_and_loss=post_f)
         grads = _Grads(shard, first=micro == 1, traced=2 if recipe.trace_precision == "bf16-params" else FP32)
-        walk.visit(extra.get("root_bwd", 0), f"backward, {head}, root all-gather")
-        walk.step(edge[f"post_b@{k}"], f"backward, {head}", extra=extra.get("post_b", 0), logits_and_loss=-post_f)
+        walk.visit(0, f"backward, {head}, root all-gather", gathered=extra.get("root_bwd", 0))
+        walk.step(edge[f"post_b@{k}"], f"backward, {head}", gathered=extra.get("post_b", 0), logits_and_loss=-post_f)
         if not shard.root_reduced_last:
             grads.settle(walk, blocks.post)
         if micro == 1 or not shard.bucket_until_boundary:
@@ -502,15 +507,22 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
                 gather = extra.get("last_b", gather)
             elif i == 0:
                 gather = extra.get("first_b", gather)
-            walk.step(seg, f"backward, {where}, layer {i}", extra=gather, activations=-saved)
+            reducing = 0 if i == n - 1 else shard.reduce_input
+            walk.step(seg, f"backward, {where}, layer {i}", gathered=gather, reducing=reducing, activations=-saved)
             walk.add("gathered_parameters", -held)
             grads.settle(walk, blocks.layer)
         pre_f = edge[f"pre_f@{k}"][1]
-        walk.step(edge[f"pre_b@{k}"], f"backward, {where}, embedding", extra=extra.get("pre_b", 0), activations=-pre_f)
+        walk.step(
+            edge[f"pre_b@{k}"],
+            f"backward, {where}, embedding",
+            gathered=extra.get("pre_b", 0),
+            reducing=shard.reduce_input,
+            activations=-pre_f,
+        )
         if shard.root_reduced_last:
             walk.add("gathered_parameters", -shard.resident)
             root = grads.reduce_root(blocks.pre + blocks.post, embedding=blocks.pre)
-            walk.visit(root, f"backward, {where}, root reduce-scatter")
+            walk.visit(0, f"backward, {where}, root reduce-scatter", reducing=root)
         grads.settle(walk, blocks.pre + (blocks.post if shard.root_reduced_last else 0))
         if micro == last or not shard.bucket_until_boundary:
             walk.add("comm_buffers", -shard.backward_bucket)
