@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from ljperf import models
+from ljperf import memory, models
 from ljperf.checkpoint.apply import apply_plan
 from ljperf.compile import compile_model
 from ljperf.errors import Interrupted
@@ -140,6 +140,32 @@ def test_three_sequence_lengths_recompile_once_per_region(regional_run):
 
 
 @pytest.mark.slow
+def test_a_cpu_memory_measurement_leaves_compiled_code_compiled():
+    """The CPU measurement (a dispatch mode) of ``ljperf benchmark``'s step 2 and of the hook's closed loop: dynamo
+    skips code called under such a mode for good, so every later step ran eager (before: 1 compiled call of 4)."""
+    calls = []
+
+    def counting(gm, example_inputs):
+        def run(*args):
+            calls.append(1)
+            return gm(*args)
+
+        return run
+
+    def block(x):
+        return torch.nn.functional.silu(x) * x
+
+    compiled = torch.compile(block, backend=counting)
+    x = torch.randn(8, 8)
+    compiled(x)
+    with memory.LiveTensorBytes([x]) as tracker:
+        torch.testing.assert_close(compiled(x), block(x))
+    assert tracker.peak > x.nbytes  # measured the eager run
+    compiled(x)
+    compiled(x)
+    assert len(calls) == 3
+
+
 def test_compile_with_checkpointing_gives_eager_gradients():
     eager, compiled = tiny_model(), tiny_model()
     apply_plan(compiled, ("selective", "selective"))  # one block graph; selective is the harder case

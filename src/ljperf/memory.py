@@ -2,7 +2,8 @@
 
 torch has no CPU allocator statistics, so on CPU ``LiveTensorBytes`` counts every tensor storage that
 an aten op creates, from creation until Python frees it, on top of the storages already alive
-(parameters, gradients, optimizer states, the batch). It slows a step, so it runs on an untimed step.
+(parameters, gradients, optimizer states, the batch). It slows a step, so it runs on an untimed step, and
+compiled code runs eager while it measures (the figure is the eager step's).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 if TYPE_CHECKING:
     from torch._ops import OpOverload
 
-CPU_METHOD = "live tensor storages (TorchDispatchMode), untimed warm-up step"
+CPU_METHOD = "live tensor storages (TorchDispatchMode), untimed warm-up step, compiled regions run eager"
 CUDA_METHOD = "torch.cuda.max_memory_allocated / max_memory_reserved"
 
 
@@ -84,10 +85,15 @@ class LiveTensorBytes(TorchDispatchMode):
 
         self._resize = resize
         torch.UntypedStorage.resize_ = tracked_resize
+        # Dynamo skips a frame called under a dispatch mode like this one and marks its code never to compile
+        # again: every later step would run eager. Compiled regions run eager while measured instead (inductor's
+        # CPU buffers bypass the dispatcher, so a compiled step could not be counted anyway).
+        self._stance = torch.compiler.set_stance("force_eager")
         return super().__enter__()
 
     def __exit__(self, *exc: object):
         torch.UntypedStorage.resize_ = self._resize
+        self._stance.__exit__(*exc)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(
