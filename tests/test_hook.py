@@ -328,3 +328,19 @@ def test_a_trainer_model_loaded_in_bf16_is_planned_with_bf16_weights(dtype, bf16
     setup = _trainer_setup(SimpleNamespace(args=args, model=torch.nn.Linear(2, 2, dtype=dtype)))
     assert setup["precision"] == precision
     Recipe(**setup)
+
+
+def test_planning_leaves_the_global_random_state_alone(monkeypatch):
+    """The plan (rates measured on this device, layers traced, the solver) draws nothing from torch's global
+    generator: a model with dropout trained differently under the variable (the rates drew from it)."""
+    from tests.scripts.tiny_llama import MICRO_BATCH, SEQ_LEN, build
+
+    from ljperf.hooks.checkpoint import plan_model
+
+    model = build()
+    monkeypatch.setenv("LJPERF_MEMORY_BUDGET", str(budget_between_none_and_full()))
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    decision, _ = plan_model(model, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, engine="torch", world=1, precision="fp32")
+    assert decision.fits and decision.plan != ("none",) * len(decision.plan)
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -119,8 +119,10 @@ class Rates:
         """A short matmul and a decoder layer's kind of pointwise ops on ``device`` (tens of milliseconds)."""
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         n = 4096 if device.type == "cuda" else 512
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        x = torch.randn(2**22 // 128, 128, device=device)
+        # Its own generator: drawing from the global one would change what a model's dropout draws next.
+        rng = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=rng)
+        x = torch.randn(2**22 // 128, 128, device=device, generator=rng)
         mm = _best_time(lambda: a @ a, device)
         pointwise = _best_time(lambda: _norm_silu(x), device)
         return cls(
