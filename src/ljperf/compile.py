@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 
 from ljperf.checkpoint.apply import find_blocks
 from ljperf.config import COMPILE_MODES
-from ljperf.errors import UsageError, interruption, out_of_memory
+from ljperf.errors import UsageError, interruption, one_line, out_of_memory
 
 if TYPE_CHECKING:
     from ljperf.runtime import RunContext
@@ -101,16 +101,6 @@ def session() -> CompileSession | None:
 
 def _graph_break_count() -> int:
     return sum(counters["graph_break"].values())
-
-
-def one_line(exc: BaseException) -> str:
-    """``Type: first line`` of an exception, with dynamo's ``Explanation:`` line when it has one."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[0] if lines else ""
-    explanation = next((line for line in lines if line.startswith("Explanation:")), None)
-    if explanation:
-        text = f"{text}: {explanation.removeprefix('Explanation:').strip()}"
-    return f"{type(exc).__name__}: {text}"[:400]
 
 
 # Not compile failures: OOM, and the exception a non-reentrant checkpoint's recompute stops early with (torch 2.11

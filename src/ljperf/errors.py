@@ -86,3 +86,13 @@ def failure(exc: BaseException) -> tuple[str, str, int]:
 def raise_interrupted(signum: int, _frame: object) -> None:
     """A SIGTERM/SIGINT handler for runs that keep a partial result: the run unwinds, then writes it."""
     raise Interrupted(signum)
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, with dynamo's ``Explanation:`` line when it has one."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    explanation = next((line for line in lines if line.startswith("Explanation:")), None)
+    if explanation:
+        text = f"{text}: {explanation.removeprefix('Explanation:').strip()}"
+    return f"{type(exc).__name__}: {text}"[:400]

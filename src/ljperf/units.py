@@ -47,7 +47,7 @@ def parse_memory(text: str, *, what: str) -> int:
 _BINARY = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 
 
-def _unit(n: float) -> tuple[str, int]:
+def unit_of(n: float) -> tuple[str, int]:
     """The largest binary unit ``n`` is at least one of (bytes below 1 KiB)."""
     return next(((unit, scale) for unit, scale in _BINARY if abs(n) >= scale), ("B", 1))
 
@@ -56,13 +56,13 @@ def format_bytes(n: float | None) -> str:
     """Human-readable binary size, e.g. ``1.50 GiB``; ``-`` for None."""
     if n is None:
         return "-"
-    unit, scale = _unit(n)
+    unit, scale = unit_of(n)
     return f"{int(n)} B" if unit == "B" else f"{n / scale:.2f} {unit}"
 
 
 def format_part(part: float, whole: float) -> str:
     """``71.2 of 72.0 GiB``; ``21.30 MiB of 1.00 KiB`` when one unit does not suit both."""
-    if _unit(part) != (unit_scale := _unit(whole)):
+    if unit_of(part) != (unit_scale := unit_of(whole)):
         return f"{format_bytes(part)} of {format_bytes(whole)}"
     unit, scale = unit_scale
     return f"{part / scale:.1f} of {whole / scale:.1f} {unit}"

@@ -2,7 +2,8 @@
 
 A record of ``ljperf benchmark`` holds the forecast beside the measured peaks (``results.forecast``). Per device
 name, the fit is ``measured allocated = scale · forecast + offset`` (least squares; offset only with one
-record or one forecast value) and ``reserved = reserved_scale · allocated`` (the median ratio). The fitted
+record or one forecast value, or when the line's slope is outside ``PLAUSIBLE_SCALE``: points too close together
+for a slope) and ``reserved = reserved_scale · allocated`` (the median ratio). The fitted
 terms are saved as JSON in the cache folder (``calibration.json``) and applied to later forecasts.
 """
 
@@ -18,6 +19,9 @@ from ljperf.result import read_json, read_json_object, write_json
 
 MiB = 1024**2
 CALIBRATION_VERSION = 1
+PLAUSIBLE_SCALE = (0.5, 2.0)
+"""Slopes a fit may keep: the forecast counts every tensor, so a miss is a share of it, never twice or half;
+two records 10% apart in size fit any slope (one user's fit gave -1.0 and a negative peak for 70B)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,9 +118,8 @@ def fit(records: list[dict]) -> dict[str, Overheads]:
     fitted = {}
     for name, rows in by_device.items():
         xs, ys = [r[0] for r in rows], [r[1] for r in rows]
-        if len(set(xs)) >= 2:
-            slope, intercept = statistics.linear_regression(xs, ys)
-        else:
+        slope, intercept = statistics.linear_regression(xs, ys) if len(set(xs)) >= 2 else (0.0, 0.0)
+        if not PLAUSIBLE_SCALE[0] <= slope <= PLAUSIBLE_SCALE[1]:
             slope, intercept = 1.0, statistics.fmean(y - x for x, y in zip(xs, ys, strict=True))
         ratios = [r[2] / r[1] for r in rows if r[2]]
         base = DEFAULTS["cpu" if name == "cpu" else "cuda"]

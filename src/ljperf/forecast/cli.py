@@ -20,7 +20,7 @@ from ljperf.config import LARGEST, EngineConfig, OptimConfig, TrainConfig, check
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
 from ljperf.models import ModelSpec
-from ljperf.units import format_bytes, parse_memory
+from ljperf.units import format_bytes, parse_memory, unit_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +84,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     result = forecast(spec, recipe, device_name=device_name)
     most = recipe.with_(recompute=("full",) * spec.layers) if decision else recipe  # the most auto can save
     budget = decision.budget_bytes if decision else None  # auto's limit: fits, headroom and the largest batch
-    best = max_micro_batch(spec, most, budget or memory, device_name=device_name)
+    # a budget above the device's memory bounds the plan (the note below says it may not run), not the batch
+    best = max_micro_batch(spec, most, min(budget or memory, memory), device_name=device_name)
     report = plan_record(spec, recipe, result, memory=memory, budget=budget, max_micro_batch=best, warnings=warnings)
     if decision is not None:
         report["recompute"] = decision.record() | {"rates": rates}
@@ -95,12 +96,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 f"{format_bytes(memory)}: a plan within it can still run out of memory"
             )
     elif not report["fits"] and set(recipe.layer_modes(spec.layers)) != {"full"}:
-        full = forecast(spec, recipe.with_(recompute=("full",) * spec.layers), device_name=device_name).device_bytes
+        at_full = forecast(spec, recipe.with_(recompute=("full",) * spec.layers), device_name=device_name)
+        full = at_full.device_bytes
         shard = "a sharding engine (fsdp/, deepspeed/)" if recipe.engine == "torch" else "more --gpus"
+        less = "fewer tokens per micro-step (--micro-batch, --seq-len)"
+        if at_full.phase.startswith("optimizer"):  # tokens do not reach it; the AdamW kind's temporaries do
+            less = "the optimizer step sets that peak: --optimizer fused (no step temporaries)"
         report["notes"].append(
             f"with --recompute full: {format_bytes(full)} on the device, "
             + ("which fits; --recompute auto recomputes the fewest layers that fit" if full <= memory else
-               f"which does not fit either: fewer tokens per micro-step (--micro-batch, --seq-len) or {shard}")
+               f"which does not fit either: {less} or {shard}")
         )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
@@ -121,6 +126,7 @@ def recipe_from_args(
     TrainConfig(
         micro_batch=args.micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum, precision=args.precision
     )
+    cfgmod.check_engine_flags(engine, zero_stage=args.zero_stage, reshard_after_forward=args.reshard_after_forward)
     if args.zero_stage is not None:
         check_zero_stage(args.zero_stage)
     seq_len = spec.seq_len(args.seq_len)
@@ -158,6 +164,8 @@ def device_memory(args: argparse.Namespace) -> tuple[int, str | None]:
     if args.gpu_memory and args.gpu:
         raise UsageError("give one of --gpu-memory SIZE or --gpu NAME")
     if args.gpu:
+        if args.device == "cpu":
+            raise UsageError("--gpu names a GPU, but the plan is for --device cpu: give --gpu-memory SIZE instead")
         name = known_gpu(args.gpu)
         return hardware.GPU_MEMORY_BYTES[name], name.split("-")[0]
     import torch
@@ -258,14 +266,15 @@ def print_plan(report: dict) -> None:
     recipe = report["recipe"]
     where = f"{recipe['world']} × {recipe['device']}"
     table = titled_table(shape_title(recipe["engine"], report["model"]["name"], where=where, shape=recipe))
-    table.add_column("component")
-    table.add_column("GiB", justify="right")
-    table.add_column("share", justify="right")
     peak = report["peak_allocated_bytes"]
+    unit, scale = unit_of(peak)  # one unit for the column, the peak's (tiny models read 0.00 in GiB)
+    table.add_column("component")
+    table.add_column(unit, justify="right")
+    table.add_column("share", justify="right")
     for name, value in sorted(report["breakdown"].items(), key=lambda kv: -kv[1]):
-        table.add_row(name.replace("_", " "), f"{value / 1024**3:.2f}", f"{100 * value / peak:.1f}%")
+        table.add_row(name.replace("_", " "), f"{value / scale:.2f}", f"{100 * value / peak:.1f}%")
     table.add_section()
-    table.add_row("peak allocated per rank", f"{peak / 1024**3:.2f}", "100.0%")
+    table.add_row("peak allocated per rank", f"{peak / scale:.2f}", "100.0%")
     console.print(table)
     lines = [f"peak at: {report['phase']} ({report['source']})"]
     if "recompute" in report:
@@ -306,7 +315,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
     for name, terms in fitted.items():
         print(
             f"{name}: scale {terms.scale:.4f}, offset {format_bytes(terms.offset)}, "
-            f"reserved/allocated {terms.reserved_scale or '-'} from {terms.samples} record(s)"
+            f"reserved/allocated {f'{terms.reserved_scale:.3f}' if terms.reserved_scale else '-'} from"
+            f" {terms.samples} record(s)"
         )
     print(f"saved to {calibration_path()}")
     return 0

@@ -180,6 +180,7 @@ class Recipe:
             reshard_after_forward=run.engine_opts.reshard_after_forward,
             recompute=recompute,
             zero=_zero_settings(run),
+            optimizer=_deepspeed_adamw(run),
         )
 
 
@@ -208,6 +209,15 @@ class Forecast:
     def device_bytes(self) -> int:
         """What the device must hold: the reserve (or allocation) plus the context."""
         return (self.peak_reserved_bytes or self.peak_allocated_bytes) + self.context_bytes
+
+
+def _deepspeed_adamw(run: RunContext) -> str | None:
+    """The AdamW kind a ``--deepspeed-config`` asks torch for (``optimizer.params.foreach``), else torch's pick."""
+    if run.engine != "deepspeed" or not run.deepspeed_user:
+        return None
+    params = (run.deepspeed_user.get("optimizer") or {}).get("params") or {}
+    foreach = params.get("foreach") if isinstance(params, dict) else None
+    return None if not isinstance(foreach, bool) else "foreach" if foreach else "single"
 
 
 def _zero_settings(run: RunContext) -> ZeroSettings:

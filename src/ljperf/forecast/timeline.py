@@ -161,6 +161,9 @@ class Sharding:
     bucket_until_boundary: bool = False
     """The bucket lives on until the accumulation boundary's backward ends (ZeRO-1 releases it when it
     reduces, at the boundary; ZeRO-2 reduces and releases it every micro-step)."""
+    boundary_partition: int = 0
+    """Bytes of the gradient partition made when the boundary's backward ends, while the whole gradients,
+    not yet reduced, and the bucket are alive (ZeRO-1's ``grads_in_partition``)."""
     step_grads: int = 0
     """Extra bytes of the fp32 gradient the optimizer step makes from the held ones (DeepSpeed), alive in it."""
     by_layer: tuple[tuple[int, int, int], ...] = ()
@@ -247,6 +250,7 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
         optimizer_flat=shard,
         backward_bucket=ipg,
         bucket_until_boundary=True,
+        boundary_partition=shard * compute // FP32,  # grad_accum_dtype: the model's
     )
 
 
@@ -323,15 +327,15 @@ def zero3_sharding(
 
 def optimizer_transient(blocks: BlockParams, recipe: Recipe, *, local_params: int, flat: int = 0) -> int:
     """Temporaries of one AdamW step: single-tensor makes sqrt and its quotient per tensor, the largest setting the
-    peak (``flat``: bytes of the one flat partition an engine steps instead); foreach a whole copy."""
+    peak (``flat``: bytes of the one flat partition an engine steps instead); foreach one copy of all it steps."""
     impl = recipe.optimizer_impl
     if impl == "single":
         largest = blocks.largest
         if recipe.engine == "fsdp":  # rank 0 holds the first, largest, chunk of the rows
             largest = -(-blocks.largest_rows // recipe.world) * (blocks.largest // blocks.largest_rows)
         return 2 * (flat or largest * recipe.weight_bytes)
-    if impl == "foreach":
-        return local_params
+    if impl == "foreach":  # one copy of what it steps: the flat partition where the engine steps one
+        return flat or local_params
     return 0
 
 
@@ -345,15 +349,15 @@ class _Walk:
     peak_parts: dict[str, int] | None = None
     phase: str = ""
 
-    def visit(self, above: int, phase: str, *, gathered: int = 0, reducing: int = 0) -> None:
-        """A moment ``above`` the level (of which ``gathered`` bytes are parameters gathered only for it and
-        ``reducing`` a reduce-scatter's input); the rest of ``above`` is temporaries."""
-        above += gathered + reducing
+    def visit(self, above: int, phase: str, **during: int) -> None:
+        """A moment ``above`` the level (temporaries), with ``during`` bytes by part alive only for it (parameters
+        gathered for it, a reduce-scatter's input)."""
+        above += sum(during.values())
         if self.level + above > self.peak:
             self.peak = self.level + above
             self.peak_parts = dict(self.parts)
-            self.peak_parts["gathered_parameters"] += gathered
-            self.peak_parts["comm_buffers"] += reducing
+            for part, nbytes in during.items():
+                self.peak_parts[part] += nbytes
             self.phase = phase
 
     def add(self, part: str, nbytes: int) -> None:
@@ -378,7 +382,7 @@ class _Walk:
     ) -> None:
         """Visit a segment ``(peak above start, net change)`` with what it gathers and reduces while it runs;
         ``attributed`` moves bytes into named parts."""
-        self.visit(seg[0], phase, gathered=gathered, reducing=reducing)
+        self.visit(seg[0], phase, gathered_parameters=gathered, comm_buffers=reducing)
         self.level += seg[1]
         for name, value in attributed.items():
             self.parts[name] = self.parts.get(name, 0) + value
@@ -493,7 +497,7 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
         head = f"{where}, LM head and loss"
         walk.step(edge[f"post_f@{k}"], f"forward, {head}", gathered=extra.get("post_f", 0), logits_and_loss=post_f)
         grads = _Grads(shard, first=micro == 1, traced=2 if recipe.trace_precision == "bf16-params" else FP32)
-        walk.visit(0, f"backward, {head}, root all-gather", gathered=extra.get("root_bwd", 0))
+        walk.visit(0, f"backward, {head}, root all-gather", gathered_parameters=extra.get("root_bwd", 0))
         walk.step(edge[f"post_b@{k}"], f"backward, {head}", gathered=extra.get("post_b", 0), logits_and_loss=-post_f)
         if not shard.root_reduced_last:
             grads.settle(walk, blocks.post)
@@ -522,8 +526,10 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
         if shard.root_reduced_last:
             walk.add("gathered_parameters", -shard.resident)
             root = grads.reduce_root(blocks.pre + blocks.post, embedding=blocks.pre)
-            walk.visit(0, f"backward, {where}, root reduce-scatter", reducing=root)
+            walk.visit(0, f"backward, {where}, root reduce-scatter", comm_buffers=root)
         grads.settle(walk, blocks.pre + (blocks.post if shard.root_reduced_last else 0))
+        if micro == last:
+            walk.visit(0, f"backward, {where}, gradients into the partition", gradients=shard.boundary_partition)
         if micro == last or not shard.bucket_until_boundary:
             walk.add("comm_buffers", -shard.backward_bucket)
         walk.step(edge[f"gap@{k}"], f"backward, {where}")

@@ -29,9 +29,10 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -43,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ljperf import models
+from ljperf.errors import one_line
 from ljperf.result import read_json, write_json
 
 if TYPE_CHECKING:
@@ -199,12 +201,30 @@ def trace_shape(
         # causal mask; on fake tensors it cannot read the values and would build the mask (and repeat K/V).
         stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
         stack.enter_context(fake_mode)
+        # A fake kernel that refuses its inputs logs its traceback before raising: the error says it once.
+        stack.enter_context(_quiet("torch._subclasses.fake_tensor"))
         batches = [torch.zeros(micro_batch, seq_len, dtype=torch.long) for _ in range(MICRO_STEPS)]
         for tensor in [*model.parameters(), *model.buffers(), *batches]:
             timeline.track(tensor)
         stack.enter_context(timeline)
-        accumulate(model, batches, run=run)
+        try:
+            accumulate(model, batches, run=run)
+        except (RuntimeError, NotImplementedError) as exc:  # e.g. a kernel whose fake version refuses fp32
+            if isinstance(exc, TraceError):
+                raise
+            raise TraceError(f"its training step does not run on fake tensors: {one_line(exc)}") from exc
     return RawTrace(points=timeline.points, marks=timeline.marks)
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: dict) -> None:
@@ -381,6 +401,8 @@ def _versions() -> dict[str, str]:
 
 _PATTERNS: dict[Path, Patterns] = {}
 """Patterns read or traced in this process: a solver calls ``forecast`` hundreds of times."""
+_FAILED: dict[Path, TraceError] = {}
+"""Traces that failed in this process: each of those calls falls back to the analytic formula at once."""
 
 
 def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: str, micro_batch: int) -> Patterns:
@@ -388,6 +410,8 @@ def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: 
     fam = family(micro_batch)
     key = family_key(spec, precision=precision, attn=attn, mode=mode)
     path = cache_dir() / f"{spec.architecture}-{mode}-{fam}-{key}.json"
+    if path in _FAILED:
+        raise _FAILED[path]
     if path not in _PATTERNS:
 
         def trace(shape: tuple[int, int], layers: int) -> RawTrace:
@@ -409,12 +433,16 @@ def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: 
             deeper |= {shape: trace(shape, SLOPE_LAYERS) for shape in shapes[:-1]}
             return with_per_layer(patterns, fit_patterns(deeper, layers=SLOPE_LAYERS))
 
-        _PATTERNS[path] = cached(
-            path,
-            load=lambda data: Patterns(segments=data["segments"], per_layer=data["per_layer"]),
-            make=make,
-            dump=lambda p: {"trace_version": TRACE_VERSION, "segments": p.segments, "per_layer": p.per_layer},
-        )
+        try:
+            _PATTERNS[path] = cached(
+                path,
+                load=lambda data: Patterns(segments=data["segments"], per_layer=data["per_layer"]),
+                make=make,
+                dump=lambda p: {"trace_version": TRACE_VERSION, "segments": p.segments, "per_layer": p.per_layer},
+            )
+        except TraceError as exc:
+            _FAILED[path] = exc
+            raise
     return _PATTERNS[path]
 
 
