@@ -88,12 +88,16 @@ CASES = [
     (
         ["plan", "--model", "fsdp/llama-tiny", "--gpus", "2", "--device", "cpu", *["--seq-len", "32"], *AUTO_1MIB],
         {},
-        "full recompute does not fit with 4 processes or 8 processes either",  # ranks on a CPU are not GPUs
+        "full recompute does not fit with 8 processes either",  # ranks on a CPU are not GPUs
     ),
     (["plan", *TINY, "--device", "cpu", "--micro-batch", "99999999999"], {}, "--micro-batch must be larger than zero"),
     (["plan", "--model", "torch/llama-tiny", "--micro-batch", "0"], {}, "--micro-batch"),
     (["plan", "--model", "torch/llama-tiny", "--seq-len", "0"], {}, "--seq-len"),
     (["plan", "--model", "deepspeed/llama-tiny", "--zero-stage", "0"], {}, "--zero-stage 0"),
+    # another engine's flag was ignored: a ZeRO-3-like figure for "fsdp --zero-stage 2", no change for DDP
+    (["plan", "--model", "fsdp/llama-tiny", "--zero-stage", "2"], {}, "--zero-stage is for the deepspeed engine"),
+    (["benchmark", "--model", "torch/llama-tiny", "--no-reshard-after-forward"], {}, "is for the fsdp engine"),
+    (["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--gpu", "H100"], {}, "the plan is for --device cpu"),
     (["plan", "--model", "torch/llama-tiny", "--gpu", "NOPE-GPU"], {}, "NOPE-GPU"),
     (["plan", "--calibrate", "/nonexistent/results.json"], {}, "results.json"),
     (["plan", "--calibrate", "{bad}"], {}, "JSON"),

@@ -111,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) 
 
 def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConfig:
     engine, spec = models.model_from_args(args)
+    cfgmod.check_engine_flags(engine, zero_stage=args.zero_stage, reshard_after_forward=args.reshard_after_forward)
     user, flags = deepspeed_config.from_args(args, engine=engine)
     args.micro_batch, args.grad_accum, args.zero_stage = flags.micro_batch, flags.grad_accum, flags.zero_stage
     if args.compile and args.compile_mode not in (None, "regional"):

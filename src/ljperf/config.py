@@ -182,6 +182,14 @@ def check_precision(precision: str | None, *, engine: str) -> None:
         )
 
 
+def check_engine_flags(engine: str, *, zero_stage: int | None, reshard_after_forward: bool) -> None:
+    """Another engine's flag would be ignored, and the run or plan would not be the one asked for."""
+    if zero_stage is not None and engine != "deepspeed":
+        raise UsageError(f"--zero-stage is for the deepspeed engine, not {engine} (FSDP2 shards like ZeRO-3)")
+    if not reshard_after_forward and engine != "fsdp":
+        raise UsageError(f"--no-reshard-after-forward is for the fsdp engine, not {engine}")
+
+
 def check_budget_flags(*, recompute: str, memory_budget: str | None) -> None:
     """The flags as given: a budget is for --recompute auto. Not an ``OptimConfig`` rule: the solver replaces
     ``auto`` with the plan it chose, and the run keeps its budget."""
