@@ -77,6 +77,8 @@ def test_failing_plan_warns_once_and_training_is_unchanged(tmp_path, plain_train
     assert plain["ljperf_imported"] is False
     hooked, stderr = run_script(tmp_path, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET="banana")
     assert stderr.count("CHECKPOINT_OPTIMIZATION left training unchanged") == 1
+    # told at the script's own line (it was torch's eval_frame.py, where dynamo.disable runs the hook)
+    assert re.search(r"hf_trainer\.py:\d+: UserWarning: ljperf: CHECKPOINT_OPTIMIZATION left", stderr), stderr[-2000:]
     assert hooked["losses"] == plain["losses"]
     assert hooked["checkpointed"] == plain["checkpointed"] == [False] * 6
     assert hooked["mlp_calls_per_step"] == plain["mlp_calls_per_step"]
@@ -230,7 +232,9 @@ def test_closed_loop_corrects_a_stale_forecast_after_the_second_step(tmp_path, p
     ((recomputed, *_),) = LINE.findall(stderr)
     recomputed = int(recomputed)
     loop = re.search(
-        r"\[ljperf\] closed loop: measured ([\d.]+) MiB vs forecast ([\d.]+) MiB; .*recomputing (\d+)/", stderr
+        r"\[ljperf\] closed loop: measured ([\d.]+) MiB vs forecast ([\d.]+) MiB \(under 85% of the forecast\); "
+        r".*recomputing (\d+)/",
+        stderr,
     )
     assert recomputed > 0 and loop and loop[3] == "0", stderr[-2000:]
     assert float(loop[1]) < 0.85 * float(loop[2])
@@ -344,3 +348,19 @@ def test_planning_leaves_the_global_random_state_alone(monkeypatch):
     decision, _ = plan_model(model, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, engine="torch", world=1, precision="fp32")
     assert decision.fits and decision.plan != ("none",) * len(decision.plan)
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_a_model_the_forecast_cannot_plan_is_named_in_the_warning():
+    """Not ``'Tiny' object has no attribute 'config'`` or ``'GPT2Model' object has no attribute 'layers'``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ljperf.errors import UsageError
+    from ljperf.hooks.checkpoint import model_recipe
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32))
+    for model, message in (
+        (torch.nn.Sequential(torch.nn.Linear(2, 2)), "Sequential is not an HF model"),
+        (gpt2, "GPT2LMHeadModel keeps its decoder layers elsewhere than model.layers"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            model_recipe(model, micro_batch=1, seq_len=8, world=1, precision="fp32", engine="torch")

@@ -248,7 +248,9 @@ def solve(
     Recomputing more never raises the peak, so with ``f`` layers full the fewest selective layers that fit,
     ``s(f)``, falls by at least one per extra full layer (one selective layer turned full still fits). The
     search walks that staircase from the first ``f`` where anything fits, and stops once ``f`` full layers
-    alone cost more than the best plan: about ``L`` forecasts instead of ``L²/2``.
+    alone cost more than the best plan: about ``L`` forecasts instead of ``L²/2``. When nothing fits, the plan
+    is the cheapest that reaches full recompute's peak, the lowest there is (where the optimizer step sets it,
+    less than every layer); none when recompute would save under 2% of the peak.
     """
     memo: dict[tuple[int, int], tuple[int, str]] = {}
 
@@ -257,51 +259,57 @@ def solve(
             memo[f, s] = peak(ordered_plan(layers, f, s))
         return memo[f, s]
 
-    def fits(f: int, s: int) -> bool:
-        return forecast_of(f, s)[0] <= budget
-
     full_s, sel_s = cost.seconds("full", rates), cost.seconds("selective", rates)
-    if not fits(layers, 0):
-        bytes_, phase = forecast_of(layers, 0)
-        none_bytes, _ = forecast_of(0, 0)
-        advice = advise()
-        if phase.startswith("optimizer"):
-            advice.insert(0, "the optimizer step, not activations, sets the peak: checkpointing cannot help")
-        elif none_bytes - bytes_ < 0.02 * none_bytes:
-            advice.insert(0, f"activations are under 2% of the peak ({phase}): checkpointing cannot help")
-        return _decision(
-            ordered_plan(layers, layers, 0),
-            budget=budget,
-            bytes_=bytes_,
-            cost=cost,
-            rates=rates,
-            fits=False,
-            advice=advice,
-        )
-    if fits(0, 0):
-        return _decision(
-            ordered_plan(layers, 0, 0), budget=budget, bytes_=forecast_of(0, 0)[0], cost=cost, rates=rates, fits=True
-        )
-    lo, hi = -1, layers  # the first f with every layer recomputed (f full, the rest selective) that fits
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid, layers - mid) else (mid, hi)
-    best: tuple[float, int, int, int] | None = None  # (seconds, layers recomputed, f, s)
-    s = layers - hi
-    for f in range(hi, layers + 1):
-        if best is not None and f * full_s > best[0]:
-            break
-        s = min(s, layers - f)
-        while s > 0 and fits(f, s - 1):
+
+    def cheapest(limit: int) -> tuple[int, int]:
+        """(full, selective) of the cheapest plan within ``limit``, given that full recompute is."""
+
+        def fits(f: int, s: int) -> bool:
+            return forecast_of(f, s)[0] <= limit
+
+        if fits(0, 0):
+            return 0, 0
+        lo, hi = -1, layers  # the first f with every layer recomputed (f full, the rest selective) that fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid, layers - mid) else (mid, hi)
+        best: tuple[float, int, int, int] | None = None  # (seconds, layers recomputed, f, s)
+        s = layers - hi
+        for f in range(hi, layers + 1):
+            if best is not None and f * full_s > best[0]:
+                break
+            s = min(s, layers - f)
+            while s > 0 and fits(f, s - 1):
+                s -= 1
+            candidate = (f * full_s + s * sel_s, f + s, f, s)
+            best = min(best, candidate) if best is not None else candidate
+            if s == 0:
+                break
             s -= 1
-        candidate = (f * full_s + s * sel_s, f + s, f, s)
-        best = min(best, candidate) if best is not None else candidate
-        if s == 0:
-            break
-        s -= 1
-    _, _, f, s = best
+        return best[2], best[3]
+
+    lowest, phase = forecast_of(layers, 0)
+    if lowest <= budget:
+        f, s = cheapest(budget)
+        return _decision(
+            ordered_plan(layers, f, s), budget=budget, bytes_=forecast_of(f, s)[0], cost=cost, rates=rates, fits=True
+        )
+    none_bytes, _ = forecast_of(0, 0)
+    advice = advise()
+    useless = none_bytes - lowest < 0.02 * none_bytes
+    if phase.startswith("optimizer"):
+        advice.insert(0, "the optimizer step, not activations, sets the peak: checkpointing cannot help")
+    elif useless:
+        advice.insert(0, f"activations are under 2% of the peak ({phase}): checkpointing cannot help")
+    f, s = (0, 0) if useless else cheapest(lowest)
     return _decision(
-        ordered_plan(layers, f, s), budget=budget, bytes_=forecast_of(f, s)[0], cost=cost, rates=rates, fits=True
+        ordered_plan(layers, f, s),
+        budget=budget,
+        bytes_=forecast_of(f, s)[0],
+        cost=cost,
+        rates=rates,
+        fits=False,
+        advice=advice,
     )
 
 
@@ -330,10 +338,11 @@ def solve_recipe(
     cost: LayerCost | None = None,
     device_name: str | None = None,
     activation_scale: float = 1.0,
+    flags: bool = True,
 ) -> Decision:
     """The fastest plan for ``recipe`` (an ``ljperf.forecast.Recipe``) under ``budget`` bytes per device;
     ``device_name`` picks the forecast's calibrated overheads, ``activation_scale`` corrects the forecast's
-    activations (the closed loop's measured ratio)."""
+    activations (the closed loop's measured ratio); ``flags``: advice in ljperf's flags, else in words."""
     from ljperf.forecast import forecast
 
     def peak(plan: Plan, r: Recipe = recipe) -> tuple[int, str]:
@@ -349,7 +358,7 @@ def solve_recipe(
         peak=peak,
         cost=cost,
         rates=rates,
-        advise=lambda: advice(recipe, budget, lambda r: peak(full, r)[0]),
+        advise=lambda: advice(recipe, budget, lambda r: peak(full, r)[0], flags=flags),
     )
 
 
@@ -374,31 +383,43 @@ def solve_for_plan(
     return solve_recipe(spec, recipe, budget=budget, rates=rates, device_name=device_name), source
 
 
-def advice(recipe: Recipe, budget: int, full_peak: Callable[[Recipe], int]) -> list[str]:
-    """The alternatives whose full-recompute forecast fits, or a line saying none does."""
-    options = alternatives(recipe)
-    fitting = [text for text, r in options if full_peak(r) <= budget]
+def advice(recipe: Recipe, budget: int, full_peak: Callable[[Recipe], int], *, flags: bool = True) -> list[str]:
+    """What would fit with full recompute, the least change of each kind (the largest micro batch, the fewest
+    ranks), or a line saying none does; ``flags``: in ``ljperf``'s flags, else in words (a user's script)."""
+    fitting, tried = [], []
+    for kind in alternatives(recipe, flags=flags):
+        first = next((text for text, r in kind if full_peak(r) <= budget), None)
+        if first is not None:
+            fitting.append(first)
+        else:
+            tried.append(kind[-1][0])
     if fitting:
         return [f"would fit with {text}" for text in fitting]
-    if not options:
+    if not tried:
         return ["only a larger memory budget would fit"]
-    *most, last = [text for text, _ in options]
+    *most, last = tried
     return [f"full recompute does not fit with {', '.join(most) + ' or ' if most else ''}{last} either"]
 
 
-def alternatives(recipe: Recipe) -> list[tuple[str, Recipe]]:
-    """Changes that cut per-device memory, each with full recompute, in the order a user would try them."""
+def alternatives(recipe: Recipe, *, flags: bool = True) -> list[list[tuple[str, Recipe]]]:
+    """Changes that cut per-device memory, each with full recompute, in the order a user would try them: kinds
+    of change, each from the least change to the most."""
     out = []
+    batch = "--micro-batch" if flags else "micro batch"
     if recipe.micro_batch > 1:
-        out.append((f"--micro-batch {recipe.micro_batch // 2}", recipe.with_(micro_batch=recipe.micro_batch // 2)))
+        b = recipe.micro_batch  # every smaller size (forecasts are cheap), else the halvings
+        sizes = range(b - 1, 0, -1) if b <= 64 else sorted({b // 2**k for k in range(1, 32)} - {0}, reverse=True)
+        out.append([(f"{batch} {n}", recipe.with_(micro_batch=n)) for n in sizes])
     if recipe.engine == "deepspeed" and recipe.zero_stage < 3:
-        out.append(("ZeRO stage 3", recipe.with_(zero_stage=3)))
+        out.append([("ZeRO stage 3", recipe.with_(zero_stage=3))])
+    ranks = "GPUs" if recipe.device == "cuda" else "processes"
+    fsdp = "FSDP2 (engine fsdp)" if flags else "FSDP2"
     if recipe.engine == "torch" and recipe.world > 1:
-        out.append(("FSDP2 (engine fsdp)", recipe.with_(engine="fsdp")))
+        out.append([(fsdp, recipe.with_(engine="fsdp"))])
+    elif recipe.engine == "torch":  # one device: only sharding over more of them lowers the model states
+        out.append([(f"{fsdp} on {w} {ranks}", recipe.with_(engine="fsdp", world=w)) for w in (2, 4, 8)])
     if recipe.engine != "torch":
-        for factor in (2, 4):
-            ranks = f"{recipe.world * factor} {'GPUs' if recipe.device == 'cuda' else 'processes'}"
-            out.append((ranks, recipe.with_(world=recipe.world * factor)))
+        out.append([(f"{recipe.world * f} {ranks}", recipe.with_(world=recipe.world * f)) for f in (2, 4)])
     return out
 
 
@@ -477,11 +498,12 @@ def corrected_scale(
     """The activation coefficient after a measured steady-state step, or None when the plan stands.
 
     All bytes are allocated bytes (``budget``: the budget less the forecast's reserve and context). Re-plan when
-    the measured peak is over the budget or under ``below`` × the forecast; the whole miss is put on the
-    activations (model states are counted exactly), so the new coefficient is
-    ``scale × (activations + measured − forecast) / activations``, at least a tenth of ``scale``.
+    the measured peak is over the budget and the forecast, or under ``below`` × the forecast; the whole miss is
+    put on the activations (model states are counted exactly), so the new coefficient is
+    ``scale × (activations + measured − forecast) / activations``, at least a tenth of ``scale``. A plan
+    forecast over the budget (nothing fits) and measured as forecast stands: the forecast did not miss.
     """
-    if activations <= 0 or below * forecast <= measured <= budget:
+    if activations <= 0 or below * forecast <= measured <= max(budget, forecast):
         return None
     return scale * max(activations + measured - forecast, activations / 10) / activations
 
@@ -507,7 +529,10 @@ def judge_plan(
 def loop_line(*, measured: int, forecast: int, scale: float | None) -> str:
     """``closed loop: measured … vs forecast …`` and the verdict; a re-plan's own line follows the ``; ``."""
     head = f"closed loop: measured {format_bytes(measured)} vs forecast {format_bytes(forecast)}"
-    return f"{head}; the plan stands" if scale is None else f"{head}; activations × {scale:.3f}; "
+    if scale is None:
+        return f"{head}; the plan stands"
+    why = "above the forecast" if measured > forecast else f"under {REPLAN_BELOW:.0%} of the forecast"
+    return f"{head} ({why}); activations × {scale:.3f}; "
 
 
 def close_the_loop(

@@ -9,10 +9,10 @@ line; a script's own gradient checkpointing (``gradient_checkpointing=True``) is
 line says so. Ranks plan with rank 0's budget and device rates; under ZeRO-3 every rank plans for the largest batch
 of any rank, so all run one plan (``_agreed``). The second training step's peak is measured and, when it
 misses the forecast, the plan is corrected once (the closed loop, ``_Planner``): under ZeRO-3 from the largest
-peak of any rank, elsewhere by each rank from its own. When even full recompute cannot fit, every layer
-recomputes and one warning says what would fit. Any failure warns once and removes the hook: training goes on
-exactly as without the variable. Models ljperf builds are left alone: there ``CHECKPOINT_OPTIMIZATION=true``
-makes ``ljperf benchmark`` default to ``--recompute auto``.
+peak of any rank, elsewhere by each rank from its own. When even full recompute cannot fit, the cheapest plan
+at the lowest peak runs (``solver.solve``) and one warning says what would fit. Any failure warns once and
+removes the hook: training goes on exactly as without the variable. Models ljperf builds are left alone: there
+``CHECKPOINT_OPTIMIZATION=true`` makes ``ljperf benchmark`` default to ``--recompute auto``.
 """
 
 from __future__ import annotations
@@ -195,6 +195,7 @@ class _Planner:
         self.decision = None
         self.shape = (0, 0)
         self.activation_scale = 1.0
+        self.warned = False  # that no plan fits
         self.steps = 0  # training steps whose optimizer has stepped
         self.forwards = 0  # training forwards since the last step
         self.optimizer = None
@@ -229,7 +230,7 @@ class _Planner:
                 self.plan(shape)
         except Exception as exc:
             self.remove()
-            warnings.warn(f"ljperf: CHECKPOINT_OPTIMIZATION left training unchanged: {exc}", stacklevel=2)
+            warn(f"ljperf: CHECKPOINT_OPTIMIZATION left training unchanged: {exc}")
 
     def plan(
         self, shape: tuple[int, int], *, prefix: str = "", cost: LayerCost | None = None, rank_local: bool = False
@@ -252,9 +253,10 @@ class _Planner:
         apply_plan(self.model, decision.plan)
         self.decision, self.shape = decision, shape
         line = prefix + decision.line() + (f" ({REPLACES})" if replaces else "")
-        if decision.fits is False:
+        if decision.fits is False and not self.warned:  # once: re-plans for longer batches log their lines
+            self.warned = True
             if _is_main():
-                warnings.warn(f"{PREFIX} {line}", stacklevel=3)
+                warn(f"{PREFIX} {line}")
         else:
             log(line, rank_local=rank_local)
 
@@ -382,11 +384,16 @@ def model_recipe(
     """The forecast's view of training this HF model at this batch shape: (spec, recipe, the torch device,
     the name its forecast overheads are calibrated under)."""
     import torch
+    from transformers import PreTrainedModel
 
+    from ljperf.errors import UsageError
     from ljperf.forecast import Recipe
     from ljperf.hardware import calibration_name
-    from ljperf.models import ModelSpec
+    from ljperf.models import ModelSpec, decoder_layers
 
+    if not isinstance(model, PreTrainedModel):
+        raise UsageError(f"{type(model).__name__} is not an HF model: plans are made for HF causal LMs")
+    decoder_layers(model)  # one the forecast can trace (Llama's layout), or a UsageError that says so
     config = model.config
     spec = ModelSpec(name=getattr(config, "name_or_path", "") or type(model).__name__, config=config)
     device = next(model.parameters()).device
@@ -427,7 +434,14 @@ def plan_model(
         measures = shared_from_rank0((budget_bytes(device, local_world=local_world), Rates.measure(device)))
     budget, rates = measures
     decision = solve_recipe(
-        spec, recipe, budget=budget, rates=rates, cost=cost, device_name=name, activation_scale=activation_scale
+        spec,
+        recipe,
+        budget=budget,
+        rates=rates,
+        cost=cost,
+        device_name=name,
+        activation_scale=activation_scale,
+        flags=False,  # the advice is read beside the script's own settings, not ljperf's flags
     )
     return decision, measures
 
@@ -448,4 +462,24 @@ def _guarded(fn: Callable[[], None]) -> None:
     try:
         fn()
     except Exception as exc:
-        warnings.warn(f"ljperf: CHECKPOINT_OPTIMIZATION left training unchanged: {exc}", stacklevel=3)
+        warn(f"ljperf: CHECKPOINT_OPTIMIZATION left training unchanged: {exc}")
+
+
+def warn(message: str) -> None:
+    """Warn at the script's own line: the first caller outside ljperf, installed packages and the standard
+    library (the hook runs under torch's module call and ``dynamo.disable``, whose lines a warning showed)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and _library(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level if frame is not None else 2)
+
+
+def _library(filename: str) -> bool:
+    import sysconfig
+
+    own = os.path.dirname(os.path.dirname(__file__))  # the ljperf package
+    paths = sysconfig.get_paths()
+    return (
+        filename.startswith((own, paths["stdlib"], paths["purelib"], paths["platlib"], "<"))
+        or f"{os.sep}site-packages{os.sep}" in filename
+    )
