@@ -652,6 +652,12 @@ def test_plan_reads_the_deepspeed_config_the_benchmark_ran(distributed_runs, tmp
     assert with_config == distributed_runs["zero3-window"]["forecast"]["peak_allocated_bytes"]
     assert default == distributed_runs["zero3"]["forecast"]["peak_allocated_bytes"]
     assert with_config < default  # blocks released after their forward
+    # ... and its optimizer's foreach, as the benchmark's own forecast read it
+    path.write_text(json.dumps(FOREACH_CONFIG))
+    small = ["--zero-stage", "2", "--micro-batch", "1", "--seq-len", "32", "--deepspeed-config", str(path)]
+    assert main([*argv[:7], *small, "--gpu-memory", "1GiB", "--json"]) == 0
+    foreach = json.loads(capsys.readouterr().out)["peak_allocated_bytes"]
+    assert foreach == distributed_runs["zero2-foreach"]["forecast"]["peak_allocated_bytes"]
 
 
 def test_zero_settings_ipg_buffers_follow_overlap_comm_and_contiguous_gradients():

@@ -18,7 +18,7 @@ from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import fixed_plan
 from ljperf.config import LARGEST, EngineConfig, OptimConfig, TrainConfig, check_zero_stage, positive
 from ljperf.errors import UsageError
-from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
+from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings, deepspeed_adamw
 from ljperf.models import ModelSpec
 from ljperf.units import format_bytes, parse_memory, unit_of
 
@@ -153,7 +153,7 @@ def recipe_from_args(
         attn_implementation=args.attn_implementation,
         reshard_after_forward=args.reshard_after_forward,
         recompute=() if args.recompute == "auto" else fixed_plan(parse_recompute(args.recompute), spec.layers),
-        optimizer=args.optimizer,
+        optimizer=args.optimizer or deepspeed_adamw(user),
     )
     return recipe, warnings
 

@@ -180,7 +180,7 @@ class Recipe:
             reshard_after_forward=run.engine_opts.reshard_after_forward,
             recompute=recompute,
             zero=_zero_settings(run),
-            optimizer=_deepspeed_adamw(run),
+            optimizer=deepspeed_adamw(run.deepspeed_user) if run.engine == "deepspeed" else None,
         )
 
 
@@ -211,11 +211,10 @@ class Forecast:
         return (self.peak_reserved_bytes or self.peak_allocated_bytes) + self.context_bytes
 
 
-def _deepspeed_adamw(run: RunContext) -> str | None:
-    """The AdamW kind a ``--deepspeed-config`` asks torch for (``optimizer.params.foreach``), else torch's pick."""
-    if run.engine != "deepspeed" or not run.deepspeed_user:
-        return None
-    params = (run.deepspeed_user.get("optimizer") or {}).get("params") or {}
+def deepspeed_adamw(user: dict | None) -> str | None:
+    """The AdamW kind a ``--deepspeed-config`` asks torch for (``optimizer.params.foreach``), else None (torch's
+    pick): ``ljperf benchmark`` and ``ljperf plan`` read the file alike."""
+    params = ((user or {}).get("optimizer") or {}).get("params")
     foreach = params.get("foreach") if isinstance(params, dict) else None
     return None if not isinstance(foreach, bool) else "foreach" if foreach else "single"
 

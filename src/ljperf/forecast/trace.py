@@ -210,8 +210,6 @@ def trace_shape(
         try:
             accumulate(model, batches, run=run)
         except (RuntimeError, NotImplementedError) as exc:  # e.g. a kernel whose fake version refuses fp32
-            if isinstance(exc, TraceError):
-                raise
             raise TraceError(f"its training step does not run on fake tensors: {one_line(exc)}") from exc
     return RawTrace(points=timeline.points, marks=timeline.marks)
 

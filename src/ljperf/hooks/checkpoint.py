@@ -468,18 +468,13 @@ def _guarded(fn: Callable[[], None]) -> None:
 def warn(message: str) -> None:
     """Warn at the script's own line: the first caller outside ljperf, installed packages and the standard
     library (the hook runs under torch's module call and ``dynamo.disable``, whose lines a warning showed)."""
-    frame, level = sys._getframe(1), 2
-    while frame is not None and _library(frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level if frame is not None else 2)
-
-
-def _library(filename: str) -> bool:
     import sysconfig
 
-    own = os.path.dirname(os.path.dirname(__file__))  # the ljperf package
     paths = sysconfig.get_paths()
-    return (
-        filename.startswith((own, paths["stdlib"], paths["purelib"], paths["platlib"], "<"))
-        or f"{os.sep}site-packages{os.sep}" in filename
-    )
+    library = (os.path.dirname(os.path.dirname(__file__)), paths["stdlib"], paths["purelib"], paths["platlib"], "<")
+    frame, level = sys._getframe(1), 2
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(library) or f"{os.sep}site-packages{os.sep}" in frame.f_code.co_filename
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level if frame is not None else 2)
