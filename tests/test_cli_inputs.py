@@ -75,6 +75,8 @@ CASES = [
     (["benchmark", *TINY, "--precision", "fp8"], {}, "--precision"),
     (["benchmark", *TINY, "--attn-implementation", "bogus"], {}, "--attn-implementation"),
     (["benchmark", *TINY, "--memory-budget", "1GiB"], {}, "--memory-budget is the budget of --recompute auto"),
+    (["plan", *TINY, "--recompute", "auto", "--memory-budget", "-5GiB"], {}, "written --flag=VALUE"),
+    (["plan", *TINY, "--gpu-memory", "8GiB", "--recompute", "auto", "--memory-budget=-5GiB"], {}, "not a size"),
     (["benchmark", *TINY, "--deepspeed-config", "{bad}"], {}, "for the deepspeed engine"),
     (["benchmark", "--model-config", "/nonexistent/config.json"], {}, "no such file"),
     (["plan", "--model-config", "{folder}"], {}, "is a folder, and its config.json: no such file"),

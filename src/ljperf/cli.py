@@ -60,6 +60,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (and exit 2) instead of the usage block."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        if message.endswith("expected one argument"):
+            # argparse reads a value that starts with "-" (``--memory-budget -5GiB``) as the next flag
+            message += "; a value that starts with '-' is written --flag=VALUE"
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
