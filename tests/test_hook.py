@@ -364,3 +364,23 @@ def test_a_model_the_forecast_cannot_plan_is_named_in_the_warning():
     ):
         with pytest.raises(UsageError, match=message):
             model_recipe(model, micro_batch=1, seq_len=8, world=1, precision="fp32", engine="torch")
+
+
+def test_no_fit_is_warned_once_and_a_replan_for_a_longer_batch_is_logged(monkeypatch, capsys):
+    """Each longer batch re-plans; when nothing fits, only the first plan warns (a warning per re-plan was noise
+    in every longer batch's log), the later ones print their line."""
+    from tests.scripts.tiny_llama import build
+
+    from ljperf.hooks.checkpoint import PREFIX, attach
+
+    model = build().train()
+    monkeypatch.setenv("LJPERF_MEMORY_BUDGET", "1MiB")
+    attach(model, lambda: {"engine": "torch", "world": 1, "precision": "fp32"})
+    with pytest.warns(UserWarning) as caught:
+        for seq_len in (32, 64):
+            model(input_ids=torch.randint(0, 512, (1, seq_len)))
+    warned = [str(w.message) for w in caught if str(w.message).startswith(PREFIX)]
+    assert len(warned) == 1 and "does not fit" in warned[0], warned
+    logged = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PREFIX)]
+    assert len(logged) == 1 and "does not fit" in logged[0], logged
+    assert [w.filename for w in caught if str(w.message).startswith(PREFIX)] == [__file__]  # not torch's line
