@@ -57,7 +57,7 @@ CASES = [
     (["benchmark", *TINY, "--nnodes", "2"], {}, "--rdzv-endpoint"),
     (["benchmark", *TINY, "--nnodes", "2", "--node-rank", "5", "--rdzv-endpoint", "h:1"], {}, "--node-rank"),
     (["benchmark", *TINY, "--engine", "fsdp"], {}, "contradicts"),
-    (["benchmark", "--model", "fsdp/llama-tiny", "--precision", "bf16"], {}, "fsdp keeps fp32 master weights"),
+    (["benchmark", "--model", "deepspeed/llama-tiny", "--precision", "bf16"], {}, "deepspeed keeps fp32 master"),
     (["plan", "--model", "deepspeed/llama-tiny", "--precision", "bf16"], {}, "deepspeed keeps fp32 master weights"),
     (["benchmark", "--model", "deepspeed/llama-tiny", "--zero-stage", "4"], {}, "--zero-stage"),
     (["benchmark", "--model", "deepspeed/llama-tiny", "--deepspeed-config", "{bad}"], {}, "JSON"),

@@ -32,6 +32,9 @@ ENGINES = {
     "zero3": "--model deepspeed/qwen-tiny --zero-stage 3 --deepspeed-config {prefetch}",
     # The catalog's real models say "torch_dtype": "bfloat16"; ljperf still trains fp32 master weights.
     "fsdp-bf16-config": "--model-config {bf16_config} --engine fsdp",
+    # bf16 weights, gradients and moments (no fp32 master), as a model loaded in bfloat16 trains
+    "ddp-bf16": "--model torch/qwen-tiny --precision bf16",
+    "fsdp-bf16": "--model fsdp/qwen-tiny --precision bf16",
 }
 PARAMS = 1_001_600  # qwen-tiny, the tied weight counted once
 
@@ -208,13 +211,15 @@ def runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_losses_of_all_engines_agree(runs):
+    """fp32 master weights against DDP's losses (measured: at most 6.4e-8 relative); bf16 weights against DDP's in
+    bf16 (FSDP2's gathered weights run bf16 kernels that round otherwise: measured 6.2e-5, so 3e-4)."""
     records, _ = runs
-    reference = records["ddp"]["results"]["losses"]
-    assert len(reference) == 5
     for name, record in records.items():
         assert record["results"]["status"] == "ok", (name, record["results"]["reason"])
-        losses = record["results"]["losses"]
-        assert losses == pytest.approx(reference, rel=1e-5), name  # measured: at most 6.4e-8
+        bf16 = name.endswith("-bf16")
+        reference = records["ddp-bf16" if bf16 else "ddp"]["results"]["losses"]
+        assert len(reference) == 5
+        assert record["results"]["losses"] == pytest.approx(reference, rel=3e-4 if bf16 else 1e-5), name
 
 
 @pytest.mark.slow

@@ -95,6 +95,8 @@ FULL_SIZE = [
     ("torch/qwen2.5-0.5b", 1, "selective,none", 1, 2048, "bf16-mixed"),
     # The optimizer step sets the peak: single-tensor AdamW's temporaries are of rank 0's shard of the embedding.
     pytest.param("fsdp/llama3.2-1b", 2, "full", 1, 256, "bf16-mixed", marks=NEEDS_FSDP_TORCH),
+    # bf16 weights (a model loaded in bfloat16, no mixed-precision policy): bf16 shards, moments and reduce
+    pytest.param("fsdp/llama3.2-1b", 8, "full", 1, 2048, "bf16", marks=NEEDS_FSDP_TORCH),
 ]
 
 
@@ -532,6 +534,7 @@ DISTRIBUTED = {
     "zero1-small": f"--model deepspeed/llama-tiny --zero-stage 1 {SMALL}",
     # bf16-mixed: FSDP2 and DeepSpeed compute with bf16 parameters and hold bf16 gradients
     "fsdp-bf16": f"--model fsdp/llama-tiny --precision bf16-mixed {SHAPE}",
+    "fsdp-bf16-weights": f"--model fsdp/llama-tiny --precision bf16 --grad-accum 2 {SHAPE}",
     "zero3-bf16": f"--model deepspeed/llama-tiny --precision bf16-mixed {SHAPE}",
     "zero3-small-bf16": f"--model deepspeed/llama-tiny --zero-stage 3 --precision bf16-mixed {SMALL}",
     # bf16 with accumulation: ZeRO-1 keeps the bf16 .grad whole, ZeRO-2 a bf16 partition buffer
@@ -607,6 +610,7 @@ def distributed_runs(tmp_path_factory):
         # Measured: -0.01% (FSDP2, ZeRO-3 at b2 s128, peak in the head's backward), -0.00% (ZeRO-3 small: the
         # optimizer step with its fp32 copy of the bf16 gradient partition).
         ("fsdp-bf16", 0.01),
+        ("fsdp-bf16-weights", 0.01),  # measured -0.0% (bf16 shards, moments and reduce-scatter)
         ("zero3-bf16", 0.05),
         ("zero3-small-bf16", 0.05),
         # Measured -0.02% and -0.15%; +10% and +5% when kept gradients were counted in fp32.

@@ -310,16 +310,18 @@ def test_a_trainer_deepspeed_config_without_a_stage_is_planned_as_zero_1():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "bf16", "deepspeed", "precision"),
+    ("dtype", "bf16", "engine", "precision"),
     [
-        (torch.bfloat16, True, False, "bf16"),  # loaded in bfloat16: weights, gradients and moments in bf16
-        (torch.bfloat16, False, False, "bf16"),
-        (torch.float32, True, False, "bf16-mixed"),
-        (torch.float32, False, False, "fp32"),
-        (torch.bfloat16, True, True, "bf16-mixed"),  # DeepSpeed keeps fp32 master weights of a bf16 model
+        (torch.bfloat16, True, "torch", "bf16"),  # loaded in bfloat16: weights, gradients and moments in bf16
+        (torch.bfloat16, False, "torch", "bf16"),
+        (torch.float32, True, "torch", "bf16-mixed"),
+        (torch.float32, False, "torch", "fp32"),
+        (torch.bfloat16, False, "fsdp", "bf16"),  # FSDP2 of a bf16 model without mixed precision
+        (torch.float32, True, "fsdp", "bf16-mixed"),  # accelerate upcast the bf16 model before the first forward
+        (torch.bfloat16, True, "deepspeed", "bf16-mixed"),  # DeepSpeed keeps fp32 master weights of a bf16 model
     ],
 )
-def test_a_trainer_model_loaded_in_bf16_is_planned_with_bf16_weights(dtype, bf16, deepspeed, precision):
+def test_a_trainer_model_loaded_in_bf16_is_planned_with_bf16_weights(dtype, bf16, engine, precision):
     """A bf16 model's states are half of fp32 master weights': llama3.2-1b b1 s2048 forecasts 13.2 GiB, not the
     23.0 of bf16-mixed, which would have recomputed layers that fit."""
     from types import SimpleNamespace
@@ -327,11 +329,31 @@ def test_a_trainer_model_loaded_in_bf16_is_planned_with_bf16_weights(dtype, bf16
     from ljperf.forecast import Recipe
     from ljperf.hooks.checkpoint import _trainer_setup
 
-    ds = SimpleNamespace(config={"zero_optimization": {"stage": 3}}) if deepspeed else None
-    args = SimpleNamespace(fsdp="", world_size=1, bf16=bf16, gradient_accumulation_steps=1, hf_deepspeed_config=ds)
+    ds = SimpleNamespace(config={"zero_optimization": {"stage": 3}}) if engine == "deepspeed" else None
+    fsdp = "full_shard auto_wrap" if engine == "fsdp" else ""
+    args = SimpleNamespace(fsdp=fsdp, world_size=2, bf16=bf16, gradient_accumulation_steps=1, hf_deepspeed_config=ds)
     setup = _trainer_setup(SimpleNamespace(args=args, model=torch.nn.Linear(2, 2, dtype=dtype)))
-    assert setup["precision"] == precision
+    assert (setup["engine"], setup["precision"]) == (engine, precision)
     Recipe(**setup)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "param_dtype", "precision"),
+    [(torch.bfloat16, None, "bf16"), (torch.float32, torch.bfloat16, "bf16-mixed"), (torch.float32, None, "fp32")],
+)
+def test_a_fully_shard_script_is_planned_in_its_models_dtype(dtype, param_dtype, precision):
+    """``fully_shard(model)`` of a model loaded in bfloat16 trains bf16 weights and moments (was planned as fp32:
+    twice its model states)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ljperf.hooks.checkpoint import _fsdp_setup
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype)
+    kwargs = {"mesh": SimpleNamespace(size=lambda: 2), "mp_policy": policy}
+    setup = _fsdp_setup(torch.nn.Linear(2, 2, dtype=dtype), kwargs)
+    assert (setup["world"], setup["precision"]) == (2, precision)
 
 
 def test_planning_leaves_the_global_random_state_alone(monkeypatch):

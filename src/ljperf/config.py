@@ -106,8 +106,8 @@ class TrainConfig:
     precision: str | None = opt(
         None,
         "fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, gradients and AdamW states"
-        " under bf16 autocast, as a model loaded in bfloat16 trains; torch engine) (default: bf16-mixed on GPU,"
-        " fp32 on CPU)",
+        " under bf16 autocast, as a model loaded in bfloat16 trains; torch and fsdp engines) (default: bf16-mixed on"
+        " GPU, fp32 on CPU)",
     )
     device: str = opt("auto", "cpu, cuda or auto (cuda when available)")
     lr: float = opt(3e-4, "AdamW learning rate")
@@ -174,11 +174,11 @@ class OptimConfig:
 
 
 def check_precision(precision: str | None, *, engine: str) -> None:
-    """``bf16`` (no fp32 master weights) is what the torch engine can run; FSDP2 and ZeRO keep fp32 masters."""
-    if precision == "bf16" and engine != "torch":
+    """``bf16`` (no fp32 master weights) is what the torch engine and FSDP2 can run; ZeRO keeps fp32 masters."""
+    if precision == "bf16" and engine == "deepspeed":
         raise UsageError(
-            f"--precision bf16 (bf16 weights, no fp32 master copy) runs on the torch engine; {engine} keeps fp32"
-            " master weights: use bf16-mixed"
+            "--precision bf16 (bf16 weights, no fp32 master copy) runs on the torch and fsdp engines; deepspeed"
+            " keeps fp32 master weights: use bf16-mixed"
         )
 
 

@@ -330,6 +330,18 @@ def materialize(
     return model.to(device)
 
 
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The parameters in ``dtype`` (on any device, meta included); buffers keep theirs (RoPE's fp32 frequencies),
+    as ``materialize`` leaves them and as a model loaded in bfloat16 keeps them."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dtype != dtype:
+                param.data = param.data.to(dtype)
+    return model
+
+
 def format_params(n: int) -> str:
     """Parameters with two decimals in billions, e.g. ``8.03B``, or millions below 0.1B (``1.26M``)."""
     return f"{n / 1e9:.2f}B" if n >= 10**8 else f"{n / 1e6:.2f}M"

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ljperf.engines.common import accumulate, adamw, decoder_blocks, parameter_names
-from ljperf.models import init_value, parameter_slots
+from ljperf.models import cast_parameters, init_value, parameter_slots
 from ljperf.optimize import apply_optimizations
 from ljperf.runtime import RunContext
 
@@ -35,7 +35,9 @@ class FSDPEngine:
         model = apply_optimizations(model, run)
         mesh = init_device_mesh(device.type, (run.world,))
         options = {"mesh": mesh, "reshard_after_forward": run.engine_opts.reshard_after_forward}
-        if run.bf16:
+        if run.weight_dtype != torch.float32:  # bf16 weights: gathered, computed and reduced in bf16
+            model = cast_parameters(model, run.weight_dtype)
+        elif run.bf16:
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in decoder_blocks(model):
             fully_shard(block, **options)
@@ -57,9 +59,15 @@ class FSDPEngine:
             "wrapper": "FSDP2 fully_shard (each decoder block, then the root)",
             "world": self.run.world,
             "reshard_after_forward": self.run.engine_opts.reshard_after_forward,
-            "mixed_precision": "bf16 params, fp32 reduce" if self.run.bf16 else None,
+            "mixed_precision": _mixed_precision(self.run),
             "optimizer": "AdamW",
         }
+
+
+def _mixed_precision(run: RunContext) -> str | None:
+    if run.weight_dtype != torch.float32:
+        return "none: bf16 weights, gradients and reduce (no fp32 master)"
+    return "bf16 params, fp32 reduce" if run.bf16 else None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

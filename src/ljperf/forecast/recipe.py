@@ -96,7 +96,7 @@ class Recipe:
     """cpu or cuda: the optimizer implementation and the reserved-memory terms depend on it."""
     precision: str = "bf16-mixed"
     """fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, gradients and AdamW states
-    under autocast; torch engine)."""
+    under autocast; torch and fsdp engines)."""
     micro_batch: int = 1
     """Sequences per rank per micro-step."""
     seq_len: int = 4096

@@ -135,7 +135,7 @@ class Sharding:
     grad_keep: float = 1.0
     """Share of each block's traced gradient this rank keeps after backward (1/world when reduce-scattered)."""
     kept_grad_bytes: int = FP32
-    """Bytes per element of a kept share (FSDP2 reduces in fp32; ZeRO-2 keeps the compute dtype)."""
+    """Bytes per element of a kept share (FSDP2 reduces in its master dtype; ZeRO-2 keeps the compute dtype)."""
     resident: int = 0
     """Gathered from the first forward to the end of backward (FSDP2's root: embedding, final norm, head)."""
     gather_fwd: int = 0
@@ -196,13 +196,13 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     the step.
     """
     blocks = block_params(spec)
-    p = blocks.total * FP32
     w = recipe.world
     step_scalars = blocks.tensors * FP32 if recipe.device == "cpu" else 0  # non-capturable steps live on the CPU
+    master = recipe.weight_bytes
+    p = blocks.total * master
     if recipe.engine == "torch":
-        p = blocks.total * recipe.weight_bytes
         return Sharding(params=p, grads=p, optimizer=2 * p + step_scalars, comm_buffers=p if w > 1 else 0)
-    compute = 2 if recipe.precision == "bf16-mixed" else FP32
+    compute = 2 if recipe.precision != "fp32" else FP32
     shard = -(-p // w)
     layer = blocks.layer * compute
     root = (blocks.pre + blocks.post) * compute
@@ -225,7 +225,8 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
             grad_keep=1 / w,
             resident=root,
             root_reduced_last=True,
-            reduce_input=blocks.layer * FP32,
+            kept_grad_bytes=master,
+            reduce_input=blocks.layer * master,
             **gathered,
         )
     ipg = recipe.zero.reduce_bucket_elements(spec.hidden) * compute  # the IPG (gradient) bucket
@@ -406,9 +407,9 @@ class _Grads:
         return params * self.traced if self.first or not self.replicated else 0
 
     def reduce_root(self, params: int, *, embedding: int) -> int:
-        """Bytes above the level while FSDP2 reduce-scatters the root's gradients: the fp32 input is filled from
+        """Bytes above the level while FSDP2 reduce-scatters the root's gradients: the input is filled from
         them; the embedding's gradient is freed before the output shard is made, the head's and norm's after."""
-        reduce_input = params * FP32
+        reduce_input = params * self.shard.kept_grad_bytes
         return max(reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - self.made(embedding))
 
     def settle(self, walk: _Walk, params: int) -> None:

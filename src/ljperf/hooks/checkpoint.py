@@ -72,11 +72,12 @@ def _trainer_setup(trainer: Trainer) -> dict[str, Any]:
 
     args = trainer.args
     mixed = "bf16-mixed" if args.bf16 else "fp32"
-    bf16_weights = next(trainer.model.parameters()).dtype == torch.bfloat16  # loaded in bfloat16: no fp32 master
+    # Loaded in bfloat16: no fp32 master (accelerate's FSDP2 upcasts under bf16 mixed precision before this runs).
+    bf16_weights = next(trainer.model.parameters()).dtype == torch.bfloat16
     setup = {
         "engine": "fsdp" if args.fsdp else "torch",
         "world": args.world_size,
-        "precision": "bf16" if bf16_weights and not args.fsdp else mixed,
+        "precision": "bf16" if bf16_weights else mixed,
         "grad_accum": args.gradient_accumulation_steps,
     }
     ds = getattr(args, "hf_deepspeed_config", None)
@@ -132,7 +133,7 @@ def _patch_fsdp(module: ModuleType) -> None:
         def fully_shard(target: torch.nn.Module | list[torch.nn.Module], *args: Any, **kwargs: Any) -> Any:
             result = original(target, *args, **kwargs)
             if _is_hf_model(target):
-                _guarded(lambda: attach(target, lambda: _fsdp_setup(kwargs)))
+                _guarded(lambda: attach(target, lambda: _fsdp_setup(target, kwargs)))
             return result
 
         return fully_shard
@@ -145,17 +146,21 @@ def _is_hf_model(obj: Any) -> bool:
     return modeling is not None and isinstance(obj, modeling.PreTrainedModel)
 
 
-def _fsdp_setup(kwargs: dict[str, Any]) -> dict[str, Any]:
+def _fsdp_setup(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     mesh = kwargs.get("mesh")
     policy = kwargs.get("mp_policy")
     reshard = kwargs.get("reshard_after_forward", True)
+    if next(model.parameters()).dtype == torch.bfloat16:  # a model loaded in bfloat16: no fp32 master
+        precision = "bf16"
+    else:
+        precision = "bf16-mixed" if getattr(policy, "param_dtype", None) == torch.bfloat16 else "fp32"
     return {
         "engine": "fsdp",
         "world": mesh.size() if mesh is not None else dist.get_world_size(),
-        "precision": "bf16-mixed" if getattr(policy, "param_dtype", None) == torch.bfloat16 else "fp32",
+        "precision": precision,
         "reshard_after_forward": reshard if isinstance(reshard, bool) else True,
         "grad_accum": 1,  # a plain loop's accumulation is invisible here
     }
