@@ -79,6 +79,9 @@ def _trainer_setup(trainer: Trainer) -> dict[str, Any]:
         "world": args.world_size,
         "precision": "bf16" if bf16_weights else mixed,
         "grad_accum": args.gradient_accumulation_steps,
+        # Trainer's default is fused AdamW (transformers on torch 2.8+): no step temporaries, where foreach has one
+        # copy of the parameters
+        "optimizer": optimizer_impl(getattr(trainer, "optimizer", None)),
     }
     ds = getattr(args, "hf_deepspeed_config", None)
     if ds is not None:
@@ -124,7 +127,23 @@ def _deepspeed_setup(engine: DeepSpeedEngine) -> dict[str, Any]:
         "world": engine.dp_world_size,
         "precision": "bf16-mixed" if engine.bfloat16_enabled() else "fp32",
         "grad_accum": engine.gradient_accumulation_steps(),
+        "optimizer": optimizer_impl(engine.optimizer),
     }
+
+
+def optimizer_impl(optimizer: Any) -> str | None:
+    """The AdamW implementation ``optimizer`` runs, through its wrappers (accelerate's, ZeRO's ``.optimizer``):
+    fused, foreach or single; None when it is torch's own pick or not an AdamW ljperf knows."""
+    import torch
+
+    for _ in range(4):
+        if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+            fused, foreach = optimizer.defaults.get("fused"), optimizer.defaults.get("foreach")
+            return "fused" if fused else None if foreach is None else "foreach" if foreach else "single"
+        if type(optimizer).__name__ == "FusedAdam":  # DeepSpeed's multi-tensor kernel: updates in place
+            return "fused"
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
 
 
 def _patch_fsdp(module: ModuleType) -> None:
