@@ -46,9 +46,10 @@ class Overheads:
 
 DEFAULTS: dict[str, Overheads] = {
     "cpu": Overheads(),
-    # Uncalibrated starting points for CUDA: the cuBLAS workspace (32 MiB on Hopper in torch's default
-    # CUBLAS_WORKSPACE_CONFIG), 5% allocator slack, and a typical context of ~0.5 GiB. Calibrate to replace them.
-    "cuda": Overheads(offset=32 * MiB, reserved_scale=1.05, context=512 * MiB),
+    # Uncalibrated starting points for CUDA: two cuBLAS workspaces (32 MiB each on Hopper in torch's default
+    # CUBLAS_WORKSPACE_CONFIG, one per thread's handle: the forward's and autograd's backward thread), counted by
+    # the caching allocator; 5% allocator slack; a typical context of ~0.5 GiB. Calibrate to replace them.
+    "cuda": Overheads(offset=64 * MiB, reserved_scale=1.05, context=512 * MiB),
 }
 
 
