@@ -10,7 +10,8 @@ Each mode is one ``ljperf benchmark`` process (``--compile-mode off|regional|who
 repeat so machine drift hits them alike. Every process gets an empty inductor cache (cold compile times)
 unless ``--warm-cache``. Step time is the p50 of the timed steps (compilation happens in the warm-up steps);
 compile time is the time dynamo/inductor report (``results.compile.time_s``). Extra ``ljperf benchmark``
-flags go after ``--``.
+flags go after ``--``. The table is written again after every run (a run cut short keeps the ones before it),
+and a mode that fails is a row with its reason; the others still run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ DEEPSPEED_MODES = ("off", "regional", "deepspeed")
 """For a deepspeed/ model: regional vs DeepSpeed's own engine.compile() (with DeepCompile on CUDA)."""
 
 
-def run_mode(mode: str, args: argparse.Namespace, workdir: Path, index: int) -> dict:
+def run_mode(mode: str, args: argparse.Namespace, workdir: Path, index: int) -> dict | str:
+    """The mode's benchmark record, or why it failed."""
     out = workdir / f"{mode}-{index}.json"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
     if not args.warm_cache:
@@ -42,7 +44,9 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path, index: int) -> 
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        print(f"{mode} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+        last = (proc.stderr.strip().splitlines() or [""])[-1][:200]
+        return f"failed (exit {proc.returncode}): {last}"
     return read_json(out)
 
 
@@ -60,8 +64,9 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
-def table(rows: dict[str, dict], header: str) -> str:
-    eager = rows["off"]["tokens_per_s"] if "off" in rows else None
+def table(rows: dict[str, dict | str], header: str) -> str:
+    """One row per mode: its summary, or why it failed."""
+    eager = rows["off"]["tokens_per_s"] if isinstance(rows.get("off"), dict) else None
     lines = [
         header,
         "",
@@ -71,6 +76,9 @@ def table(rows: dict[str, dict], header: str) -> str:
         "| | ms | tokens/s | × | s | | | | nats |",
     ]
     for mode, s in rows.items():
+        if isinstance(s, str):
+            lines.append(f"| {'eager' if mode == 'off' else mode} | {s} | | | | | | | |")
+            continue
         ratio = f"{s['tokens_per_s'] / eager:.2f}" if eager else "-"
         lines.append(
             f"| {'eager' if mode == 'off' else mode} | {s['step_s'] * 1e3:.1f} | {s['tokens_per_s']:,.0f} | {ratio} "
@@ -100,31 +108,47 @@ def main() -> None:
     args = parser.parse_args()
     default = DEEPSPEED_MODES if args.model.startswith("deepspeed/") else MODES
     modes = [m for m in (args.modes or ",".join(default)).split(",") if m]
+    records: dict[str, list[dict]] = {m: [] for m in modes}
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="ljperf-compile-bench-") as tmp:
-        records: dict[str, list[dict]] = {m: [] for m in modes}
         for i in range(args.repeat):
-            for mode in modes:
-                records[mode].append(run_mode(mode, args, Path(tmp), i))
-                res = records[mode][-1]["results"]
-                print(
-                    f"round {i + 1}/{args.repeat} {mode}: step p50 {res['step_time_s_p50'] * 1e3:.1f} ms, "
-                    f"{res['tokens_per_s']:,.0f} tokens/s, compile {(res.get('compile') or {}).get('time_s', 0):.1f} s",
-                    file=sys.stderr,
-                )
-    rows = {m: summarize(r) for m, r in records.items()}
-    env = records[modes[0]][0]["env"]
+            for mode in (m for m in modes if m not in failed):
+                got = run_mode(mode, args, Path(tmp), i)
+                if isinstance(got, str):
+                    failed[mode] = got
+                else:
+                    records[mode].append(got)
+                    res = got["results"]
+                    print(
+                        f"round {i + 1}/{args.repeat} {mode}: step p50 {res['step_time_s_p50'] * 1e3:.1f} ms, "
+                        f"{res['tokens_per_s']:,.0f} tokens/s, "
+                        f"compile {(res.get('compile') or {}).get('time_s', 0):.1f} s",
+                        file=sys.stderr,
+                    )
+                text = render(records, failed, args)
+                if args.markdown:  # after every run: a session cut short keeps what finished
+                    write_atomic(args.markdown, lambda f, text=text: f.write((text + "\n").encode()))
+    print(text)
+    if failed:
+        raise SystemExit(f"{len(failed)} mode(s) failed: {', '.join(failed)}")
+
+
+def render(records: dict[str, list[dict]], failed: dict[str, str], args: argparse.Namespace) -> str:
+    """The header and the table of the runs so far."""
+    rows: dict[str, dict | str] = {m: summarize(r) for m, r in records.items() if r}
+    rows |= failed
+    first = next((r[0] for r in records.values() if r), None)
+    device = first["env"]["devices"][0] if first else args.device
+    precision = first["config"]["train"]["precision"] if first else "-"
     ver = versions()
     header = (
-        f"## torch.compile: {args.model} · {env['devices'][0]} · mb {args.micro_batch} × seq {args.seq_len} · "
-        f"{records[modes[0]][0]['config']['train']['precision']} · {args.steps} steps × {args.repeat} round(s) · "
+        f"## torch.compile: {args.model} · {device} · mb {args.micro_batch} × seq {args.seq_len} · "
+        f"{precision} · {args.steps} steps × {args.repeat} round(s) · "
         f"{'warm' if args.warm_cache else 'cold'} inductor cache\n\n"
         f"torch {ver.get('torch')}, transformers {ver.get('transformers')}, ljperf {ver.get('ljperf')}; "
         f"extra flags: {' '.join(args.extra) or 'none'}"
     )
-    text = table(rows, header)
-    print(text)
-    if args.markdown:
-        write_atomic(args.markdown, lambda f: f.write((text + "\n").encode()))
+    return table(rows, header)
 
 
 if __name__ == "__main__":
