@@ -26,6 +26,7 @@ from ljperf import deepspeed_config, hardware, memory, models
 from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import fixed_plan
 from ljperf.checkpoint.solver import close_the_loop, prepare_run
+from ljperf.compile import DEEPCOMPILE_WARMUP
 from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.data import SyntheticTokens
 from ljperf.engines import make_engine
@@ -105,8 +106,19 @@ def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) 
     if environment and startup.enabled("CHECKPOINT_OPTIMIZATION"):
         parser.set_defaults(recompute="auto")
     parser.add_argument("--compile", action="store_true", help="same as --compile-mode regional")
-    parser.set_defaults(compile_mode=None)  # to tell an explicit --compile-mode from the default
+    parser.set_defaults(compile_mode=None, warmup=None)  # to tell an explicit flag from the default
     cfgmod.add_arguments(parser, LaunchConfig)
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    """``--warmup``, or its default: DeepCompile (0.19) adds its prefetch passes at DeepSpeed's global step 5
+    and compiles the model again (``deepspeed/compile/init_z3.py``), so steps 0-5 are its warm-up."""
+    deepcompile = args.compile_mode == "deepspeed" and resolve_device_type(args.device) == "cuda"
+    if args.warmup is None:
+        return DEEPCOMPILE_WARMUP if deepcompile else TrainConfig.warmup
+    if deepcompile and args.warmup < DEEPCOMPILE_WARMUP and os.environ.get("RANK", "0") == "0":
+        print(f"note: DeepCompile compiles again at step 5; --warmup {DEEPCOMPILE_WARMUP} keeps that out of the timing")
+    return args.warmup
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConfig:
@@ -117,6 +129,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
     if args.compile and args.compile_mode not in (None, "regional"):
         raise UsageError(f"--compile is --compile-mode regional: it contradicts --compile-mode {args.compile_mode}")
     args.compile_mode = "regional" if args.compile else args.compile_mode or OptimConfig.compile_mode
+    args.warmup = _warmup(args)
     cfg = BenchmarkConfig(
         engine=engine,
         model=spec,

@@ -228,6 +228,11 @@ def apply_compile(model: torch.nn.Module, run: RunContext) -> torch.nn.Module:
     return model
 
 
+DEEPCOMPILE_WARMUP = 6
+"""Warm-up steps of DeepCompile: DeepSpeed (0.19) adds its prefetch passes at global step 5 and compiles the model
+again (``deepspeed/compile/init_z3.py``), so its steady state starts at step 6."""
+
+
 def compile_deepspeed_engine(engine: Any, *, verbose: bool) -> CompileSession:
     """``engine.compile()``: DeepSpeed compiles the whole module, its ZeRO hooks included (with DeepCompile,
     enabled by the config's ``compile.deepcompile``, its graph passes replace the hooks). Errors fall back to
@@ -245,6 +250,8 @@ def compile_deepspeed_engine(engine: Any, *, verbose: bool) -> CompileSession:
         if (stop := interruption(exc)) is not None:
             raise stop from None
         sess.fallback("model", exc)
+    # Whether DeepCompile runs, not whether the config asked for it: a failed compile() leaves it off.
+    sess.options["deepcompile"] = bool(getattr(engine, "is_deepcompile_active", engine.is_deepcompile_enabled)())
     return sess
 
 

@@ -102,7 +102,11 @@ class TrainConfig:
         1, "micro-steps per optimizer step (gradient accumulation)", deepspeed="gradient_accumulation_steps"
     )
     steps: int = opt(20, "measured optimizer steps")
-    warmup: int = opt(3, "unmeasured steps before timing (compile, allocator, optimizer-state creation)")
+    warmup: int = opt(
+        3,
+        "unmeasured steps before timing (compile, allocator, optimizer-state creation); 6 by default under"
+        " --compile-mode deepspeed on CUDA, whose DeepCompile compiles again at DeepSpeed's step 5",
+    )
     precision: str | None = opt(
         None,
         "fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, gradients and AdamW states"
