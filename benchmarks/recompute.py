@@ -25,7 +25,7 @@ import torch
 from ljperf import hardware, models
 from ljperf.checkpoint.apply import summary
 from ljperf.checkpoint.solver import Rates, solve_recipe
-from ljperf.forecast import Recipe, forecast
+from ljperf.forecast import Forecast, Recipe, forecast
 from ljperf.result import write_atomic
 from ljperf.units import format_bytes, parse_size
 
@@ -52,13 +52,15 @@ def main() -> int:
     precision = "bf16-mixed" if args.device == "cuda" else "fp32"
     recipe = Recipe(device=args.device, precision=precision, micro_batch=args.micro_batch, seq_len=args.seq_len)
 
-    def peak(plan: tuple[str, ...]) -> int:
-        return forecast(spec, recipe.with_(recompute=plan)).device_bytes
-
-    none_peak, full_peak = peak(("none",) * layers), peak(("full",) * layers)
-    budget = parse_size(args.budget) if args.budget else (none_peak + full_peak) // 2
     device = torch.device(args.device)
-    decision = solve_recipe(spec, recipe, budget=budget, rates=Rates.measure(device))
+    name = hardware.calibration_name(device)
+
+    def predict(plan: tuple[str, ...]) -> Forecast:
+        return forecast(spec, recipe.with_(recompute=plan), device_name=name)
+
+    none_peak, full_peak = (predict((mode,) * layers).device_bytes for mode in ("none", "full"))
+    budget = parse_size(args.budget) if args.budget else (none_peak + full_peak) // 2
+    decision = solve_recipe(spec, recipe, budget=budget, rates=Rates.measure(device), device_name=name)
     print(
         f"budget {format_bytes(budget)} (forecast without recompute {format_bytes(none_peak)}, "
         f"with full {format_bytes(full_peak)})"
@@ -69,57 +71,93 @@ def main() -> int:
     if any(not 0 <= k <= layers for k in ks):
         parser.error(f"--ks: each K must be within 0..{layers}")
     variants = {f"K={k}": str(k) for k in ks} | {"auto": ",".join(decision.plan)}
-    results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.rounds):
-            for name, flag in variants.items():
-                record = run_benchmark(args, flag, Path(tmp) / "r.json")
-                best = results.get(name)
-                if best is None or _step(record) < _step(best):
-                    results[name] = record
-    rows = []
-    for name, flag in variants.items():
-        plan = tuple(flag.split(",")) if "," in flag else ("full",) * int(flag) + ("none",) * (layers - int(flag))
-        r = results[name]
-        rows.append((name, summary(plan), peak(plan), r["peak_allocated_bytes"], r["step_time_s_p50"]))
-    ok = [row for row in rows if results[row[0]]["status"] == "ok"]
-    fitting = [row for row in ok if row[0] != "auto" and row[3] <= budget]
-    best_k = min(fitting, key=lambda row: row[4]) if fitting else None
-    auto = rows[-1]
-    full = rows[-2]  # K = L, always run
-    lines = [
-        f"# recompute: {args.model}, micro batch {args.micro_batch}, seq {args.seq_len}, {device_name(device)}",
-        "",
-        f"budget {format_bytes(budget)}; {time.strftime('%Y-%m-%d')}; torch {torch.__version__}",
-        "",
-        "| plan | layers recomputed | forecast peak | measured peak | fits | step time p50 (ms) | vs auto |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for (name, text, fc, measured, step), status in zip(rows, (results[n]["status"] for n in variants), strict=True):
-        fits = status if status != "ok" or measured is None else "yes" if measured <= budget else "no"
-        time_ms, vs_auto = ("-", "-") if not (step and auto[4]) else (f"{step * 1e3:.1f}", f"{step / auto[4]:.3f}")
-        lines.append(
-            f"| {name} | {text} | {format_bytes(fc)} | {format_bytes(measured)} | {fits} | {time_ms} | {vs_auto} |"
-        )
-    lines.append("")
-    if auto not in ok:
-        lines.append(f"auto did not finish ({results['auto']['status']}): no ratios")
-    else:
-        lines.append(f"auto measured peak {format_bytes(auto[3])} ≤ budget: {auto[3] <= budget}")
-        if best_k:
-            sampled = "" if len(ks) == layers + 1 else f" (of the sampled K = {','.join(map(str, ks))})"
-            ratio = auto[4] / best_k[4]
-            lines.append(f"auto step time / best fitting {best_k[0]}{sampled}: {ratio:.3f} (target ≤ 1.03)")
-        if full in ok:
-            lines.append(f"full recompute step time / auto: {full[4] / auto[4]:.3f} (auto faster when > 1)")
-    text = "\n".join(lines)
-    print(text)
+    plans = {
+        variant: tuple(flag.split(",")) if "," in flag else ("full",) * int(flag) + ("none",) * (layers - int(flag))
+        for variant, flag in variants.items()
+    }
+    forecasts = {variant: predict(plan) for variant, plan in plans.items()}
     default = Path(__file__).parent / "results" / f"recompute_{args.model}_{args.device}_{time.strftime('%Y%m%d')}.md"
     out = Path(args.out) if args.out else default
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, lambda f: f.write((text + "\n").encode()))
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.rounds):
+            for variant, flag in variants.items():
+                record = run_benchmark(args, flag, Path(tmp) / "r.json")
+                best = results.get(variant)
+                if best is None or _step(record) < _step(best):
+                    results[variant] = record
+                text = render(args, device, budget, plans, forecasts, results, ks=ks)
+                write_atomic(out, lambda f, text=text: f.write((text + "\n").encode()))  # a cut run keeps these
+    print(text)
     print(f"written {out}")
     return 0
+
+
+def render(
+    args: argparse.Namespace,
+    device: torch.device,
+    budget: int,
+    plans: dict[str, tuple[str, ...]],
+    forecasts: dict[str, Forecast],
+    results: dict[str, dict],
+    *,
+    ks: list[int] | range,
+) -> str:
+    """The table of the runs so far. The budget is of device memory (reserved, context), the measured peak of
+    allocated memory: each plan fits when its measured peak is under the budget less the forecast's reserve and
+    context (on CPU the two are one)."""
+    layers = len(plans["auto"])
+    rows = []
+    for variant, plan in plans.items():
+        fc, r = forecasts[variant], results.get(variant)
+        allowed = budget - (fc.device_bytes - fc.peak_allocated_bytes)
+        rows.append((variant, summary(plan), fc.peak_allocated_bytes, allowed, r))
+    lines = [
+        f"# recompute: {args.model}, micro batch {args.micro_batch}, seq {args.seq_len}, {device_name(device)}",
+        "",
+        f"budget {format_bytes(budget)} of device memory; {time.strftime('%Y-%m-%d')}; torch {torch.__version__}",
+        "",
+        "| plan | layers recomputed | forecast peak allocated | allocated within the budget | measured peak "
+        "allocated | fits | step time p50 (ms) | vs auto |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    auto = results.get("auto")
+    auto_step = auto and auto["status"] == "ok" and auto["step_time_s_p50"]
+    for variant, text, fc, allowed, r in rows:
+        measured, step = (r["peak_allocated_bytes"], r["step_time_s_p50"]) if r else (None, None)
+        fits = (
+            "-"
+            if r is None
+            else r["status"]
+            if r["status"] != "ok" or measured is None
+            else ("yes" if measured <= allowed else "no")
+        )
+        time_ms, vs_auto = ("-", "-") if not (step and auto_step) else (f"{step * 1e3:.1f}", f"{step / auto_step:.3f}")
+        lines.append(
+            f"| {variant} | {text} | {format_bytes(fc)} | {format_bytes(allowed)} | {format_bytes(measured)} | {fits} "
+            f"| {time_ms} | {vs_auto} |"
+        )
+    lines.append("")
+    done = [row for row in rows if row[4] is not None and row[4]["status"] == "ok"]
+    fitting = [row for row in done if row[0] != "auto" and row[4]["peak_allocated_bytes"] <= row[3]]
+    best_k = min(fitting, key=lambda row: row[4]["step_time_s_p50"]) if fitting else None
+    if not auto_step:
+        lines.append(f"auto has not finished ({auto['status'] if auto else 'not run yet'}): no ratios")
+        return "\n".join(lines)
+    _, _, _, auto_allowed, _ = rows[-1]
+    lines.append(f"auto measured peak {format_bytes(auto['peak_allocated_bytes'])} within the budget: "
+                 f"{auto['peak_allocated_bytes'] <= auto_allowed}")  # fmt: skip
+    if best_k:
+        sampled = "" if len(ks) == layers + 1 else f" (of the sampled K = {','.join(map(str, ks))})"
+        ratio = auto_step / best_k[4]["step_time_s_p50"]
+        lines.append(f"auto step time / best fitting {best_k[0]}{sampled}: {ratio:.3f} (target ≤ 1.03)")
+    full = results.get(f"K={layers}")
+    if full and full["status"] == "ok":
+        lines.append(
+            f"full recompute step time / auto: {full['step_time_s_p50'] / auto_step:.3f} (auto faster when > 1)"
+        )
+    return "\n".join(lines)
 
 
 def run_benchmark(args: argparse.Namespace, recompute: str, output: Path) -> dict:
