@@ -227,3 +227,20 @@ def test_a_table_title_prints_on_one_line():
     console = Console(width=200, record=True)
     console.print(table)
     assert title in console.export_text()
+
+
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA H200", 989.4),  # as torch.cuda.get_device_name reports it
+        ("NVIDIA H200 NVL", 835.0),  # the PCIe card: was the SXM part's 989.4 (MFU 16% low)
+        ("NVIDIA H100 80GB HBM3", 989.4),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H20", 148.0),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_bf16_tflops_of_a_device_name(name, tflops):
+    from ljperf.hardware import peak_tflops
+
+    assert peak_tflops(name) == tflops

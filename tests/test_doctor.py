@@ -68,8 +68,18 @@ def test_branches_that_must_upgrade(driver):
         assert "575" in result.fix
 
 
+@pytest.mark.parametrize(
+    ("driver", "status", "words"),
+    [("580.159.04", OK, "runs CUDA 13.0"), ("580.65.06", OK, "needs ≥ 580.65.6"), ("575.57.08", FAIL, "too old")],
+)
+def test_driver_against_cuda_13_0(driver, status, words):
+    """The GPU machine of this project: torch cu130 on driver 580.159 (it was 'no compatibility rule')."""
+    result = checks.driver_compatibility(driver, "13.0", datacenter=True)
+    assert (result.status, words in result.finding) == (status, True), result
+
+
 def test_driver_unknown_cuda_and_bad_version():
-    assert checks.driver_compatibility("580.65.06", "13.0", datacenter=True).status == INFO
+    assert checks.driver_compatibility("580.65.06", "14.0", datacenter=True).status == INFO
     with pytest.raises(ValueError):
         checks.parse_driver("575.x")
 

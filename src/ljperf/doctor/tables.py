@@ -33,6 +33,14 @@ DRIVER_RULES: dict[str, DriverRule] = {
         must_upgrade=_NGC_MUST_UPGRADE,
         source="the image's usage rules for CUDA 12.8 (NGC PyTorch release notes)",
     ),
+    # CUDA 13 needs the R580 branch (CUDA 13.0 release notes: 580.65.06 on Linux; the data-center driver matrix:
+    # R580 is the first branch to run CUDA 13 without the forward-compatibility package, which is not tabled here).
+    "13.0": DriverRule(
+        min_driver=(580, 65, 6),
+        forward_compatible={},
+        must_upgrade=frozenset(),
+        source="the CUDA 13.0 release notes (minimum driver 580.65.06)",
+    ),
 }
 
 # Data-center GPUs (forward compatibility through the CUDA compat package works only on these), by name.
