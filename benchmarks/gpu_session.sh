@@ -1,73 +1,71 @@
 #!/usr/bin/env bash
-# The GPU checks of issues #4–#6 in one device call (one H200: about 10 minutes; each step is time-boxed,
-# and the last may be cut by the call's limit):
+# The GPU checks of issues #4–#6 in one device call (one H200, under 10 minutes: each step is time-boxed, and
+# every step ends by DEADLINE seconds after the start, 560 by default, so the call's 600 s limit is not hit):
 #   here:   bash benchmarks/gpu_wheels.sh
 #   device: run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
 # Smoke test of the script on this CPU machine (tiny models): LJPERF_GPU_SMOKE=1 bash benchmarks/gpu_session.sh
 #
-# Steps: (1) forecast vs torch.cuda.max_memory_allocated for llama3.2-1b/3b (benchmarks/forecast_gpu.py) and the
-# calibration fitted from those records; (2) FSDP2 and ZeRO-3 bf16 benchmark runs of llama3.2-1b, whose records
-# hold forecast vs measured (results.forecast.error_pct); (3) eager vs regional compile, torch engine (target
-# ≥ 1.20× tokens/s); (4) regional vs DeepSpeed's engine.compile() with DeepCompile under ZeRO-3; (5) the startup
-# hook's plan and closed loop in an HF Trainer script (its [ljperf] lines in session.log); (6) the auto
-# recompute plan vs a sample of "first K layers full" plans (benchmarks/recompute.py --ks).
+# Steps, most wanted first (a step that would start with under 20 s left is skipped, and says so):
+# (1) forecast vs torch.cuda.max_memory_allocated for llama3.2-1b/3b (benchmarks/forecast_gpu.py) and the
+# calibration fitted from those records; (2) eager vs regional compile, torch engine (target ≥ 1.20× tokens/s);
+# (3) the auto recompute plan vs a sample of "first K layers full" plans (benchmarks/recompute.py --ks);
+# (4) the startup hook's plan and closed loop in an HF Trainer script (its [ljperf] lines in session.log), with a
+# cache of its own (no calibration fitted on 1B models applied to its tiny one); (5) FSDP2 and ZeRO-3 bf16
+# benchmark runs of llama3.2-1b, whose records hold forecast vs measured; (6) regional vs DeepSpeed's
+# engine.compile() with DeepCompile under ZeRO-3. Every table is rewritten after each of its runs.
 # Everything lands in $OUT (the device's return folder; default benchmarks/results/gpu_session): at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results/gpu_session}"
 WORK="$(mktemp -d /tmp/ljperf-gpu-XXXX)"
+DEADLINE="${DEADLINE:-560}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LJPERF_CACHE_DIR="$WORK/cache" PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${LJPERF_GPU_SMOKE:-}" ]; then
-    PY="${PY:-.venv/bin/python}" DEVICE=cpu MODEL=llama-tiny MODELS=llama-tiny SEQ=128 MB=2 NPROC=2 KS=0,2 SCALE=2
+    PY="${PY:-.venv/bin/python}" DEVICE=cpu MODEL=llama-tiny MODELS=llama-tiny SEQ=128 MB=2 NPROC=2 KS=0,2 SCALE=3
+    HOOK_MB=4 DEADLINE="${DEADLINE_SMOKE:-1500}"
 else
-    PY=python3 DEVICE=cuda MODEL=llama3.2-1b MODELS=llama3.2-1b,llama3.2-3b SEQ=2048 MB=4 NPROC=1 KS=0,4,8,12 SCALE=1
+    PY=python3 DEVICE=cuda MODEL=llama3.2-1b MODELS=llama3.2-1b,llama3.2-3b SEQ=2048 MB=4 NPROC=1 KS=0,8 SCALE=1
+    HOOK_MB=64 # 16k tokens a step: activations of hundreds of MiB, beside the device's fixed overheads
     if [ -d .whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || exit 1
         export PYTHONPATH="$PYTHONPATH:/tmp/site"
     fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/session.log"
+    "$PY" -c "import deepspeed, torch, transformers; print('deepspeed', deepspeed.__version__, 'torch', \
+torch.__version__, 'transformers', transformers.__version__)" >>"$OUT/session.log" 2>&1
 fi
-step() { # step NAME SECONDS COMMAND...: run with a time limit, log it, go on whatever happens
-    local name=$1 limit=$(($2 * SCALE))
+step() { # step NAME SECONDS COMMAND...: run with a time limit (never past DEADLINE), log it, go on whatever happens
+    local name=$1 limit=$(($2 * SCALE)) left=$((DEADLINE - SECONDS))
     shift 2
-    echo "== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$OUT/session.log"
+    [ "$limit" -gt "$left" ] && limit=$left
+    if [ "$limit" -lt 20 ]; then
+        echo "== $name skipped: ${left}s left of ${DEADLINE}s" | tee -a "$OUT/session.log"
+        return
+    fi
+    echo "== $name (at ${SECONDS}s, limit ${limit}s): $*" | tee -a "$OUT/session.log"
     timeout "$limit" "$@" >>"$OUT/session.log" 2>&1
-    echo "== $name exit $?" | tee -a "$OUT/session.log"
+    echo "== $name exit $? (at ${SECONDS}s)" | tee -a "$OUT/session.log"
 }
 
-step forecast 150 "$PY" benchmarks/forecast_gpu.py --device "$DEVICE" --models "$MODELS" --out-dir "$WORK/forecast"
+step forecast 120 "$PY" benchmarks/forecast_gpu.py --device "$DEVICE" --models "$MODELS" --out-dir "$WORK/forecast"
 cp "$WORK"/forecast/forecast_*.md "$OUT/forecast.md" 2>/dev/null
-step calibrate 20 "$PY" -m ljperf plan --calibrate "$WORK"/forecast/forecast_*/*.json
+step calibrate 15 "$PY" -m ljperf plan --calibrate "$WORK"/forecast/forecast_*/*.json
 tar -czf "$OUT/forecast_records.tar.gz" -C "$WORK/forecast" . 2>/dev/null
-
-for engine in fsdp deepspeed; do
-    step "$engine-forecast" 60 "$PY" -m ljperf benchmark --model "$engine/$MODEL" --device "$DEVICE" \
-        --nproc-per-node "$NPROC" --micro-batch 1 --seq-len "$SEQ" --steps 2 --warmup 2 \
-        --output "$WORK/bench-$engine.json"
-done
-"$PY" - "$WORK"/bench-*.json >"$OUT/engines.jsonl" <<'PY'
-import json, sys
-for path in sys.argv[1:]:
-    d = json.load(open(path))
-    r, f = d["results"], d["results"].get("forecast") or {}
-    e = d["config"]["engine"]
-    print(json.dumps({"engine": e["name"], "zero_stage": e.get("zero_stage"), "precision": d["config"]["train"]["precision"],
-                      "status": r["status"], "measured": r["peak_allocated_bytes"],
-                      "forecast": f.get("peak_allocated_bytes"), "traced": f.get("traced_peak_allocated_bytes"),
-                      "error_pct": f.get("error_pct"), "phase": f.get("phase"), "tokens_per_s": r["tokens_per_s"],
-                      "mfu": r.get("mfu")}))
-PY
 
 step compile-torch 150 "$PY" benchmarks/compile.py --device "$DEVICE" --model "torch/$MODEL" --seq-len "$SEQ" \
     --micro-batch "$MB" --steps 8 --warmup 3 --modes off,regional --markdown "$OUT/compile_torch.md"
-step compile-deepspeed 150 "$PY" benchmarks/compile.py --device "$DEVICE" --model "deepspeed/$MODEL" \
-    --seq-len "$SEQ" --micro-batch "$MB" --steps 6 --warmup 3 --modes regional,deepspeed \
-    --markdown "$OUT/compile_deepspeed.md" -- --nproc-per-node "$NPROC"
+# Last of its kind in the table: K = L (full recompute) is always run, then auto.
+step recompute 100 "$PY" benchmarks/recompute.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" \
+    --seq-len "$SEQ" --ks "$KS" --rounds 1 --steps 3 --out "$OUT/recompute.md"
+
 # The startup hook's plan and closed loop on this device: the unchanged HF Trainer test script under
-# CHECKPOINT_OPTIMIZATION (installed as ljperf_startup.pth would), budget half-way between no and full recompute.
-budget=$("$PY" - "$DEVICE" <<'PY'
+# CHECKPOINT_OPTIMIZATION (installed as ljperf_startup.pth would), budget half-way between no and full recompute,
+# with the default (uncalibrated) overheads of a cache of its own.
+export HOOK_SCRIPT_MICRO_BATCH="$HOOK_MB"
+if [ $((DEADLINE - SECONDS)) -gt 60 ]; then # the budget takes a forecast of its own (about 10 s)
+    budget=$(LJPERF_CACHE_DIR="$WORK/hook-cache" "$PY" - "$DEVICE" <<'PY'
 import sys
 sys.path.insert(0, "tests/scripts")
 import torch
@@ -77,16 +75,47 @@ from ljperf.hardware import calibration_name
 from ljperf.models import ModelSpec, hf_config
 device = sys.argv[1]
 spec = ModelSpec(name="script", config=hf_config(CONFIG, source="gpu_session"))
-recipe = Recipe(device=device, precision="fp32", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+recipe = Recipe(device=device, precision="fp32", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, optimizer="fused")
 name = calibration_name(torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
 none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers), device_name=name).device_bytes for m in ("none", "full"))
 print((none + full) // 2)
 PY
-)
-step hook 60 env CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET="$budget" HOOK_SCRIPT_DEVICE="$DEVICE" "$PY" -c \
-    "import runpy, sys; sys.path.insert(0, 'tests/scripts'); from ljperf.hooks import startup; startup.install();
+    )
+    echo "hook budget $budget bytes (micro batch $HOOK_MB)" >>"$OUT/session.log"
+    step hook 60 env LJPERF_CACHE_DIR="$WORK/hook-cache" CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET="$budget" \
+        HOOK_SCRIPT_DEVICE="$DEVICE" "$PY" -c \
+        "import runpy, sys; sys.path.insert(0, 'tests/scripts'); from ljperf.hooks import startup; startup.install();
 sys.argv = ['hf_trainer.py', '$WORK/hook']; runpy.run_path('tests/scripts/hf_trainer.py', run_name='__main__')"
-# Last, as it may be cut by the call's limit: auto recompute vs a sample of "first K layers full" plans.
-step recompute 90 "$PY" benchmarks/recompute.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" \
-    --seq-len "$SEQ" --ks "$KS" --rounds 1 --steps 3 --out "$OUT/recompute.md"
+else
+    echo "== hook skipped: $((DEADLINE - SECONDS))s left of ${DEADLINE}s" | tee -a "$OUT/session.log"
+fi
+
+for engine in fsdp deepspeed; do
+    step "$engine-forecast" 60 "$PY" -m ljperf benchmark --model "$engine/$MODEL" --device "$DEVICE" \
+        --nproc-per-node "$NPROC" --micro-batch 1 --seq-len "$SEQ" --steps 2 --warmup 2 \
+        --output "$WORK/bench-$engine.json"
+done
+"$PY" - "$WORK"/bench-*.json >"$OUT/engines.jsonl" <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        d = json.load(open(path))
+    except (OSError, ValueError) as exc:
+        print(json.dumps({"record": path, "error": str(exc)}))
+        continue
+    r, f = d["results"], d["results"].get("forecast") or {}
+    e = d["config"]["engine"]
+    print(json.dumps({"engine": e["name"], "zero_stage": e.get("zero_stage"), "precision": d["config"]["train"]["precision"],
+                      "status": r["status"], "measured": r["peak_allocated_bytes"],
+                      "forecast": f.get("peak_allocated_bytes"), "traced": f.get("traced_peak_allocated_bytes"),
+                      "error_pct": f.get("error_pct"), "phase": f.get("phase"), "tokens_per_s": r["tokens_per_s"],
+                      "mfu": r.get("mfu")}))
+PY
+
+# Last, as the deadline may cut it (its table keeps the modes that finished): regional vs DeepCompile, ZeRO-3.
+# The deepspeed mode warms up 6 steps itself (DeepCompile compiles again at step 5) and builds its C++ op first.
+step compile-deepspeed 200 "$PY" benchmarks/compile.py --device "$DEVICE" --model "deepspeed/$MODEL" \
+    --seq-len "$SEQ" --micro-batch "$MB" --steps 6 --warmup 7 --modes regional,deepspeed \
+    --markdown "$OUT/compile_deepspeed.md" -- --nproc-per-node "$NPROC"
+echo "== done at ${SECONDS}s" | tee -a "$OUT/session.log"
 ls -l "$OUT"

@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >>.git/info/exclude
 mkdir -p .whl
 DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8
-for spec in hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5; do
+# typing_extensions: pydantic-core imports its Sentinel (4.14+), which the image's may predate
+for spec in hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+    typing_extensions==4.16.0; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$spec"
 done

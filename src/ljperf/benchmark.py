@@ -8,6 +8,7 @@ Flow: CLI flags → ``BenchmarkConfig`` → engine build → timed loop → resu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -314,12 +315,45 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
     track_step = 1 if train.warmup >= 2 else train.warmup + train.steps
     total = train.warmup + train.steps + (1 if track_step >= train.warmup + train.steps else 0)
     measure_steps = {track_step}
-    # The closed loop's plan must run the timed steps, and on CPU its first step is measured again before them.
-    loop_warmup = 2 if device.type == "cuda" else 3
+    # The closed loop's plan must run the timed steps, and on CPU its first step is measured again before them;
+    # compiled, a new plan's first step may recompile, so it stays out of the timing.
+    loop_warmup = 2 if device.type == "cuda" and run.optim.compile_mode == "off" else 3
     solved = state.recompute is not None and state.recompute.budget_bytes is not None
     if solved and train.warmup < loop_warmup and run.is_main:
         print(f"closed loop off: it needs --warmup {loop_warmup} or more here; the solver's plan runs as forecast")
-    fault = Fault.from_env()
+    try:
+        _steps(
+            run,
+            engine,
+            data,
+            state,
+            reporter,
+            total=total,
+            measure_steps=measure_steps,
+            track_step=track_step,
+            closed_loop=solved and train.warmup >= loop_warmup,
+            fault=Fault.from_env(),
+        )
+    finally:  # a run that fails after its measured step (out of memory in a later one) keeps its peak
+        if device.type == "cuda":
+            with contextlib.suppress(RuntimeError):  # a broken CUDA context must not hide the run's own error
+                state.peak_allocated, state.peak_reserved = memory.cuda_peaks(device)
+
+
+def _steps(
+    run: RunContext,
+    engine: Any,
+    data: SyntheticTokens,
+    state: LoopState,
+    reporter: ProgressReporter,
+    *,
+    total: int,
+    measure_steps: set[int],
+    track_step: int,
+    closed_loop: bool,
+    fault: Fault | None,
+) -> None:
+    train, device = run.train, run.device.torch_device
     for step in range(total):
         batches = data.micro_batches(step, run.rank, device)
         if fault is not None:
@@ -327,7 +361,7 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
         elapsed = None
         if step in measure_steps:
             loss = measured_memory_step(run, engine, batches, state=state)
-            if step == track_step and solved and train.warmup >= loop_warmup:
+            if step == track_step and closed_loop:
                 measured = memory.cuda_peaks(device)[0] if device.type == "cuda" else state.peak_allocated
                 if loop := close_the_loop(run, engine.model, state.recompute, measured=measured):
                     state.recompute, state.closed_loop = loop
@@ -344,8 +378,6 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
                 state.step_times.append(elapsed)
                 state.losses.append(loss)
         reporter.step(step, total=total, loss=loss, seconds=elapsed)
-    if device.type == "cuda":
-        state.peak_allocated, state.peak_reserved = memory.cuda_peaks(device)
 
 
 def measured_memory_step(
