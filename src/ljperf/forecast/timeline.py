@@ -9,7 +9,7 @@ communication buffers) is the base level, computed from the parameter counts.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ljperf import models
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
@@ -25,6 +25,7 @@ from ljperf.forecast.trace import (
 )
 
 FP32 = 4
+FP64 = 8
 TOKEN_BYTES = 8  # int64 token ids
 
 
@@ -166,6 +167,9 @@ class Sharding:
     not yet reduced, and the bucket are alive (ZeRO-1's ``grads_in_partition``)."""
     step_grads: int = 0
     """Extra bytes of the fp32 gradient the optimizer step makes from the held ones (DeepSpeed), alive in it."""
+    norm_copy: int = 0
+    """Bytes of the fp64 copy DeepSpeed makes of each of this rank's gradient pieces in turn for the global norm
+    (``get_norm_dtype``), the largest piece's: before the step's own gradient and temporaries exist."""
     by_layer: tuple[tuple[int, int, int], ...] = ()
     """Per decoder layer ``(gather_fwd, gather_bwd, held)`` where they differ by layer (ZeRO-3's prefetch and
     reuse distance); replaces ``gather_fwd``, ``gather_bwd`` and ``held_per_layer`` when given."""
@@ -230,8 +234,11 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
             **gathered,
         )
     ipg = recipe.zero.reduce_bucket_elements(spec.hidden) * compute  # the IPG (gradient) bucket
-    if recipe.zero_stage == 3:
-        return zero3_sharding(blocks, zero=recipe.zero, compute=compute, shard=shard, moments=moments, ipg=ipg)
+    if recipe.zero_stage == 3:  # each parameter is partitioned on its own: the largest piece is its shard
+        sharding = zero3_sharding(blocks, zero=recipe.zero, compute=compute, shard=shard, moments=moments, ipg=ipg)
+        return replace(sharding, norm_copy=FP64 * -(-blocks.largest // w))
+    # ZeRO-1/2 cut one flat buffer into partitions: a parameter larger than a partition fills one
+    norm_copy = FP64 * min(blocks.largest, -(-blocks.total // w))
     ipg *= recipe.zero.ipg_buffers()
     if recipe.zero_stage == 2:
         return Sharding(
@@ -243,6 +250,7 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
             optimizer_flat=shard,
             step_grads=shard - shard * compute // FP32,  # the partition, as the fp32 gradient of the master copy
             backward_bucket=ipg,
+            norm_copy=norm_copy,
         )
     return Sharding(
         params=p * compute // FP32 + shard,
@@ -252,6 +260,7 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
         backward_bucket=ipg,
         bucket_until_boundary=True,
         boundary_partition=shard * compute // FP32,  # grad_accum_dtype: the model's
+        norm_copy=norm_copy,
     )
 
 
@@ -539,6 +548,8 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
     if not shard.grads_persistent and walk.parts["gradients"] != shard.grads:
         walk.level += shard.grads - walk.parts["gradients"]
         walk.parts["gradients"] = shard.grads
+    if shard.norm_copy:
+        walk.visit(shard.norm_copy, "optimizer step, gradient norm (fp64)")
     transient = optimizer_transient(blocks, recipe, local_params=shard.params, flat=shard.optimizer_flat)
     walk.visit(transient + shard.step_grads, "optimizer step")
     parts = dict(walk.peak_parts or {})
