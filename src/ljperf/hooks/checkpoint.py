@@ -136,10 +136,12 @@ def optimizer_impl(optimizer: Any) -> str | None:
     fused, foreach or single; None when it is torch's own pick or not an AdamW ljperf knows."""
     import torch
 
-    for _ in range(4):
+    for _ in range(4):  # accelerate's wrapper around ZeRO's around torch's: a few levels at most
         if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-            fused, foreach = optimizer.defaults.get("fused"), optimizer.defaults.get("foreach")
-            return "fused" if fused else None if foreach is None else "foreach" if foreach else "single"
+            if optimizer.defaults.get("fused"):
+                return "fused"
+            foreach = optimizer.defaults.get("foreach")
+            return None if foreach is None else "foreach" if foreach else "single"
         if type(optimizer).__name__ == "FusedAdam":  # DeepSpeed's multi-tensor kernel: updates in place
             return "fused"
         optimizer = getattr(optimizer, "optimizer", None)
