@@ -561,6 +561,9 @@ DISTRIBUTED = {
     # in fp64, which sets the peak under foreach (as a 128k vocabulary does at 1B-8B)
     "zero2-foreach-vocab": f"--model-config {{vocab}} --engine deepspeed --zero-stage 2 --deepspeed-config {{foreach}} "
     f"{STEP_BOUND}",
+    # bf16: at the norm ZeRO-1 holds its gradient partition in bf16, and makes the fp32 one for the step after
+    "zero1-foreach-vocab-bf16": f"--model-config {{vocab}} --engine deepspeed --zero-stage 1 --precision bf16-mixed "
+    f"--deepspeed-config {{foreach}} {STEP_BOUND}",
 }
 FOREACH_CONFIG = {"optimizer": {"type": "AdamW", "params": {"torch_adam": True, "foreach": True}}}
 WINDOW_CONFIG = {
@@ -638,6 +641,8 @@ def distributed_runs(tmp_path_factory):
         ("zero2-foreach", 0.05),
         # Measured -0.1% (the fp64 copy of the embedding's gradient for the norm); -10.7% without it.
         ("zero2-foreach-vocab", 0.05),
+        # Measured -0.0%; +7.9% with the fp32 partition held at the norm.
+        ("zero1-foreach-vocab-bf16", 0.05),
     ],
 )
 def test_forecast_of_two_processes_per_rank(distributed_runs, engine, tolerance):

@@ -254,9 +254,10 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
         )
     return Sharding(
         params=p * compute // FP32 + shard,
-        grads=shard,
+        grads=shard * compute // FP32,  # the partition in grad_accum_dtype (the model's), at the norm
         optimizer=moments,
         optimizer_flat=shard,
+        step_grads=shard - shard * compute // FP32,  # the partition, as the fp32 gradient of the master copy
         backward_bucket=ipg,
         bucket_until_boundary=True,
         boundary_partition=shard * compute // FP32,  # grad_accum_dtype: the model's
