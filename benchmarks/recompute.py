@@ -24,7 +24,7 @@ import torch
 
 from ljperf import hardware, models
 from ljperf.checkpoint.apply import summary
-from ljperf.checkpoint.solver import Rates, solve_recipe
+from ljperf.checkpoint.solver import Rates, allocated_budget, solve_recipe
 from ljperf.forecast import Forecast, Recipe, forecast
 from ljperf.result import write_atomic
 from ljperf.units import format_bytes, parse_size
@@ -111,7 +111,7 @@ def render(
     rows = []
     for variant, plan in plans.items():
         fc, r = forecasts[variant], results.get(variant)
-        allowed = budget - (fc.device_bytes - fc.peak_allocated_bytes)
+        allowed = allocated_budget(budget, fc)
         rows.append((variant, summary(plan), fc.peak_allocated_bytes, allowed, r))
     lines = [
         f"# recompute: {args.model}, micro batch {args.micro_batch}, seq {args.seq_len}, {device_name(device)}",

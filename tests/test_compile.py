@@ -273,7 +273,7 @@ def test_compile_report_explains_times_and_names_the_recompile(tmp_path):
     assert "recompile at seq 96" in proc.stdout
 
 
-def test_deepcompile_warms_up_past_deepspeeds_recompile_at_step_5(monkeypatch, capsys):
+def test_deepcompile_warms_up_past_deepspeeds_recompile_at_step_5(capsys):
     """DeepCompile compiles the model again at DeepSpeed's global step 5: with the default --warmup 3 its timed
     steps held that compile and two schedules. Its default warm-up is 6 (on CUDA, where DeepCompile runs)."""
     from argparse import Namespace
@@ -283,9 +283,8 @@ def test_deepcompile_warms_up_past_deepspeeds_recompile_at_step_5(monkeypatch, c
     def args(**kw):
         return Namespace(**{"compile_mode": "deepspeed", "device": "auto", "warmup": None} | kw)
 
-    monkeypatch.setattr(benchmark, "resolve_device_type", lambda requested: "cuda")
-    assert benchmark._warmup(args()) == 6
-    assert benchmark._warmup(args(compile_mode="regional")) == 3
-    assert benchmark._warmup(args(warmup=2)) == 2 and "--warmup 6 keeps that out" in capsys.readouterr().out
-    monkeypatch.setattr(benchmark, "resolve_device_type", lambda requested: "cpu")
-    assert benchmark._warmup(args()) == 3  # engine.compile() without DeepCompile
+    assert benchmark._warmup(args(), device_type="cuda") == 6
+    assert benchmark._warmup(args(compile_mode="regional"), device_type="cuda") == 3
+    assert benchmark._warmup(args(warmup=2), device_type="cuda") == 2
+    assert "--warmup 6 keeps that out" in capsys.readouterr().out
+    assert benchmark._warmup(args(), device_type="cpu") == 3  # engine.compile() without DeepCompile

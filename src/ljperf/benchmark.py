@@ -111,10 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) 
     cfgmod.add_arguments(parser, LaunchConfig)
 
 
-def _warmup(args: argparse.Namespace) -> int:
+def _warmup(args: argparse.Namespace, *, device_type: str) -> int:
     """``--warmup``, or its default: DeepCompile (0.19) adds its prefetch passes at DeepSpeed's global step 5
     and compiles the model again (``deepspeed/compile/init_z3.py``), so steps 0-5 are its warm-up."""
-    deepcompile = args.compile_mode == "deepspeed" and resolve_device_type(args.device) == "cuda"
+    deepcompile = args.compile_mode == "deepspeed" and device_type == "cuda"
     if args.warmup is None:
         return DEEPCOMPILE_WARMUP if deepcompile else TrainConfig.warmup
     if deepcompile and args.warmup < DEEPCOMPILE_WARMUP and os.environ.get("RANK", "0") == "0":
@@ -130,7 +130,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
     if args.compile and args.compile_mode not in (None, "regional"):
         raise UsageError(f"--compile is --compile-mode regional: it contradicts --compile-mode {args.compile_mode}")
     args.compile_mode = "regional" if args.compile else args.compile_mode or OptimConfig.compile_mode
-    args.warmup = _warmup(args)
+    device_type = resolve_device_type(args.device)
+    args.warmup = _warmup(args, device_type=device_type)
     cfg = BenchmarkConfig(
         engine=engine,
         model=spec,
@@ -142,7 +143,6 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
         output=args.output,
         argv=argv,
     )
-    device_type = resolve_device_type(cfg.train.device)
     cfg.train = resolve_train(cfg.train, model=spec, device_type=device_type)
     check_process_count(cfg.launch, device_type)
     if cfg.output is not None and os.environ.get("GROUP_RANK", "0") == "0":

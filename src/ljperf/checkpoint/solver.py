@@ -521,9 +521,15 @@ def judge_plan(
         measured=measured,
         forecast=first.peak_allocated_bytes,
         activations=activation_bytes(first),
-        budget=decision.budget_bytes - (first.device_bytes - first.peak_allocated_bytes),
+        budget=allocated_budget(decision.budget_bytes, first),
     )
     return scale, first.peak_allocated_bytes
+
+
+def allocated_budget(budget: int, fc: Forecast) -> int:
+    """The allocated bytes a device-memory ``budget`` leaves the plan of ``fc``: less its forecast reserve and
+    context (a measured allocated peak is compared with this; on CPU the two are one)."""
+    return budget - (fc.device_bytes - fc.peak_allocated_bytes)
 
 
 def loop_line(*, measured: int, forecast: int, scale: float | None) -> str:
