@@ -557,6 +557,9 @@ DISTRIBUTED = {
     # then ZeRO-1's peak is the boundary's copy of the whole gradients into the partition
     "zero1-foreach": f"--model deepspeed/llama-tiny --zero-stage 1 --deepspeed-config {{foreach}} {STEP_BOUND}",
     "zero2-foreach": f"--model deepspeed/llama-tiny --zero-stage 2 --deepspeed-config {{foreach}} {STEP_BOUND}",
+    # with accumulation ZeRO-2 makes a new gradient partition in micro-step 2 while the first is alive, in the
+    # backward block where each rank's first bucket is reduced: the ranks' peaks differ
+    "zero2-foreach-accum": f"--model deepspeed/llama-tiny --zero-stage 2 --deepspeed-config {{foreach}} {SMALL}",
     # a 32k vocabulary: the embedding fills rank 0's partition, and DeepSpeed's gradient norm copies that piece
     # in fp64, which sets the peak under foreach (as a 128k vocabulary does at 1B-8B)
     "zero2-foreach-vocab": f"--model-config {{vocab}} --engine deepspeed --zero-stage 2 --deepspeed-config {{foreach}} "
@@ -565,6 +568,7 @@ DISTRIBUTED = {
     "zero1-foreach-vocab-bf16": f"--model-config {{vocab}} --engine deepspeed --zero-stage 1 --precision bf16-mixed "
     f"--deepspeed-config {{foreach}} {STEP_BOUND}",
 }
+RANKS_DIFFER = {"zero2-foreach-accum"}  # ZeRO-2's gradient partitions differ in size and in when they are made
 FOREACH_CONFIG = {"optimizer": {"type": "AdamW", "params": {"torch_adam": True, "foreach": True}}}
 WINDOW_CONFIG = {
     "zero_optimization": {
@@ -639,6 +643,9 @@ def distributed_runs(tmp_path_factory):
         # copy, ZeRO-1 -13% without the partition copy.
         ("zero1-foreach", 0.05),
         ("zero2-foreach", 0.05),
+        # The highest rank's peak: measured -0.4% (rank 1, its partition made in the LM head's backward; rank 0
+        # makes its own at the embedding, +5.6%); -11.4% with one partition of a shard's size.
+        ("zero2-foreach-accum", 0.05),
         # Measured -0.1% (the fp64 copy of the embedding's gradient for the norm); -10.7% without it.
         ("zero2-foreach-vocab", 0.05),
         # Measured -0.0%; +7.9% with the fp32 partition held at the norm.
@@ -650,8 +657,10 @@ def test_forecast_of_two_processes_per_rank(distributed_runs, engine, tolerance)
     flat partitions and prefetch buckets), on every rank."""
     results = distributed_runs[engine]
     predicted = results["forecast"]["peak_allocated_bytes"]
-    for measured in results["peak_allocated_bytes_per_rank"]:
-        assert abs(predicted - measured) / measured < tolerance, (predicted, measured)
+    per_rank = results["peak_allocated_bytes_per_rank"]
+    # Where ranks hold different states by design the forecast is the highest rank's; elsewhere every rank's.
+    for measured in [max(per_rank)] if engine in RANKS_DIFFER else per_rank:
+        assert abs(predicted - measured) / measured < tolerance, (predicted, per_rank)
 
 
 @pytest.mark.slow

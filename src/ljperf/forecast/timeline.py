@@ -8,6 +8,8 @@ communication buffers) is the base level, computed from the parameter counts.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -49,10 +51,22 @@ class BlockParams:
     """Its first dimension (FSDP2 shards every parameter on it)."""
     buffer_bytes: int
     """Model buffers (RoPE frequencies)."""
+    order: tuple[tuple[str, int], ...] = ()
+    """Each parameter tensor of a one-layer build in ``parameters()`` order (DeepSpeed's flat order), as
+    (``pre``, ``layer`` or ``post``, elements): ZeRO-1/2 cut that order into partitions."""
 
     @property
     def total(self) -> int:
         return self.pre + self.layers * self.layer + self.post
+
+    def flat(self) -> list[tuple[str, int]]:
+        """Every tensor of the full model in flat order, as (backward block: ``pre``, ``layer i`` or ``post``,
+        elements); a layer's tensors are contiguous in ``parameters()`` order."""
+        tags = [tag for tag, _ in self.order]
+        first = tags.index("layer")
+        layer = [n for tag, n in self.order if tag == "layer"]
+        rest = [(tag, n) for tag, n in self.order if tag != "layer"]
+        return rest[:first] + [(f"layer {i}", n) for i in range(self.layers) for n in layer] + rest[first:]
 
 
 _BLOCKS: dict[str, BlockParams] = {}
@@ -65,7 +79,7 @@ def block_params(spec: models.ModelSpec) -> BlockParams:
         path = cache_dir() / f"{spec.architecture}-blocks-{key}.json"
         _BLOCKS[key] = cached(
             path,
-            load=lambda data: {k: int(data[k]) for k in _BLOCK_FIELDS},
+            load=_load_blocks,
             make=lambda: _block_counts(spec),
             dump=dict,
         )
@@ -79,10 +93,15 @@ def block_params(spec: models.ModelSpec) -> BlockParams:
         largest=data["largest"],
         largest_rows=data["largest_rows"],
         buffer_bytes=data["buffer_bytes"],
+        order=tuple((str(tag), int(n)) for tag, n in data["order"]),
     )
 
 
 _BLOCK_FIELDS = ("pre", "layer", "post", "other_tensors", "layer_tensors", "largest", "largest_rows", "buffer_bytes")
+
+
+def _load_blocks(data: dict) -> dict:
+    return {k: int(data[k]) for k in _BLOCK_FIELDS} | {"order": list(data["order"])}
 
 
 def _block_counts(spec: models.ModelSpec) -> dict[str, int]:
@@ -95,14 +114,17 @@ def _block_counts(spec: models.ModelSpec) -> dict[str, int]:
     pre = post = 0
     layer_tensors = other_tensors = 0
     largest = max(model.parameters(), key=lambda p: p.numel())
+    order = []
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         if id(p) in in_layer:
             layer_tensors += 1
+            order.append(("layer", p.numel()))
             continue
         other_tensors += 1
+        order.append(("pre" if p is embed else "post", p.numel()))
         if p is embed:
             pre += p.numel()
         else:
@@ -116,6 +138,7 @@ def _block_counts(spec: models.ModelSpec) -> dict[str, int]:
         "largest": largest.numel(),
         "largest_rows": largest.shape[0],
         "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+        "order": order,
     }
 
 
@@ -165,6 +188,14 @@ class Sharding:
     boundary_partition: int = 0
     """Bytes of the gradient partition made when the boundary's backward ends, while the whole gradients,
     not yet reduced, and the bucket are alive (ZeRO-1's ``grads_in_partition``)."""
+    partition_made_in: str = ""
+    """The backward block in which ZeRO-2 makes its gradient partition (``grads``, whole) every micro-step:
+    ``post``, ``layer i``, ``pre`` or ``end`` (see ``ZeroPartition``). From micro-step 2 on the previous one
+    stays alive too, until that backward ends; empty: the partition fills block by block (``grad_keep``)."""
+    partition_unbucketed: int = 0
+    """Bytes of a gradient larger than the bucket, alive while it is reduced as the partition is made."""
+    reduce_copies: dict[str, int] = field(default_factory=dict)
+    """By backward block, bytes of the largest flat copy a bucket all-reduce makes in it (ZeRO-1/2)."""
     step_grads: int = 0
     """Extra bytes of the fp32 gradient the optimizer step makes from the held ones (DeepSpeed), alive in it."""
     norm_copy: int = 0
@@ -180,7 +211,101 @@ class Sharding:
         return self.gather_fwd, self.gather_bwd, self.held_per_layer
 
 
-def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
+@dataclass(frozen=True, kw_only=True)
+class ZeroPartition:
+    """One rank's ZeRO-1/2 gradient partition as ``stage_1_and_2.py`` makes it (``copy_grads_in_partition``)."""
+
+    elements: int
+    """Of ``grads_in_partition``: every parameter tensor that overlaps the rank's slice of the flat buffer, whole
+    (``params_in_partition``), so a rank whose slice starts inside a large embedding holds all of it."""
+    largest_piece: int
+    """Elements of the rank's largest gradient piece (the fp64 norm copies one piece at a time)."""
+    made_in: str
+    """The backward block in which the first bucket holding one of its tensors is reduced (the partition is made
+    then): ``post``, ``layer i``, ``pre``, or ``end`` (the epilogue reduces the last bucket)."""
+    unbucketed: int = 0
+    """Elements of the gradient reduced then outside the bucket (a tensor larger than it), alive until copied."""
+
+
+@functools.cache
+def zero_partitions(
+    blocks: BlockParams, *, world: int, bucket: int
+) -> tuple[tuple[ZeroPartition, ...], dict[str, int]]:
+    """Each rank's gradient partition, and by backward block the elements of the largest flat copy its bucket
+    all-reduces make (``allreduce_bucket`` flattens a bucket's pieces, merged while their owner rank repeats, in
+    groups of just over ``bucket`` elements; a lone piece is reduced in place).
+
+    Gradients arrive in reverse flat order (an untied LM head first, a tied embedding last) into the IPG bucket;
+    one that would overflow it has the bucket reduced first, and a tensor larger than the bucket is reduced
+    alone. The flat buffer is padded to a multiple of 2·world (``nccl_start_alignment_factor``)."""
+    flat = blocks.flat()
+    align = 2 * world
+    part = -(-sum(n for _, n in flat) // align) * align // world
+    offsets = list(itertools.accumulate((n for _, n in flat), initial=0))
+
+    def pieces(k: int) -> list[tuple[int, int]]:
+        start, end = offsets[k], offsets[k + 1]
+        ranks = range(start // part, (end - 1) // part + 1)
+        return [(r, min(end, (r + 1) * part) - max(start, r * part)) for r in ranks]
+
+    elements, largest, made, unbucketed = [0] * world, [0] * world, [""] * world, [0] * world
+    for k, (_, n) in enumerate(flat):
+        for r, piece in pieces(k):
+            elements[r] += n
+            largest[r] = max(largest[r], piece)
+    copies: dict[str, int] = {}
+
+    def reduce(held: list[int], at: str) -> None:
+        slices: list[list[int]] = []
+        for k in held:
+            for r, piece in pieces(k):
+                if slices and slices[-1][0] == r:
+                    slices[-1][1] += piece
+                else:
+                    slices.append([r, piece])
+                if not made[r]:
+                    made[r], unbucketed[r] = at, flat[k][1] if flat[k][1] > bucket else 0
+        group = count = 0
+        for i, (_, piece) in enumerate(slices):
+            group, count = group + piece, count + 1
+            if group > bucket or i == len(slices) - 1:
+                if count > 1:
+                    copies[at] = max(copies.get(at, 0), group)
+                group = count = 0
+
+    held: list[int] = []
+    filled = 0
+    for k in reversed(range(len(flat))):
+        if held and filled + flat[k][1] > bucket:
+            reduce(held, flat[k][0])
+            held, filled = [], 0
+        held.append(k)
+        filled += flat[k][1]
+    reduce(held, "end")
+    ranks = zip(elements, largest, made, unbucketed, strict=True)
+    return tuple(ZeroPartition(elements=e, largest_piece=p, made_in=m, unbucketed=u) for e, p, m, u in ranks), copies
+
+
+def rank_shardings(spec: models.ModelSpec, recipe: Recipe) -> list[Sharding]:
+    """The engine's sharding as each kind of rank holds it: ZeRO-2's gradient partitions differ by rank (their
+    size, their largest piece, when backward makes them), so one per backward block that makes one, with the
+    largest of each; other engines hold the same on every rank."""
+    if recipe.engine != "deepspeed" or recipe.zero_stage != 2 or not recipe.zero.contiguous_gradients:
+        return [engine_sharding(spec, recipe)]
+    blocks = block_params(spec)
+    bucket = recipe.zero.reduce_bucket_elements(spec.hidden)
+    partitions, _ = zero_partitions(blocks, world=recipe.world, bucket=bucket)
+    kinds: dict[str, ZeroPartition] = {}
+    for p in partitions:
+        q = kinds.get(p.made_in, p)
+        largest, unbucketed = max(p.largest_piece, q.largest_piece), max(p.unbucketed, q.unbucketed)
+        kinds[p.made_in] = replace(
+            p, elements=max(p.elements, q.elements), largest_piece=largest, unbucketed=unbucketed
+        )
+    return [engine_sharding(spec, recipe, partition=p) for p in kinds.values()]
+
+
+def engine_sharding(spec: models.ModelSpec, recipe: Recipe, *, partition: ZeroPartition | None = None) -> Sharding:
     """Model states per rank as each engine holds them (fp32 master weights, AdamW's two fp32 moments).
 
     torch: replicated, plus DDP's gradient buckets (one gradient-sized buffer, alive from construction).
@@ -196,8 +321,8 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     ``zero3_sharding``. ZeRO-1/2 (``stage_1_and_2.py``): replicated compute-dtype parameters, sharded fp32
     master weights and moments; the optimizer steps the flat partition (its single-tensor temporaries are
     partition-sized). ZeRO-1 keeps whole gradients through backward and flattens this rank's share for the
-    step; ZeRO-2 reduces each gradient into a partition buffer it makes in the first backward and drops after
-    the step.
+    step; ZeRO-2 reduces each gradient into a partition buffer that each micro-step's backward makes anew
+    (``partition``: its size and when it is made, by rank, from ``zero_partitions``) and drops after the step.
     """
     blocks = block_params(spec)
     w = recipe.world
@@ -241,16 +366,32 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe) -> Sharding:
     norm_copy = FP64 * min(blocks.largest, -(-blocks.total // w))
     ipg *= recipe.zero.ipg_buffers()
     if recipe.zero_stage == 2:
+        zero2 = {
+            "params": p * compute // FP32 + shard,
+            "optimizer": moments,
+            "optimizer_flat": shard,
+            "step_grads": shard - shard * compute // FP32,  # the partition, as the fp32 gradient of the master copy
+            "backward_bucket": ipg,
+        }
+        if not ipg:  # without contiguous gradients no partition buffer: each block keeps its share
+            return Sharding(
+                **zero2,
+                grads=shard * compute // FP32,
+                grad_keep=1 / w,
+                kept_grad_bytes=compute,
+                norm_copy=norm_copy,
+            )
+        bucket = recipe.zero.reduce_bucket_elements(spec.hidden)
+        partitions, copies = zero_partitions(blocks, world=w, bucket=bucket)
+        mine = partition or max(partitions, key=lambda q: q.elements)
         return Sharding(
-            params=p * compute // FP32 + shard,
-            grads=shard * compute // FP32,  # the partition buffer: grad_accum_dtype, the model's by default
-            optimizer=moments,
-            grad_keep=1 / w,
-            kept_grad_bytes=compute,
-            optimizer_flat=shard,
-            step_grads=shard - shard * compute // FP32,  # the partition, as the fp32 gradient of the master copy
-            backward_bucket=ipg,
-            norm_copy=norm_copy,
+            **zero2,
+            grads=mine.elements * compute,  # grads_in_partition: grad_accum_dtype, the model's by default
+            grad_keep=0.0,
+            partition_made_in=mine.made_in,
+            partition_unbucketed=mine.unbucketed * compute,
+            reduce_copies={at: n * compute for at, n in copies.items()},
+            norm_copy=FP64 * mine.largest_piece,
         )
     return Sharding(
         params=p * compute // FP32 + shard,
@@ -454,12 +595,36 @@ def edge_values(patterns: dict[str, Patterns], modes: tuple[str, ...], b: int, s
 
 
 def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns]) -> Forecast:
-    """The forecast of ``recipe`` from the traced patterns of each recompute mode it uses."""
-    blocks = block_params(spec)
-    shard = engine_sharding(spec, recipe)
+    """The forecast of ``recipe`` from the traced patterns of each recompute mode it uses: the highest rank's."""
     modes = recipe.layer_modes(spec.layers)
     values = {mode: pats.evaluate(recipe.micro_batch, recipe.seq_len) for mode, pats in patterns.items()}
     edge = edge_values(patterns, modes, recipe.micro_batch, recipe.seq_len)
+    shards = rank_shardings(spec, recipe)
+    walks = [_walk_step(spec, recipe, shard, modes=modes, values=values, edge=edge) for shard in shards]
+    walk = max(walks, key=lambda w: w.peak)
+    parts = dict(walk.peak_parts or {})
+    parts["temporaries"] = walk.peak - sum(parts.values())
+    return Forecast(
+        peak_allocated_bytes=walk.peak,
+        peak_reserved_bytes=None,
+        context_bytes=0,
+        breakdown={k: v for k, v in parts.items() if v or k in ("parameters", "activations")},
+        phase=walk.phase,
+        source="traced",
+    )
+
+
+def _walk_step(
+    spec: models.ModelSpec,
+    recipe: Recipe,
+    shard: Sharding,
+    *,
+    modes: tuple[str, ...],
+    values: dict[str, dict[str, tuple[int, int]]],
+    edge: dict[str, tuple[int, int]],
+) -> _Walk:
+    """One rank's training step, as the walk of its running level."""
+    blocks = block_params(spec)
     batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * TOKEN_BYTES
     held_grads = shard.grads if shard.grads_persistent else 0
     walk = _Walk(
@@ -482,6 +647,22 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
     # Micro-steps 2 .. last-1 walk the same way, each moving the level by the same few bytes (what a step keeps), so
     # only the first two and the last two are walked and the ones between are added as that amount each.
     micros = range(1, last + 1) if last <= 4 else (1, 2, last - 1, last)
+
+    def partition(block: str, where: str, *, after: bool) -> None:
+        """ZeRO-2's partition, made as the first of this rank's gradients is reduced: in a decoder layer's
+        backward before its peak (the MLP's output projection's gradient comes first); in the head's, the
+        embedding's and the epilogue after (their gradients come after the logits' and the lookup's
+        temporaries), while a gradient reduced outside the bucket is still alive."""
+        if block != shard.partition_made_in:
+            return
+        if after:
+            phase = f"backward, {where}, gradient partition made"
+            walk.visit(shard.partition_unbucketed, phase, gradients=shard.grads)
+        walk.add("gradients", shard.grads)
+
+    def all_reduce(block: str, phase: str) -> None:
+        walk.visit(0, f"{phase}, gradient all-reduce", comm_buffers=shard.reduce_copies.get(block, 0))
+
     for micro in micros:
         if micro == 2:
             second = walk.mark()
@@ -512,6 +693,8 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
         walk.step(edge[f"post_b@{k}"], f"backward, {head}", gathered=extra.get("post_b", 0), logits_and_loss=-post_f)
         if not shard.root_reduced_last:
             grads.settle(walk, blocks.post)
+        all_reduce("post", f"backward, {head}")
+        partition("post", where, after=True)
         if micro == 1 or not shard.bucket_until_boundary:
             walk.add("comm_buffers", shard.backward_bucket)
         for i, pos in reversed(list(enumerate(position))):
@@ -523,9 +706,11 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
             elif i == 0:
                 gather = extra.get("first_b", gather)
             reducing = 0 if i == n - 1 else shard.reduce_input
+            partition(f"layer {i}", where, after=False)
             walk.step(seg, f"backward, {where}, layer {i}", gathered=gather, reducing=reducing, activations=-saved)
             walk.add("gathered_parameters", -held)
             grads.settle(walk, blocks.layer)
+            all_reduce(f"layer {i}", f"backward, {where}, layer {i}")
         pre_f = edge[f"pre_f@{k}"][1]
         walk.step(
             edge[f"pre_b@{k}"],
@@ -539,10 +724,17 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
             root = grads.reduce_root(blocks.pre + blocks.post, embedding=blocks.pre)
             walk.visit(0, f"backward, {where}, root reduce-scatter", comm_buffers=root)
         grads.settle(walk, blocks.pre + (blocks.post if shard.root_reduced_last else 0))
+        all_reduce("pre", f"backward, {where}, embedding")
+        partition("pre", where, after=True)
+        all_reduce("end", f"backward, {where}, last bucket")
+        partition("end", where, after=True)
         if micro == last:
             walk.visit(0, f"backward, {where}, gradients into the partition", gradients=shard.boundary_partition)
         if micro == last or not shard.bucket_until_boundary:
             walk.add("comm_buffers", -shard.backward_bucket)
+        if micro > 1 and shard.partition_made_in:
+            # ZeRO-2 made a new partition; the first, which the accumulated gradients fill, stays for the step
+            walk.add("gradients", -shard.grads)
         walk.step(edge[f"gap@{k}"], f"backward, {where}")
         if not shard.root_reduced_last:
             walk.add("gathered_parameters", -shard.resident)
@@ -553,13 +745,4 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns
         walk.visit(shard.norm_copy, "optimizer step, gradient norm (fp64)")
     transient = optimizer_transient(blocks, recipe, local_params=shard.params, flat=shard.optimizer_flat)
     walk.visit(transient + shard.step_grads, "optimizer step")
-    parts = dict(walk.peak_parts or {})
-    parts["temporaries"] = walk.peak - sum(parts.values())
-    return Forecast(
-        peak_allocated_bytes=walk.peak,
-        peak_reserved_bytes=None,
-        context_bytes=0,
-        breakdown={k: v for k, v in parts.items() if v or k in ("parameters", "activations")},
-        phase=walk.phase,
-        source="traced",
-    )
+    return walk
