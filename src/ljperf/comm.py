@@ -9,6 +9,7 @@ nccl-tests' definitions (docs/comm.md). ``--output FILE`` writes the JSON record
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from ljperf.runtime import (
     shutdown_process,
     under_torchrun,
 )
-from ljperf.units import parse_size
+from ljperf.units import format_bytes, parse_size
 
 # Bus bandwidth = algbw × this factor of the world size n (nccl-tests, doc/PERFORMANCE.md).
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
@@ -169,6 +170,24 @@ def buffers(
     return torch.zeros(count, dtype=dtype, device=device), torch.zeros(count, dtype=dtype, device=device)
 
 
+def check_host_memory(op: str, count: int, *, world: int, dtype: torch.dtype) -> None:
+    """Refuse a size whose buffers, twice over for gloo's own copies, exceed the RAM available to each of this
+    node's ranks: allocated anyway, its zeroed pages are committed as they are written and the kernel kills
+    the process, leaving no table and no record. A ``MemoryError`` is recorded as out of memory. The ranks
+    agree on the smallest share among them, so none waits in a collective the others left."""
+    inp, out = buffers(op, count, world=world, dtype=dtype, device=torch.device("meta"))
+    need = 2 * (inp.nbytes + (out.nbytes if out is not inp else 0))
+    ram = hardware.available_ram()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    share = torch.tensor([2**62 if ram is None else ram // local], dtype=torch.int64)
+    dist.all_reduce(share, op=dist.ReduceOp.MIN)
+    if need > int(share):
+        raise MemoryError(
+            f"{op} of {format_bytes(count * inp.element_size())} needs about {format_bytes(need)} per rank (its"
+            f" buffers, twice for gloo's copies); {format_bytes(int(share))} of RAM is available to each"
+        )
+
+
 def collective(op: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """``op`` as a function of (input, output)."""
     # torch 2.13 renamed the tensor forms; older torch (≥ 2.6 is supported) has only the old names.
@@ -205,6 +224,8 @@ def measure(op: str, size_bytes: int, cfg: CommConfig, *, process: Process) -> R
     rank, world, device = process.rank, process.world, process.device.torch_device
     dtype = DTYPES[cfg.dtype]
     count = element_count(op, size_bytes, element_size=torch.tensor([], dtype=dtype).element_size(), world=world)
+    if device.type == "cpu":
+        check_host_memory(op, count, world=world, dtype=dtype)
     inp, out = buffers(op, count, world=world, dtype=dtype, device=device)
     run = collective(op)
     for _ in range(cfg.warmup_iters):
@@ -220,7 +241,9 @@ def measure(op: str, size_bytes: int, cfg: CommConfig, *, process: Process) -> R
     mean = float(seconds) / world
     wrong = None
     if cfg.check:
-        inp.copy_(pattern(torch.arange(inp.numel(), device=device), rank))
+        for start in range(0, inp.numel(), CHECK_CHUNK):  # a whole index would be twice the buffer (int64)
+            piece = inp[start : start + CHECK_CHUNK]
+            piece.copy_(pattern(torch.arange(start, start + piece.numel(), device=device), rank))
         run(inp, out)
         mine = count_wrong(op, out, rank=rank, world=world, chunk=count // world)
         total = torch.tensor([mine], dtype=torch.int64, device=device)

@@ -60,6 +60,8 @@ def out_of_memory(exc: BaseException) -> str | None:
     for inner in _chain(exc):
         if type(inner).__name__ == "OutOfMemoryError":
             return "out of device memory (torch.OutOfMemoryError)"
+        if isinstance(inner, MemoryError):
+            return f"out of host memory ({inner})" if str(inner) else "out of host memory (MemoryError)"
         text = str(inner)
         if "DefaultCPUAllocator: can't allocate memory" in text:
             tried = text.partition("you tried to allocate ")[2].partition(" bytes")[0]

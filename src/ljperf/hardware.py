@@ -131,6 +131,18 @@ def cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
+def available_ram() -> int | None:
+    """Bytes of this machine's RAM available to new allocations (``MemAvailable``); None where unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

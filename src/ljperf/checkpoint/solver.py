@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from ljperf import models
+from ljperf import hardware, models
 from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import SAVE_OPS, Plan, fixed_plan, summary
 from ljperf.errors import UsageError
@@ -95,15 +95,11 @@ def budget_bytes(
         return parse_memory(text, what="memory budget" if given else f"${BUDGET_ENV}")
     if device.type == "cuda":
         return int((memory or torch.cuda.get_device_properties(device).total_memory) * (1 - GPU_MARGIN))
-    return memory or available_ram() // max(local_world, 1)
-
-
-def available_ram() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise UsageError(f"cannot read the available RAM: set {BUDGET_ENV}, e.g. {BUDGET_ENV}=16GiB")
+    if memory:
+        return memory
+    if (ram := hardware.available_ram()) is None:
+        raise UsageError(f"cannot read the available RAM: set {BUDGET_ENV}, e.g. {BUDGET_ENV}=16GiB")
+    return ram // max(local_world, 1)
 
 
 # --- recompute cost -----------------------------------------------------------------------------------------
