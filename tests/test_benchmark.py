@@ -17,6 +17,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from ljperf import benchmark, memory, models
+from ljperf.data import SyntheticTokens
 from ljperf.engines.common import causal_lm_loss
 
 from conftest import cli_env, read_record, run_ljperf
@@ -122,6 +123,15 @@ def test_ddp_matches_single_process_for_the_same_global_batch(tmp_path):
     ddp_record = read_record(ddp)
     assert ddp_record["env"]["world_size"] == 2
     assert len(ddp_record["results"]["peak_allocated_bytes_per_rank"]) == 2
+
+
+@pytest.mark.parametrize("seed", [0, 2**62, 2**63 - 1])
+def test_every_accepted_seed_draws_a_token_stream(seed):
+    """``--seed`` takes 0..2^63-1; from about 1.8e14 the stream's seed had overflowed torch's 64-bit generator."""
+    data = SyntheticTokens(vocab=256, seq_len=16, micro_batch=2, grad_accum=1, world=1, seed=seed)
+    first = data.micro_batches(3, 0, torch.device("cpu"))
+    assert torch.equal(first[0], data.micro_batches(3, 0, torch.device("cpu"))[0])
+    assert not torch.equal(first[0], data.micro_batches(4, 0, torch.device("cpu"))[0])
 
 
 def test_injected_oom_is_recorded_with_exit_3(tmp_path):

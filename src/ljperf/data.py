@@ -25,7 +25,7 @@ class SyntheticTokens:
 
     def micro_batches(self, step: int, rank: int, device: torch.device) -> list[torch.Tensor]:
         """The ``grad_accum`` micro-batches (each micro_batch × seq_len, int64) of ``rank`` at ``step``."""
-        gen = torch.Generator().manual_seed(self.seed * 100_003 + step)
+        gen = torch.Generator().manual_seed((self.seed * 100_003 + step) % 2**63)
         rows = self.world * self.micro_batch
         n = self.grad_accum * rows * self.seq_len
         tokens = torch.multinomial(self._probs, n, replacement=True, generator=gen)
