@@ -43,6 +43,8 @@ CASES = [
     (["plan", "--model-config", "{empty}"], {}, "num_hidden_layers must be a whole number of 1 or more"),
     (["benchmark", *TINY, "--micro-batch", "-1"], {}, "--micro-batch"),
     (["benchmark", *TINY, "--seq-len", "0"], {}, "--seq-len"),
+    (["benchmark", *TINY, "--seq-len", "1"], {}, "--seq-len must be 2 or more"),  # was a run with a nan loss
+    (["plan", *TINY, "--seq-len", "1"], {}, "--seq-len must be 2 or more"),
     (["benchmark", *TINY, "--grad-accum", "0"], {}, "--grad-accum"),
     (["benchmark", *TINY, "--steps", "0"], {}, "--steps"),
     (["benchmark", *TINY, "--warmup", "-1"], {}, "--warmup"),
@@ -124,6 +126,7 @@ CASES = [
     (["compile-report", *TINY, "--seq-lens", "12,abc"], {}, "abc"),
     (["compile-report", *TINY, "--steps", "99999999999999999999"], {}, "--steps"),
     (["compile-report", *TINY, "--seq-lens", "64,99999999999"], {}, "lengths from 2 to"),
+    (["compile-report", *TINY, "--seq-lens", "128,128"], {}, "names a length twice"),
     (["compile-report", *TINY, "--seq-lens", "64,100000"], {}, "--seq-lens 100000 is longer"),
     (["models", "--bogus-flag"], {}, "--bogus-flag"),
     (

@@ -38,7 +38,9 @@ class ReportConfig:
     micro_batch: int = opt(1, "sequences per step")
     compile_mode: str = opt("regional", "regional or whole", choices=COMPILE_MODES[:2])
     device: str = opt("auto", "cpu, cuda or auto")
-    precision: str | None = opt(None, "fp32 or bf16-mixed (default: bf16-mixed on GPU, fp32 on CPU)")
+    precision: str | None = opt(
+        None, "fp32, bf16-mixed or bf16, as ljperf benchmark (default: bf16-mixed on GPU, fp32 on CPU)"
+    )
 
     def __post_init__(self) -> None:
         try:
@@ -49,6 +51,8 @@ class ReportConfig:
             ) from None
         if not lens or not 2 <= min(lens) <= max(lens) <= LARGEST:
             raise UsageError(f"--seq-lens {self.seq_lens!r}: give one or more lengths from 2 to {LARGEST}")
+        if len(set(lens)) < len(lens):
+            raise UsageError(f"--seq-lens {self.seq_lens!r} names a length twice: each is one row of the report")
         positive("steps", self.steps)
         positive("micro_batch", self.micro_batch)
 

@@ -125,6 +125,8 @@ class TrainConfig:
         for name in ("micro_batch", "seq_len", "grad_accum", "steps", "lr", "peak_tflops"):
             positive(name, getattr(self, name))
         _not_negative("warmup", self.warmup)
+        if self.seq_len == 1:  # a sequence of one token has no next token to predict: the loss is nan
+            raise UsageError("--seq-len must be 2 or more: the loss predicts each token from the ones before it")
         if not 0 <= self.seed < 2**63:  # torch's generators take a 64-bit seed
             raise UsageError(f"--seed must be in 0..2^63-1 (got {self.seed})")
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -138,7 +140,7 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class EngineConfig:
-    """Engine options (FSDP2 and DeepSpeed ZeRO); the torch engine ignores them."""
+    """Engine options (FSDP2 and DeepSpeed ZeRO); each is refused by the engines it is not for."""
 
     zero_stage: int = opt(3, "DeepSpeed ZeRO stage: 1, 2 or 3", deepspeed="zero_optimization.stage")
     deepspeed_config: str | None = opt(None, "a DeepSpeed JSON config to validate and merge with ljperf's options")
@@ -189,7 +191,8 @@ def check_precision(precision: str | None, *, engine: str) -> None:
 def check_engine_flags(engine: str, *, zero_stage: int | None, reshard_after_forward: bool) -> None:
     """Another engine's flag would be ignored, and the run or plan would not be the one asked for."""
     if zero_stage is not None and engine != "deepspeed":
-        raise UsageError(f"--zero-stage is for the deepspeed engine, not {engine} (FSDP2 shards like ZeRO-3)")
+        like = " (FSDP2 shards like ZeRO-3)" if engine == "fsdp" else ""
+        raise UsageError(f"--zero-stage is for the deepspeed engine, not {engine}{like}")
     if not reshard_after_forward and engine != "fsdp":
         raise UsageError(f"--no-reshard-after-forward is for the fsdp engine, not {engine}")
 
