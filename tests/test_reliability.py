@@ -387,6 +387,17 @@ def test_written_files_get_the_mode_a_plain_open_gives(tmp_path):
     assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~mask
 
 
+def test_records_are_strict_json_when_a_loss_diverges(tmp_path):
+    """A nan or inf (a diverged loss) is written as null: Python wrote bare NaN, which strict parsers refuse."""
+    write_json(tmp_path / "r.json", {"losses": [2.5, float("nan"), float("inf")], "nested": ({"x": -float("inf")},)})
+
+    def refuse(name: str) -> None:
+        raise ValueError(name)
+
+    data = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
+    assert data == {"losses": [2.5, None, None], "nested": [{"x": None}]}
+
+
 def test_secrets_never_reach_records_or_logs(tmp_path):
     secrets = {"HF_TOKEN": "hf_s3cr3tvalue", "AWS_SECRET_ACCESS_KEY": "aws-s3cr3t-key", "MY_TEAM_TOKEN": "tok-777"}
     out = tmp_path / "r.json"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
@@ -132,8 +133,20 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
 
 
 def write_json(path: str | os.PathLike, data: Any) -> None:
-    """Write JSON atomically (``write_atomic``)."""
-    write_atomic(path, lambda f: f.write((json.dumps(data, indent=2, default=str) + "\n").encode()))
+    """Write JSON atomically (``write_atomic``); a float that is not finite (a diverged loss) is ``null``, as
+    strict JSON has no NaN."""
+    text = json.dumps(_finite(data), indent=2, default=str, allow_nan=False)
+    write_atomic(path, lambda f: f.write((text + "\n").encode()))
+
+
+def _finite(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite(v) for v in data]
+    return data
 
 
 def read_json_object(path: str | os.PathLike, *, what: str) -> dict:
