@@ -16,7 +16,7 @@ from ljperf import models
 from ljperf.ablation import report
 from ljperf.ablation.cli import check_variant, split_argv
 from ljperf.ablation.runner import normalized
-from ljperf.ablation.stats import Spread, VariantStats, contributions
+from ljperf.ablation.stats import Spread, VariantStats, contributions, summarize
 from ljperf.ablation.variants import BUILTIN, parse_environments, parse_variants
 from ljperf.errors import UsageError
 
@@ -114,6 +114,18 @@ def _record(**results: object) -> dict:
     return {"ablation": meta, "results": {"status": "error", "reason": "crashed", **results}}
 
 
+def test_an_even_count_of_repeats_shows_one_runs_throughput_and_step_time():
+    """Two noisy runs of 512 tokens a step: the medians taken apart were 12,288 tokens/s beside 312 ms (1,638)."""
+    runs = []
+    for repeat, (tps, step) in enumerate([(20480.0, 0.025), (4096.0, 0.6)], start=1):
+        rec = _record(status="ok", tokens_per_s=tps, step_time_s_p50=step, mfu=tps / 1e6, losses=[1.0])
+        rec["ablation"]["repeat"] = repeat
+        runs.append(rec)
+    [base] = summarize(runs)
+    assert (base.tokens_per_s.median, base.step_time_s.median, base.mfu.median) == (4096.0, 0.6, 0.004096)
+    assert (base.tokens_per_s.low, base.tokens_per_s.high, base.step_time_s.low) == (4096.0, 20480.0, 0.025)
+
+
 def test_a_file_that_is_not_a_run_record_is_skipped_with_a_warning(tmp_path, capsys):
     runs = tmp_path / "runs" / "local"
     runs.mkdir(parents=True)
@@ -200,10 +212,11 @@ def test_ablation_report_failure_and_resume(tmp_path):
     for name, rec in runs.items():
         assert rec["ablation"]["environment"]["versions"]["torch"] == rec["env"]["versions"]["torch"]
         if name.startswith("broken"):  # refused by the run itself, which writes no record: the ablation makes one
-            assert rec["results"]["status"] == "error" and rec["ablation"]["exit_code"] == 2
+            assert rec["kind"] == "ablation-run" and rec["results"]["status"] == "error"
+            assert rec["ablation"]["exit_code"] == 2
             assert "of 1.0 MiB (does not fit" in rec["results"]["reason"]
         else:
-            assert rec["results"]["status"] == "ok", (name, rec["results"])
+            assert rec["kind"] == "benchmark" and rec["results"]["status"] == "ok", (name, rec["results"])
             assert rec["config"]["optimizations"]["recompute"] == "none"
     # Same seed and data: mb1's repeats train identically.
     assert runs["mb1.r1.json"]["results"]["losses"] == runs["mb1.r2.json"]["results"]["losses"]

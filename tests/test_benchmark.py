@@ -46,14 +46,18 @@ def test_record_validates_against_the_documented_schema(twenty_steps):
 
 
 def test_a_default_device_record_calibrates_the_cpu(twenty_steps, tmp_path):
-    """A CPU run without ``--device`` (``auto``) fits the overheads CPU forecasts use, named ``cpu``."""
+    """A CPU run without ``--device`` (``auto``) records the device that ran and fits the overheads CPU forecasts
+    use, named ``cpu``; so does an older record, which kept ``auto``."""
     from ljperf.forecast import calibrate
 
     record, _ = twenty_steps
-    assert record["config"]["train"]["device"] == "auto"
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(record))
-    assert list(calibrate.calibrate([str(path)], out=tmp_path / "calibration.json")) == ["cpu"]
+    assert record["config"]["train"]["device"] == "cpu"
+    older = json.loads(json.dumps(record))
+    older["config"]["train"]["device"] = "auto"
+    for i, rec in enumerate((record, older)):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps(rec))
+        assert list(calibrate.calibrate([str(path)], out=tmp_path / f"calibration{i}.json")) == ["cpu"]
 
 
 def test_throughput_arithmetic(twenty_steps):

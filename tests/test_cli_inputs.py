@@ -122,7 +122,7 @@ CASES = [
     (["ablation", *TINY, "--variants", "base,,compile"], {}, "has an empty name"),
     (["report", "{damaged_runs}"], {}, "holds no ablation runs"),
     (["ablation", *TINY, "--env", "noequals"], {}, "--env"),
-    (["report", "/nonexistent/run-dir"], {}, "run-dir"),
+    (["report", "/nonexistent/run-dir"], {}, "/nonexistent/run-dir: no such folder"),
     (["compile-report", *TINY, "--seq-lens", "12,abc"], {}, "abc"),
     (["compile-report", *TINY, "--steps", "99999999999999999999"], {}, "--steps"),
     (["compile-report", *TINY, "--seq-lens", "64,99999999999"], {}, "lengths from 2 to"),

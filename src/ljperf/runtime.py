@@ -125,7 +125,8 @@ class RunContext:
 def resolve_train(
     train: TrainConfig, *, model: ModelSpec, device_type: str, seq_flag: str = "--seq-len"
 ) -> TrainConfig:
-    """Fill in the defaults that depend on the model and device; check the sequence length (``seq_flag``) fits."""
+    """Fill in the defaults that depend on the model and device (``auto`` becomes the device type, so records
+    say which ran); check the sequence length (``seq_flag``) fits."""
     seq_len = model.seq_len(train.seq_len, flag=seq_flag)
     if train.attn_implementation == "flash_attention_2":
         if device_type != "cuda":
@@ -133,7 +134,7 @@ def resolve_train(
         if importlib.util.find_spec("flash_attn") is None:
             raise UsageError("--attn-implementation flash_attention_2 needs the flash-attn package (or use sdpa)")
     precision = train.precision or ("bf16-mixed" if device_type == "cuda" else "fp32")
-    return TrainConfig(**{**vars(train), "seq_len": seq_len, "precision": precision})
+    return TrainConfig(**{**vars(train), "seq_len": seq_len, "precision": precision, "device": device_type})
 
 
 def resolve_device_type(requested: str) -> str:

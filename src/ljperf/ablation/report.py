@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``ljperf report``."""
     out = Path(args.dir)
+    if not out.is_dir():
+        raise UsageError(
+            f"{out}: {'not a folder' if out.exists() else 'no such folder'}; give the --out folder of ljperf ablation"
+        )
     records = load_records(out)
     if not records:
         raise UsageError(f"{out} holds no ablation runs (runs/*/*.json); give the --out folder of ljperf ablation")
@@ -170,9 +174,14 @@ def title(records: list[dict]) -> str:
     return f"{run_title(cfg)} · {steps} × {repeats} repeat(s)"
 
 
+def _overlap_note(stats: list[VariantStats]) -> str | None:
+    """What ``≈`` means, where a ratio shows it."""
+    return OVERLAP_NOTE if any(r and r.overlaps for s in stats for r in (s.speedup, s.gain)) else None
+
+
 def print_table(records: list[dict], stats: list[VariantStats]) -> None:
     header, body = rows(stats)
-    table = titled_table(title(records), caption=OVERLAP_NOTE)
+    table = titled_table(title(records), caption=_overlap_note(stats))
     for i, name in enumerate(header):
         if name != "flags":  # in report.md; too wide for a terminal
             table.add_column(name, justify="left" if i < 3 else "right")
@@ -207,7 +216,7 @@ def markdown(records: list[dict], stats: list[VariantStats], *, command: list[st
     memory_method = ref.get("results", {}).get("memory_method")
     lines += [
         f"Speedup: median tokens/s vs `{stats[0].label}`; gain: vs the variant above it (the added optimization). "
-        + OVERLAP_NOTE,
+        + (_overlap_note(stats) or ""),
         f"Peak memory: median over repeats ({memory_method or 'see the run records'}). "
         "Loss Δ: largest difference of the loss curve from the baseline's (same seed and data).",
         "",

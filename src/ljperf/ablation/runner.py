@@ -330,10 +330,11 @@ def _stop(proc: subprocess.Popen) -> int:
 
 
 def _crash_record(run: PlannedRun) -> dict[str, Any]:
-    """The record of a run that ended without writing one (crash, usage error, timeout before start-up)."""
+    """The record of a run that ended without writing one (crash, usage error, timeout before start-up): not a
+    benchmark record (it has no config or figures), so of a kind of its own."""
     return {
         "schema_version": SCHEMA_VERSION,
-        "kind": "benchmark",
+        "kind": "ablation-run",
         "start_time": now_iso(),
         "args": ["benchmark", *run.command],
         "env": {"versions": run.environment.versions},

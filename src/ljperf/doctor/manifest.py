@@ -61,7 +61,9 @@ def new_manifest(*, base_image: str | None = None) -> dict[str, Any]:
 
 def replaced(base: dict[str, str | None], now: dict[str, str | None]) -> list[str]:
     """Packages of ``base`` whose version changed or that disappeared, as ``name: old → new`` lines."""
-    return [f"{name}: {old} → {now.get(name)}" for name, old in base.items() if old and now.get(name) != old]
+    return [
+        f"{name}: {old} → {now.get(name) or 'removed'}" for name, old in base.items() if old and now.get(name) != old
+    ]
 
 
 def constraints(versions: dict[str, str | None]) -> str:
