@@ -52,6 +52,7 @@ from ljperf.runtime import (
     RunContext,
     check_process_count,
     init_process,
+    local_world_size,
     resolve_device_type,
     resolve_train,
     shutdown_process,
@@ -294,7 +295,7 @@ def launch_record(launch: LaunchConfig, *, world: int) -> dict[str, Any]:
     """The record's ``launch``: the flags, with the processes per node and nodes a user's torchrun started."""
     record = {**asdict(launch), "world_size": world}
     if under_torchrun():  # ljperf's launcher sets the same numbers; a user's torchrun did not pass them as flags
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local = local_world_size(world)
         record |= {"nproc_per_node": local, "nnodes": max(1, world // local)}
     return record
 

@@ -9,7 +9,6 @@ nccl-tests' definitions (docs/comm.md). ``--output FILE`` writes the JSON record
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import (
     Process,
     check_process_count,
+    local_world_size,
     resolve_device_type,
     shutdown_process,
     under_torchrun,
@@ -178,8 +178,7 @@ def check_host_memory(op: str, count: int, *, world: int, dtype: torch.dtype) ->
     inp, out = buffers(op, count, world=world, dtype=dtype, device=torch.device("meta"))
     need = 2 * (inp.nbytes + (out.nbytes if out is not inp else 0))
     ram = hardware.available_ram()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    share = torch.tensor([2**62 if ram is None else ram // local], dtype=torch.int64)
+    share = torch.tensor([2**62 if ram is None else ram // local_world_size()], dtype=torch.int64)
     dist.all_reduce(share, op=dist.ReduceOp.MIN)
     if need > int(share):
         raise MemoryError(

@@ -135,7 +135,10 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
 def write_json(path: str | os.PathLike, data: Any) -> None:
     """Write JSON atomically (``write_atomic``); a float that is not finite (a diverged loss) is ``null``, as
     strict JSON has no NaN."""
-    text = json.dumps(_finite(data), indent=2, default=str, allow_nan=False)
+    try:
+        text = json.dumps(data, indent=2, default=str, allow_nan=False)
+    except ValueError:  # rare: walked only then
+        text = json.dumps(_finite(data), indent=2, default=str, allow_nan=False)
     write_atomic(path, lambda f: f.write((text + "\n").encode()))
 
 

@@ -28,6 +28,11 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def local_world_size(default: int = 1) -> int:
+    """Processes on this node, as torchrun tells each (``LOCAL_WORLD_SIZE``); ``default`` outside it."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Process:
     """This process's place in the run: the ranks torchrun gave it (0 of 1 without torchrun) and its device."""

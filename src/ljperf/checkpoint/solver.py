@@ -455,7 +455,9 @@ def decide_for_run(run: RunContext) -> Decision | None:
     if value != "auto":
         plan = fixed_plan(value, spec.layers)
         return _decision(plan, budget=None, bytes_=None, cost=cost, rates=rates)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", run.launch.nproc_per_node))
+    from ljperf.runtime import local_world_size
+
+    local_world = local_world_size(run.launch.nproc_per_node)
     budget = budget_bytes(run.device.torch_device, given=run.optim.memory_budget, local_world=local_world)
     return solve_recipe(
         spec, Recipe.from_run(run), budget=budget, rates=rates, cost=cost, device_name=run.device.calibration_name

@@ -453,11 +453,11 @@ def plan_model(
     and the (budget, rates) it used: rank 0's, measured on the first call and passed back in on later ones.
     ``cost``: the per-layer recompute cost at this shape when already traced (a re-plan at the same shape)."""
     from ljperf.checkpoint.solver import Rates, budget_bytes, shared_from_rank0, solve_recipe
+    from ljperf.runtime import local_world_size
 
     spec, recipe, device, name = model_recipe(model, micro_batch=micro_batch, seq_len=seq_len, **setup)
     if measures is None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        measures = shared_from_rank0((budget_bytes(device, local_world=local_world), Rates.measure(device)))
+        measures = shared_from_rank0((budget_bytes(device, local_world=local_world_size()), Rates.measure(device)))
     budget, rates = measures
     decision = solve_recipe(
         spec,
