@@ -264,7 +264,7 @@ def test_ablation_report_failure_and_resume(tmp_path):
     (out / "runs" / "local" / "junk.json").write_text('{"ablation": {}, "results": {}}')
     rebuilt = run_ljperf("report", str(out))
     assert rebuilt.returncode == 0, rebuilt.stderr
-    assert "junk.json: no valid ablation.variant" in rebuilt.stdout
+    assert "junk.json: no valid ablation.variant" in rebuilt.stderr.splitlines()[0]
     assert (out / "ablation.png").exists() and "| mb2 |" in (out / "report.md").read_text()
     assert read_record(out / "summary.json")["args"] is None
 

@@ -194,7 +194,7 @@ def test_benchmark_takes_batch_and_stage_from_the_deepspeed_config_unless_a_flag
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One torchrun launch that runs every engine through the benchmark path; the records and rank 0's output."""
+    """One torchrun launch that runs every engine through the benchmark path; the records and the ranks' stderr."""
     out = tmp_path_factory.mktemp("engines")
     prefetch = out / "prefetch.json"
     prefetch.write_text(json.dumps({"zero_optimization": {"stage3_prefetch_bucket_size": 50_000_000}}))
@@ -206,7 +206,7 @@ def runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER), str(out), *specs]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cli_env(), check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {name: read_record(out / f"{name}.json") for name in ENGINES}, proc.stdout
+    return {name: read_record(out / f"{name}.json") for name in ENGINES}, proc.stderr
 
 
 @pytest.mark.slow
@@ -247,7 +247,7 @@ def test_memory_is_recorded_for_every_rank(runs):
 
 @pytest.mark.slow
 def test_resolved_deepspeed_config_and_prefetch_warning_are_recorded(runs):
-    records, stdout = runs
+    records, stderr = runs
     generated = records["zero1"]["config"]["engine"]["deepspeed_config"]
     assert generated["zero_optimization"]["stage"] == 1
     assert generated["zero_optimization"]["stage3_prefetch_bucket_size"] == "auto"
@@ -255,8 +255,9 @@ def test_resolved_deepspeed_config_and_prefetch_warning_are_recorded(runs):
     user = records["zero3"]["config"]["engine"]
     assert user["deepspeed_config"]["zero_optimization"]["stage3_prefetch_bucket_size"] == 50_000_000
     assert any("stage3_prefetch_bucket_size" in w for w in user["warnings"])
-    assert "warning: zero_optimization.stage3_prefetch_bucket_size is a fixed number (50000000)" in stdout
-    assert 'fix: leave it out or set it to "auto"' in stdout
+    (warning,) = (line for line in stderr.splitlines() if "stage3_prefetch_bucket_size" in line)
+    assert warning.startswith("warning: zero_optimization.stage3_prefetch_bucket_size is a fixed number (50000000)")
+    assert '; fix: leave it out or set it to "auto"' in warning
 
 
 @pytest.mark.slow

@@ -22,8 +22,15 @@ class _Console(Console):
         raise BrokenPipeError  # to ljperf.cli, which exits 141 as for print() (rich's own exits 1)
 
 
-# Wide enough for the tables when output goes to a file or CI log (rich assumes 80 columns there).
-console = _Console() if sys.stdout.isatty() else _Console(width=140)
+# Wide enough for the tables when output goes to a file or CI log (rich assumes 80 columns there); lines of
+# text are not wrapped (a path stays one line to copy).
+console = _Console(soft_wrap=True) if sys.stdout.isatty() else _Console(width=140, soft_wrap=True)
+_stderr = _Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+def warn(message: str) -> None:
+    """One ``warning: ...`` line on stderr, never wrapped (a long path stays one greppable line)."""
+    _stderr.print(f"[yellow]warning[/yellow]: {escape(message)}")
 
 
 class ProgressReporter:

@@ -17,7 +17,7 @@ from ljperf import __version__
 from ljperf.ablation import runner
 from ljperf.ablation.stats import Ratio, Spread, VariantStats, summarize
 from ljperf.errors import EXIT_OK, UsageError
-from ljperf.report import console, run_title, titled_table
+from ljperf.report import console, run_title, titled_table, warn
 from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_atomic, write_json
 from ljperf.units import format_bytes
 
@@ -190,7 +190,7 @@ def print_table(records: list[dict], stats: list[VariantStats]) -> None:
     console.print(table)
     revisions = _revisions(records)
     if len(revisions) > 1:
-        console.print(f"[yellow]warning[/yellow]: the runs span git revisions {', '.join(revisions)}")
+        warn(f"the runs span git revisions {', '.join(revisions)}")
     for s in stats:
         if s.reason:
             console.print(f"[red]{escape(s.label)}[/red]: {escape(_status(s))}: {escape(s.reason)}")

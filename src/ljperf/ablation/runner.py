@@ -26,7 +26,7 @@ from ljperf.ablation.variants import Environment, Variant
 from ljperf.errors import Interrupted, UsageError
 from ljperf.hooks import startup
 from ljperf.launch import RUN_DIR_ENV
-from ljperf.report import console
+from ljperf.report import console, warn
 from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_json
 
 # Seconds a timed-out run gets after SIGTERM to write its partial record before SIGKILL.
@@ -181,7 +181,7 @@ def read_record(path: Path) -> dict[str, Any] | None:
         problem = f"unreadable: {exc}"
     if problem is None:
         return record
-    console.print(f"[yellow]warning[/yellow]: skipping {escape(str(path))}: {escape(problem)}")
+    warn(f"skipping {path}: {problem}")
     return None
 
 

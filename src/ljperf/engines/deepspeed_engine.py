@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.markup import escape
 
 from ljperf import deepspeed_config, memory
 from ljperf.engines.common import adamw, causal_lm_loss, decoder_blocks, parameter_names
 from ljperf.models import init_value, materialize, replace_parameters
 from ljperf.optimize import apply_optimizations
-from ljperf.report import console
+from ljperf.report import console, warn
 from ljperf.runtime import RunContext
 
 
@@ -44,7 +43,7 @@ class DeepSpeedEngine:
         warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
         if run.is_main:
             for finding in self.warnings:
-                console.print(f"[yellow]warning:[/] {escape(finding.message)}; fix: {escape(finding.fix)}")
+                warn(f"{finding.message}; fix: {finding.fix}")
         if run.device.type == "cpu" and run.is_main and not _comm_op_built():
             console.print("DeepSpeed is building its CPU comm op (first run only, about 20 s)...")
         # ZeRO-3's Init reads torchrun's LOCAL_RANK; a one-process run started without torchrun has none.
