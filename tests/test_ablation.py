@@ -143,7 +143,8 @@ def test_a_file_that_is_not_a_run_record_is_skipped_with_a_warning(tmp_path, cap
     (runs / "damaged.json").write_text('{"trunc')
     (runs / "base.r1.json").write_text(json.dumps(_record()))
     assert report.load_records(tmp_path) == [_record()]
-    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    warnings = capsys.readouterr().err.splitlines()
+    assert all(line.startswith("warning: skipping ") for line in warnings)
     assert len(warnings) == len(not_records) + 1
     assert all(any(name in line for line in warnings) for name in [*not_records, "damaged.json"])
     # What a record must have is all the report reads: the smallest one renders.

@@ -39,8 +39,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             f"{out}: {'not a folder' if out.exists() else 'no such folder'}; give the --out folder of ljperf ablation"
         )
     records = load_records(out)
-    if not records:
-        raise UsageError(f"{out} holds no ablation runs (runs/*/*.json); give the --out folder of ljperf ablation")
     previous = out / SUMMARY
     try:
         command = read_json(previous).get("args")
@@ -51,8 +49,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def load_records(out: Path) -> list[dict[str, Any]]:
-    """Every finished run in ``out``; a file that is not a run record is skipped with a warning."""
-    return [rec for rec in map(runner.read_record, runner.record_paths(out)) if rec is not None]
+    """Every finished run in ``out``; a file that is not a run record is skipped with a warning, and when none
+    is, the first one's problem is the error."""
+    records, skipped = runner.read_records(out)
+    if not records:
+        found = f"no valid ablation runs: {len(skipped)} file(s) are not run records ({skipped[0]})" if skipped else ""
+        raise UsageError(
+            f"{out} holds {found or 'no ablation runs (runs/*/*.json)'}; give the --out folder of ljperf ablation"
+        )
+    for problem in skipped:
+        warn(f"skipping {problem}")
+    return list(records.values())
 
 
 def render(out: Path, records: list[dict[str, Any]], *, command: list[str] | None) -> list[VariantStats]:

@@ -92,7 +92,9 @@ def run_all(runs: list[PlannedRun], *, out: Path, timeout: float, force: bool) -
     with ``force``: the folder then holds this command's runs only, and ``ljperf report`` shows what this did.
     """
     planned = {run.path(out): run for run in runs}
-    existing = {path: rec for path in record_paths(out) if (rec := read_record(path)) is not None}
+    existing, skipped = read_records(out)
+    for problem in skipped:  # as unfinished: run again
+        warn(f"skipping {problem}")
     stale = [path for path, rec in existing.items() if path not in planned or not same_run(rec, planned[path])]
     if stale and not force:
         raise UsageError(
@@ -130,9 +132,22 @@ def _interrupt(signum: int, _frame: Any) -> None:
     raise Interrupted(signum)
 
 
-def record_paths(out: Path) -> list[Path]:
-    """The run records in ``out`` (pending files of unfinished runs start with a dot)."""
-    return sorted(p for p in out.glob("runs/*/*.json") if not p.name.startswith("."))
+def read_records(out: Path) -> tuple[dict[Path, dict[str, Any]], list[str]]:
+    """The run records in ``out`` by path (pending files of unfinished runs start with a dot, and are not read),
+    and ``PATH: why`` for each file that is not one: damaged or edited outside ljperf, which writes atomically."""
+    records: dict[Path, dict[str, Any]] = {}
+    skipped: list[str] = []
+    for path in sorted(p for p in out.glob("runs/*/*.json") if not p.name.startswith(".")):
+        try:
+            record = read_json(path)
+            problem = _missing(record)
+        except (OSError, ValueError) as exc:
+            problem = f"unreadable: {exc}"
+        if problem is None:
+            records[path] = record
+        else:
+            skipped.append(f"{path}: {problem}")
+    return records, skipped
 
 
 # What resume and the report read from a record (dotted path: type): a record edited by hand that lacks one is
@@ -169,20 +184,6 @@ _CONFIG = (
     "launch.world_size",
     *(f"train.{key}" for key in ("micro_batch", "seq_len", "grad_accum", "precision", "steps", "warmup")),
 )
-
-
-def read_record(path: Path) -> dict[str, Any] | None:
-    """A run's record, or None (with a warning) for a file that is not one: damaged or edited outside ljperf,
-    which writes atomically."""
-    try:
-        record = read_json(path)
-        problem = _missing(record)
-    except (OSError, ValueError) as exc:
-        problem = f"unreadable: {exc}"
-    if problem is None:
-        return record
-    warn(f"skipping {path}: {problem}")
-    return None
 
 
 def _missing(record: Any) -> str | None:
