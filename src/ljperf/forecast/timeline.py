@@ -230,10 +230,10 @@ class ZeroPartition:
 @functools.cache
 def zero_partitions(
     blocks: BlockParams, *, world: int, bucket: int
-) -> tuple[tuple[ZeroPartition, ...], dict[str, int]]:
-    """Each rank's gradient partition, and by backward block the elements of the largest flat copy its bucket
-    all-reduces make (``allreduce_bucket`` flattens a bucket's pieces, merged while their owner rank repeats, in
-    groups of just over ``bucket`` elements; a lone piece is reduced in place).
+) -> tuple[tuple[ZeroPartition, ...], tuple[tuple[str, int], ...]]:
+    """Each rank's gradient partition, and ``(backward block, elements)`` pairs of the largest flat copy its
+    bucket all-reduces make there (``allreduce_bucket`` flattens a bucket's pieces, merged while their owner rank
+    repeats, in groups of just over ``bucket`` elements; a lone piece is reduced in place). Tuples: it is cached.
 
     Gradients arrive in reverse flat order (an untied LM head first, a tied embedding last) into the IPG bucket;
     one that would overflow it has the bucket reduced first, and a tensor larger than the bucket is reduced
@@ -283,7 +283,8 @@ def zero_partitions(
         filled += flat[k][1]
     reduce(held, "end")
     ranks = zip(elements, largest, made, unbucketed, strict=True)
-    return tuple(ZeroPartition(elements=e, largest_piece=p, made_in=m, unbucketed=u) for e, p, m, u in ranks), copies
+    partitions = tuple(ZeroPartition(elements=e, largest_piece=p, made_in=m, unbucketed=u) for e, p, m, u in ranks)
+    return partitions, tuple(copies.items())
 
 
 def rank_shardings(spec: models.ModelSpec, recipe: Recipe) -> list[Sharding]:
@@ -390,7 +391,7 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe, *, partition: ZeroPa
             grad_keep=0.0,
             partition_made_in=mine.made_in,
             partition_unbucketed=mine.unbucketed * compute,
-            reduce_copies={at: n * compute for at, n in copies.items()},
+            reduce_copies={at: n * compute for at, n in copies},
             norm_copy=FP64 * mine.largest_piece,
         )
     return Sharding(
