@@ -3,6 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# pytest workers: two keep both of CI's cores busy while a test waits on a subprocess's start-up; a test file
+# runs in one worker, which makes its module-scoped runs once
+TEST_WORKERS ?= 2
 
 .PHONY: run test lint format clean
 
@@ -26,7 +29,7 @@ format: $(VENV)/.installed
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache
