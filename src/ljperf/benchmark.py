@@ -124,7 +124,7 @@ def _warmup(args: argparse.Namespace, *, device_type: str) -> int:
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConfig:
-    engine, spec = models.model_from_args(args)
+    engine = models.engine_from_args(args)
     cfgmod.check_engine_flags(engine, zero_stage=args.zero_stage, reshard_after_forward=args.reshard_after_forward)
     user, flags = deepspeed_config.from_args(args, engine=engine)
     args.micro_batch, args.grad_accum, args.zero_stage = flags.micro_batch, flags.grad_accum, flags.zero_stage
@@ -133,13 +133,16 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
     args.compile_mode = "regional" if args.compile else args.compile_mode or OptimConfig.compile_mode
     device_type = resolve_device_type(args.device)
     args.warmup = _warmup(args, device_type=device_type)
+    train, launch = cfgmod.from_args(TrainConfig, args), cfgmod.from_args(LaunchConfig, args)
+    engine_opts, optim = cfgmod.from_args(EngineConfig, args), cfgmod.from_args(OptimConfig, args)
+    _, spec = models.model_from_args(args)  # after the flags: reading the model takes seconds
     cfg = BenchmarkConfig(
         engine=engine,
         model=spec,
-        train=cfgmod.from_args(TrainConfig, args),
-        launch=cfgmod.from_args(LaunchConfig, args),
-        engine_opts=cfgmod.from_args(EngineConfig, args),
-        optim=cfgmod.from_args(OptimConfig, args),
+        train=train,
+        launch=launch,
+        engine_opts=engine_opts,
+        optim=optim,
         deepspeed_user=user,
         output=args.output,
         argv=argv,

@@ -360,13 +360,22 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, engines: tuple[str, 
     )
 
 
-def model_from_args(args: argparse.Namespace) -> tuple[str, ModelSpec]:
-    """(engine, model) from ``--model`` or ``--model-config``/``--engine``."""
+def engine_from_args(args: argparse.Namespace) -> str:
+    """The engine of ``--model`` or ``--model-config``/``--engine``, checked without reading the model (a
+    command checks its other flags before the model's seconds of transformers)."""
     if bool(args.model) == bool(args.model_config):
         raise UsageError("give exactly one of --model ENGINE/NAME or --model-config PATH")
+    if not args.model:
+        return args.engine or "torch"
+    engine, _ = split_model_arg(args.model)
+    if args.engine and args.engine != engine:
+        raise UsageError(f"--engine {args.engine} contradicts --model {args.model}; drop one")
+    return engine
+
+
+def model_from_args(args: argparse.Namespace) -> tuple[str, ModelSpec]:
+    """(engine, model) from ``--model`` or ``--model-config``/``--engine``."""
+    engine = engine_from_args(args)
     if args.model:
-        engine, name = split_model_arg(args.model)
-        if args.engine and args.engine != engine:
-            raise UsageError(f"--engine {args.engine} contradicts --model {args.model}; drop one")
-        return engine, resolve(name=name)
-    return args.engine or "torch", resolve(path=args.model_config)
+        return engine, resolve(name=split_model_arg(args.model)[1])
+    return engine, resolve(path=args.model_config)
