@@ -135,7 +135,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> BenchmarkConf
     args.warmup = _warmup(args, device_type=device_type)
     train, launch = cfgmod.from_args(TrainConfig, args), cfgmod.from_args(LaunchConfig, args)
     engine_opts, optim = cfgmod.from_args(EngineConfig, args), cfgmod.from_args(OptimConfig, args)
-    _, spec = models.model_from_args(args)  # after the flags: reading the model takes seconds
+    spec = models.spec_from_args(args)  # after the flags: reading the model takes seconds
     cfg = BenchmarkConfig(
         engine=engine,
         model=spec,

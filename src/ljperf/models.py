@@ -373,9 +373,13 @@ def engine_from_args(args: argparse.Namespace) -> str:
     return engine
 
 
+def spec_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The model of flags ``engine_from_args`` has checked."""
+    if args.model:
+        return resolve(name=split_model_arg(args.model)[1])
+    return resolve(path=args.model_config)
+
+
 def model_from_args(args: argparse.Namespace) -> tuple[str, ModelSpec]:
     """(engine, model) from ``--model`` or ``--model-config``/``--engine``."""
-    engine = engine_from_args(args)
-    if args.model:
-        return engine, resolve(name=split_model_arg(args.model)[1])
-    return engine, resolve(path=args.model_config)
+    return engine_from_args(args), spec_from_args(args)

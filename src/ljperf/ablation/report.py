@@ -53,10 +53,10 @@ def load_records(out: Path) -> list[dict[str, Any]]:
     is, the first one's problem is the error."""
     records, skipped = runner.read_records(out)
     if not records:
-        found = f"no valid ablation runs: {len(skipped)} file(s) are not run records ({skipped[0]})" if skipped else ""
-        raise UsageError(
-            f"{out} holds {found or 'no ablation runs (runs/*/*.json)'}; give the --out folder of ljperf ablation"
-        )
+        held = "no ablation runs (runs/*/*.json)"
+        if skipped:
+            held = f"no valid ablation runs: {len(skipped)} file(s) are not run records ({skipped[0]})"
+        raise UsageError(f"{out} holds {held}; give the --out folder of ljperf ablation")
     for problem in skipped:
         warn(f"skipping {problem}")
     return list(records.values())

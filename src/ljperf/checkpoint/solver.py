@@ -152,15 +152,13 @@ REFERENCE_GPU = "H100"
 
 
 def _best_time(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
-    from ljperf.hardware import synchronize
-
     fn()
     best = float("inf")
     for _ in range(repeats):
-        synchronize(device)
+        hardware.synchronize(device)
         start = time.perf_counter()
         fn()
-        synchronize(device)
+        hardware.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 
