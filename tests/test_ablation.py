@@ -161,13 +161,15 @@ def test_usage_errors_exit_2(tmp_path, monkeypatch):
         check_variant(list(SHORT), *parse_variants(None, ["x=--micro-batch 0"]))
     with pytest.raises(UsageError, match="unrecognized arguments: --no-such-flag"):
         check_variant(list(SHORT), *parse_variants(None, ["x=--no-such-flag"]))
+    with pytest.raises(UsageError, match="--gradient-checkpointing; did you mean --recompute full"):
+        check_variant(list(SHORT), *parse_variants(None, ["x=--gradient-checkpointing"]))
     # A plan that does not match the model's 4 layers (it failed in every run, exit 1)
     with pytest.raises(UsageError, match=r"variant x \(--recompute 8\): --recompute 8: the model has only 4 layers"):
         check_variant(list(SHORT), *parse_variants(None, ["x=--recompute 8"]))
     with pytest.raises(UsageError, match="--recompute lists 2 modes but the model has 4 layers"):
         check_variant(list(SHORT), *parse_variants(None, ["x=--recompute full,none"]))
     for flag in ("--help", "-h"):  # not the benchmark's help and exit 0 in the middle of an ablation
-        with pytest.raises(UsageError, match=f"variant x \\({flag}\\): unrecognized arguments: {flag}"):
+        with pytest.raises(UsageError, match=f"variant x \\({flag}\\): unrecognized arguments: {flag}$"):
             check_variant(list(SHORT), *parse_variants(None, [f"x={flag}"]))
     # The runs start without CHECKPOINT_OPTIMIZATION, so it cannot make --memory-budget valid here either.
     monkeypatch.setenv("CHECKPOINT_OPTIMIZATION", "true")

@@ -135,6 +135,10 @@ CASES = [
         {},
         "ljperf benchmark: error: unrecognized arguments: --mirco-batch 2; did you mean --micro-batch?",
     ),
+    # another tool's flag gets ljperf's equivalent in this command, or no hint (not a similar spelling)
+    (["plan", *TINY, "--nproc-per-node", "8"], {}, "--nproc-per-node 8; did you mean --gpus N (the world size"),
+    (["benchmark", *TINY, "--gradient_accumulation_steps", "4"], {}, "4; did you mean --grad-accum N? (see"),
+    (["compile-report", *TINY, "--nproc-per-node", "2"], {}, "unrecognized arguments: --nproc-per-node 2 (see"),
     ([], {}, "ljperf: error: name a command"),
     (["benchmark", "--model-config", "{kv3}"], {}, "num_key_value_heads (3) must divide num_attention_heads (4)"),
     (["benchmark", *TINY, "--output", ""], {}, "--output is empty"),

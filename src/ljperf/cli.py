@@ -82,11 +82,59 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list
     """Exit 2 naming the flags ``command`` does not know, with the closest one it does (a typo's fix)."""
     (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     child = sub.choices[command]
-    known = [o for action in child._actions for o in action.option_strings if o.startswith("--")]
+    child.error(unrecognized(child, unknown))
+
+
+def unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """The error for arguments ``parser`` does not know, with ljperf's flag for the first (``suggest_flag``)."""
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
     flags = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
-    close = difflib.get_close_matches(flags[0], known, n=1) if flags else []
-    hint = f"; did you mean {close[0]}?" if close else ""
-    child.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    hint = suggest_flag(flags[0], known) if flags else None
+    return f"unrecognized arguments: {' '.join(unknown)}" + (f"; did you mean {hint}?" if hint else "")
+
+
+PEER_FLAGS: dict[str, tuple[str, ...]] = {
+    "--nproc-per-node": ("--gpus N (the world size: processes per node × nodes)",),
+    "--nnodes": ("--gpus N (the world size: processes per node × nodes)",),
+    "--world-size": ("--nproc-per-node N", "--gpus N"),
+    "--num-gpus": ("--nproc-per-node N", "--gpus N"),
+    "--gpus": ("--nproc-per-node N (and --nnodes for several machines)",),
+    "--batch-size": ("--micro-batch N (sequences per device per micro-step)",),
+    "--micro-batch-size": ("--micro-batch N",),
+    "--per-device-train-batch-size": ("--micro-batch N",),
+    "--train-micro-batch-size-per-gpu": ("--micro-batch N",),
+    "--gradient-accumulation-steps": ("--grad-accum N",),
+    "--max-steps": ("--steps N",),
+    "--train-iters": ("--steps N",),
+    "--seq-length": ("--seq-len N",),
+    "--max-seq-len": ("--seq-len N",),
+    "--max-length": ("--seq-len N",),
+    "--block-size": ("--seq-len N",),
+    "--bf16": ("--precision bf16-mixed",),
+    "--fp32": ("--precision fp32",),
+    "--gradient-checkpointing": ("--recompute full (or auto: the fastest plan that fits)",),
+    "--activation-checkpointing": ("--recompute full (or auto: the fastest plan that fits)",),
+    "--recompute-activations": ("--recompute full (or auto: the fastest plan that fits)",),
+    "--torch-compile": ("--compile",),
+    "--learning-rate": ("--lr",),
+    "--deepspeed": ("--engine deepspeed (and --deepspeed-config PATH)",),
+    "--fsdp": ("--engine fsdp",),
+}
+"""Flags of torchrun, the HF Trainer, DeepSpeed and Megatron-LM that users carry over, with ljperf's
+equivalents; a command gets the first whose flag it has (``plan --nproc-per-node`` is ``--gpus``)."""
+
+
+def suggest_flag(flag: str, known: list[str]) -> str | None:
+    """ljperf's flag for a flag a command does not know: the same with dashes for underscores, a peer tool's
+    equivalent (``PEER_FLAGS``; None if the command has none), or else the closest spelling."""
+    dashed = flag.replace("_", "-").lower()
+    if dashed in known:
+        return dashed
+    if dashed in PEER_FLAGS:  # a flag of another tool: its spelling says nothing of this command's flags
+        return next((hint for hint in PEER_FLAGS[dashed] if hint.split()[0] in known), None)
+    # Compared without the dashes, which every flag shares: with them "--help" came close to "--steps".
+    close = difflib.get_close_matches(dashed.lstrip("-"), [k.lstrip("-") for k in known], n=1)
+    return f"--{close[0]}" if close else None
 
 
 def _terminated(signum: int, _frame: object) -> None:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ljperf import benchmark
+from ljperf import benchmark, cli
 from ljperf.ablation import report, runner
 from ljperf.ablation.variants import BUILTIN, DEFAULT_VARIANTS, Variant, parse_environments, parse_variants
 from ljperf.config import LARGEST
@@ -88,7 +88,9 @@ def check_variant(shared: list[str], variant: Variant) -> benchmark.BenchmarkCon
     parser = _Strict(prog="ljperf benchmark", allow_abbrev=False, add_help=False)
     benchmark.add_arguments(parser, environment=False)  # the runs start without CHECKPOINT_OPTIMIZATION
     try:
-        args = parser.parse_args([*shared, *variant.flags])
+        args, unknown = parser.parse_known_args([*shared, *variant.flags])
+        if unknown:
+            raise UsageError(cli.unrecognized(parser, unknown))
         if args.output:
             raise UsageError("--output is set by the ablation for each run; drop it from the variant")
         return benchmark.config_from_args(args, [])
