@@ -152,6 +152,15 @@ def test_a_file_that_is_not_a_run_record_is_skipped_with_a_warning(tmp_path, cap
     assert "| base | (none) | error |" in (tmp_path / "report.md").read_text()
 
 
+def test_the_title_counts_the_repeats_in_the_table():
+    """base's second record was damaged (skipped): the table holds 1 run of base and 2 of compile, not 2 each."""
+    runs = [_record(), _record(), _record()]
+    runs[1]["ablation"] |= {"variant": "compile", "variant_index": 1}
+    runs[2]["ablation"] |= {"variant": "compile", "variant_index": 1, "repeat": 2}
+    assert report.title(runs) == "ablation · 1–2 repeat(s)"
+    assert report.title(runs[1:]) == "ablation · 2 repeat(s)"
+
+
 def test_usage_errors_exit_2(tmp_path, monkeypatch):
     unknown = run_ljperf("ablation", *SHORT, "--variants", "base,turbo", "--out", str(tmp_path / "a"))
     assert unknown.returncode == 2 and "unknown variant 'turbo'" in unknown.stderr and "ckpt-full" in unknown.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,10 @@ def rows(stats: list[VariantStats]) -> tuple[list[str], list[list[str]]]:
 
 def title(records: list[dict]) -> str:
     """The runs' shared settings; one the variants change shows each value, as ``mb 1|2``."""
-    repeats = max(r["ablation"]["repeat"] for r in records)
+    # Counted, not the largest repeat number: a run whose record was damaged (skipped) is not in the table.
+    counts = Counter((r["ablation"]["environment_index"], r["ablation"]["variant_index"]) for r in records).values()
+    low, high = min(counts), max(counts)
+    repeats = str(low) if low == high else f"{low}–{high}"
     configs = [r["config"] for r in sorted(records, key=_order) if r.get("config")]
     if not configs:
         return f"ablation · {repeats} repeat(s)"
