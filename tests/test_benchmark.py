@@ -155,6 +155,53 @@ def test_injected_oom_is_recorded_with_exit_3(tmp_path):
     assert "memory forecast" in proc.stdout
 
 
+def test_a_cpu_run_beyond_the_ram_is_refused_as_oom_with_its_record(tmp_path):
+    """70B in fp32 on CPU: the forecast (over 1 TiB) says no machine here holds it, so the run ends as oom at
+    once with a record, instead of being killed by the kernel minutes into building the model."""
+    out = tmp_path / "r.json"
+    proc = run_ljperf("benchmark", "--model", "torch/llama3.1-70b", "--device", "cpu", "--output", str(out))
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+    res = read_record(out)["results"]
+    assert res["status"] == "oom" and res["forecast"]["peak_allocated_bytes"] > 2**40
+    assert "of RAM available: not started, the kernel would kill it; even one sequence" in res["reason"]
+    assert proc.stderr.strip().splitlines() == [f"ljperf benchmark: oom: {res['reason']}"]
+
+
+@pytest.mark.parametrize(
+    ("ram_between", "fix"),
+    [
+        (("full", "none"), "; --recompute auto would fit"),
+        (("full at micro batch 1", "full"), "; --recompute full with --micro-batch "),
+        ((None, "full at micro batch 1"), "; even one sequence with --recompute full would not fit"),
+    ],
+)
+def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypatch):
+    """The fix named is checked against the forecast: RAM set between two plans' forecast peaks."""
+    from ljperf import hardware
+    from ljperf.forecast import Recipe, forecast
+    from ljperf.forecast.bench import check_host_memory
+
+    parser = argparse.ArgumentParser()
+    benchmark.add_arguments(parser)
+    argv = [*TINY, "--device", "cpu", "--micro-batch", "4"]
+    run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
+    recipe = Recipe.from_run(run)
+    full = ("full",) * run.model.layers
+    peaks = {
+        "none": forecast(run.model, recipe).peak_allocated_bytes,
+        "full": forecast(run.model, recipe.with_(recompute=full)).peak_allocated_bytes,
+        "full at micro batch 1": forecast(run.model, recipe.with_(recompute=full, micro_batch=1)).peak_allocated_bytes,
+        None: 0,
+    }
+    low, high = (peaks[k] for k in ram_between)
+    assert low < high
+    monkeypatch.setattr(hardware, "available_ram", lambda: (low + high) // 2)
+    with pytest.raises(MemoryError, match=fix):
+        check_host_memory(run, None)
+    monkeypatch.setattr(hardware, "available_ram", lambda: peaks["none"])
+    check_host_memory(run, None)  # a forecast that fits exactly runs
+
+
 # End to end in a subprocess (the full matrix runs in-process in test_cli_inputs.py).
 BAD_INPUTS = [
     (["--model", "torch/llama-tinyy"], "closest: llama-tiny"),

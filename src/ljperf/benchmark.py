@@ -41,6 +41,7 @@ from ljperf.errors import (
     raise_interrupted,
 )
 from ljperf.faults import Fault
+from ljperf.forecast.bench import benchmark_forecast, check_host_memory
 from ljperf.hooks import startup
 from ljperf.launch import RunFolder
 from ljperf.metrics import Throughput, throughput
@@ -198,6 +199,7 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         record = new_record(cfg, run)
         reporter = ProgressReporter(run)
         state.recompute = prepare_run(run)
+        check_host_memory(run, state.recompute.plan if state.recompute else None)
         engine = make_engine(run)
         engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
         record["config"]["engine"] = engine.describe()
@@ -228,8 +230,6 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         record["results"]["recompute"] = recompute.record() | loop
     if run.is_main and exit_code not in (EXIT_SIGINT, EXIT_SIGTERM):
         # A failed run's record shows what the forecast expected too (a peer's OOM reaches rank 0 as an error).
-        from ljperf.forecast.bench import benchmark_forecast
-
         plan = recompute.plan if recompute is not None else None
         record["results"]["forecast"] = benchmark_forecast(run, record["results"], plan)
     if run.is_main:
