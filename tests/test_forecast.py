@@ -29,9 +29,11 @@ def cache_dir(tmp_path_factory):
         yield
 
 
-def measured_peak(name: str, *, micro_batch: int, seq_len: int, recompute: str, precision: str = "fp32") -> int:
+def measured_peak(
+    name: str | models.ModelSpec, *, micro_batch: int, seq_len: int, recompute: str, precision: str = "fp32"
+) -> int:
     """Peak live bytes of step 2 of a real torch-engine run, measured as ``ljperf benchmark`` does."""
-    spec = models.resolve(name=name)
+    spec = models.resolve(name=name) if isinstance(name, str) else name
     train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device="cpu", warmup=1, steps=1)
     run = RunContext(
         engine="torch", model=spec, train=train, launch=LaunchConfig(), optim=OptimConfig(recompute=recompute)
@@ -138,6 +140,32 @@ def test_fsdp2_root_regathered_in_backward_and_resharded_before_its_reduce(preci
     spec = models.resolve(path=config)
     recipe = Recipe(engine="fsdp", world=2, device="cpu", precision=precision, micro_batch=1, seq_len=32)
     assert forecast(spec, recipe).peak_allocated_bytes == pytest.approx(fake_step_peak(spec, recipe), rel=1e-3)
+
+
+def test_a_model_shallower_than_the_trace_is_forecast(tmp_path):
+    """The trace runs 3- and 4-layer copies. A 2-layer config (a user's CI model) whose per-layer
+    ``layer_types`` list has 2 entries made transformers fail on the third layer (IndexError, a traceback)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**models.read_config_dict(name="qwen3-tiny"), "num_hidden_layers": 2}))
+    spec = models.resolve(path=config)
+    assert len(spec.config.layer_types) == 2  # transformers fills it in from the layer count
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64)
+    predicted = forecast(spec, recipe).peak_allocated_bytes
+    measured = measured_peak(spec, micro_batch=2, seq_len=64, recompute="none")
+    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+
+
+def test_per_layer_config_lists_follow_the_layer_count():
+    spec = models.resolve(name="qwen3-tiny")
+    spec.config.layer_types = ["sliding_attention", "full_attention"] * 2
+    spec.config.mlp_only_layers = [1, 3]
+    deeper, shallower = models.with_layers(spec, 5).config, models.with_layers(spec, 2).config
+    assert deeper.layer_types == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+    assert (shallower.layer_types, shallower.mlp_only_layers, deeper.mlp_only_layers) == (
+        ["sliding_attention", "full_attention"],
+        [1],
+        [1, 3],
+    )
 
 
 def test_a_sliding_window_the_trace_does_not_reach_gets_a_note(tmp_path, capsys):

@@ -220,14 +220,21 @@ def _warnings_only_if_accepted() -> Iterator[None]:
             handler.handle(record)
 
 
+PER_LAYER_LISTS = ("layer_types", "no_rope_layers")
+"""Config lists with one entry per decoder layer (Gemma 3's sliding/full attention pattern, Llama 4's RoPE)."""
+
+
 def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
-    """The same architecture with ``layers`` decoder layers (per-layer config lists cut to match)."""
+    """The same architecture with ``layers`` decoder layers, fewer or more (the forecast traces 3- and 4-layer
+    copies of a 2-layer model too): per-layer config lists are cut, or repeat their pattern, to match."""
     config = copy.deepcopy(spec.config)
     config.num_hidden_layers = layers
-    for name in ("layer_types", "mlp_only_layers"):
+    for name in PER_LAYER_LISTS:
         value = getattr(config, name, None)
-        if isinstance(value, list) and len(value) > layers:
-            setattr(config, name, value[:layers])
+        if isinstance(value, list) and value:
+            setattr(config, name, [value[i % len(value)] for i in range(layers)])
+    if isinstance(only := getattr(config, "mlp_only_layers", None), list):  # layer indices (Qwen MoE)
+        config.mlp_only_layers = [i for i in only if i < layers]
     return ModelSpec(name=f"{spec.name}[{layers} layers]", config=config)
 
 
