@@ -202,6 +202,23 @@ def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypat
     check_host_memory(run, None)  # a forecast that fits exactly runs
 
 
+def test_a_forecast_that_fails_is_one_warning_line_and_no_figure(capsys):
+    """A recipe the forecast refuses (here no precision): the run goes on without ``results.forecast``; the
+    warning is one ``warning:`` line on stderr (it was a UserWarning naming benchmark.py, as long as the error)."""
+    from ljperf.config import TrainConfig
+    from ljperf.forecast.bench import benchmark_forecast
+
+    parser = argparse.ArgumentParser()
+    benchmark.add_arguments(parser)
+    argv = [*TINY, "--device", "cpu"]
+    run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
+    run.train = TrainConfig(device="cpu")
+    assert benchmark_forecast(run, {}, None) is None
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: no memory forecast for this run (UsageError: --precision None: choose one of fp32, bf16-mixed, bf16)"
+    ]
+
+
 # End to end in a subprocess (the full matrix runs in-process in test_cli_inputs.py).
 BAD_INPUTS = [
     (["--model", "torch/llama-tinyy"], "closest: llama-tiny"),

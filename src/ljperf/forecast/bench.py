@@ -7,8 +7,9 @@ Run: any ``ljperf benchmark ...``; the record then feeds ``ljperf plan --calibra
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import TYPE_CHECKING, Any
+
+from ljperf.errors import describe
 
 if TYPE_CHECKING:
     from ljperf.runtime import RunContext
@@ -23,7 +24,9 @@ def benchmark_forecast(run: RunContext, results: dict[str, Any], plan: tuple[str
         recipe = Recipe.from_run(run, recompute=tuple(plan or ()))
         result = forecast(run.model, recipe, device_name=run.device.calibration_name)
     except Exception as exc:  # a forecast must never fail a benchmark
-        warnings.warn(f"ljperf: no memory forecast for this run ({type(exc).__name__}: {exc})", stacklevel=2)
+        from ljperf.report import warn  # report imports this module
+
+        warn(f"no memory forecast for this run ({describe(exc)})")
         return None
     out: dict[str, Any] = {
         "peak_allocated_bytes": result.peak_allocated_bytes,
