@@ -166,3 +166,27 @@ def test_unknown_model_names_the_closest():
         models.split_model_arg("torch/llama3-8")
     with pytest.raises(UsageError, match="unknown engine"):
         models.split_model_arg("jax/llama-tiny")
+
+
+def test_a_model_without_sdpa_runs_eager_by_default_and_refuses_sdpa(tmp_path):
+    """Gemma 2's transformers class has no SDPA attention: with ljperf's sdpa default its run failed after the
+    model was built (ValueError, status error) and it got no forecast; transformers itself picks eager."""
+    gemma2 = {**models.read_config_dict(name="llama-tiny"), "model_type": "gemma2"}
+    gemma2 |= {"architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 2}
+    config = tmp_path / "gemma2.json"
+    config.write_text(json.dumps(gemma2))
+    spec = models.resolve(path=config)
+    assert (spec.attention(None), spec.attention("eager"), models.resolve(name="llama-tiny").attention(None)) == (
+        "eager",
+        "eager",
+        "sdpa",
+    )
+    with pytest.raises(UsageError, match=r"--attn-implementation sdpa: .*gemma2.json \(Gemma2\) has no SDPA"):
+        spec.attention("sdpa")
+    out = tmp_path / "r.json"
+    args = ("--model-config", str(config), "--device", "cpu", "--seq-len", "32", "--steps", "1", "--warmup", "1")
+    proc = run_ljperf("benchmark", *args, "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    assert record["config"]["train"]["attn_implementation"] == "eager"
+    assert abs(record["results"]["forecast"]["error_pct"]) < 5

@@ -116,8 +116,10 @@ class TrainConfig:
     device: str = opt("auto", "cpu, cuda or auto (cuda when available)")
     lr: float = opt(3e-4, "AdamW learning rate")
     seed: int = opt(0, "seed of the weights and of the synthetic token stream, 0..2^63-1")
-    attn_implementation: str = opt(
-        "sdpa", "transformers attention: sdpa, eager or flash_attention_2 (CUDA and the flash-attn package)"
+    attn_implementation: str | None = opt(
+        None,
+        "transformers attention: sdpa, eager or flash_attention_2 (CUDA and the flash-attn package) (default: sdpa,"
+        " or eager for a model without SDPA, such as Gemma 2, as transformers picks)",
     )
     peak_tflops: float | None = opt(None, "peak TFLOPS per device for MFU (default: the known-device table)")
 
@@ -133,7 +135,7 @@ class TrainConfig:
             raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"--device {self.device!r}: choose cpu, cuda or auto")
-        if self.attn_implementation not in ATTENTION:
+        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION:
             choices = ", ".join(ATTENTION)
             raise UsageError(f"--attn-implementation {self.attn_implementation!r}: choose one of {choices}")
 

@@ -149,6 +149,16 @@ class ModelSpec:
             raise UsageError(f"{flag} {seq_len} is longer than {self.name}'s {self.max_positions} max positions")
         return seq_len
 
+    def attention(self, requested: str | None, *, flag: str = "--attn-implementation") -> str:
+        """``requested``, or (None) sdpa where the model's transformers class has it and eager where not
+        (Gemma 2), as transformers' own default picks; sdpa asked of a class without it is a usage error."""
+        from transformers import AutoModelForCausalLM
+
+        sdpa = getattr(AutoModelForCausalLM._model_mapping[type(self.config)], "_supports_sdpa", True)
+        if requested == "sdpa" and not sdpa:
+            raise UsageError(f"{flag} sdpa: {self.name} ({self.architecture}) has no SDPA attention; use eager")
+        return requested or ("sdpa" if sdpa else "eager")
+
     @cached_property
     def params(self) -> ParamCounts:
         """Exact parameter counts, from a meta-device build (nothing allocated)."""

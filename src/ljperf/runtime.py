@@ -133,13 +133,15 @@ def resolve_train(
     """Fill in the defaults that depend on the model and device (``auto`` becomes the device type, so records
     say which ran); check the sequence length (``seq_flag``) fits."""
     seq_len = model.seq_len(train.seq_len, flag=seq_flag)
-    if train.attn_implementation == "flash_attention_2":
+    attn = model.attention(train.attn_implementation)
+    if attn == "flash_attention_2":
         if device_type != "cuda":
             raise UsageError("--attn-implementation flash_attention_2 runs on CUDA only: use sdpa or eager on a CPU")
         if importlib.util.find_spec("flash_attn") is None:
             raise UsageError("--attn-implementation flash_attention_2 needs the flash-attn package (or use sdpa)")
     precision = train.precision or ("bf16-mixed" if device_type == "cuda" else "fp32")
-    return TrainConfig(**{**vars(train), "seq_len": seq_len, "precision": precision, "device": device_type})
+    resolved = {"seq_len": seq_len, "precision": precision, "device": device_type, "attn_implementation": attn}
+    return TrainConfig(**{**vars(train), **resolved})
 
 
 def resolve_device_type(requested: str) -> str:

@@ -448,7 +448,8 @@ def decide_for_run(run: RunContext) -> Decision | None:
     if value == "none":
         return None
     train, spec = run.train, run.model
-    cost = layer_cost(spec, micro_batch=train.micro_batch, seq_len=train.seq_len, attn=train.attn_implementation)
+    attn = spec.attention(train.attn_implementation)
+    cost = layer_cost(spec, micro_batch=train.micro_batch, seq_len=train.seq_len, attn=attn)
     rates = Rates.measure(run.device.torch_device)
     if value != "auto":
         plan = fixed_plan(value, spec.layers)

@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--attn-implementation",
         choices=("sdpa", "eager"),
-        default="sdpa",
-        help="transformers attention: eager keeps the seq² attention weights (default: sdpa)",
+        help="transformers attention: eager keeps the seq² attention weights (default: sdpa, or eager for a model"
+        " without SDPA, such as Gemma 2, as transformers picks)",
     )
     cfgmod.add_arguments(g, EngineConfig, only=("zero_stage", "reshard_after_forward"))
     g.add_argument(
@@ -150,7 +150,7 @@ def recipe_from_args(
         micro_batch=batch.micro_batch,
         seq_len=seq_len,
         grad_accum=batch.grad_accum,
-        attn_implementation=args.attn_implementation,
+        attn_implementation=spec.attention(args.attn_implementation),
         reshard_after_forward=args.reshard_after_forward,
         recompute=() if args.recompute == "auto" else fixed_plan(parse_recompute(args.recompute), spec.layers),
         optimizer=args.optimizer or deepspeed_adamw(user),

@@ -176,7 +176,7 @@ class Recipe:
             micro_batch=train.micro_batch,
             seq_len=train.seq_len,
             grad_accum=train.grad_accum,
-            attn_implementation=train.attn_implementation,
+            attn_implementation=run.model.attention(train.attn_implementation),
             reshard_after_forward=run.engine_opts.reshard_after_forward,
             recompute=recompute,
             zero=_zero_settings(run),
