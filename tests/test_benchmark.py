@@ -179,7 +179,7 @@ def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypat
     """The fix named is checked against the forecast: RAM set between two plans' forecast peaks."""
     from ljperf import hardware
     from ljperf.forecast import Recipe, forecast
-    from ljperf.forecast.bench import check_host_memory
+    from ljperf.forecast.bench import check_memory
 
     parser = argparse.ArgumentParser()
     benchmark.add_arguments(parser)
@@ -197,9 +197,29 @@ def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypat
     assert low < high
     monkeypatch.setattr(hardware, "available_ram", lambda: (low + high) // 2)
     with pytest.raises(MemoryError, match=fix):
-        check_host_memory(run, None)
+        check_memory(run, None)
     monkeypatch.setattr(hardware, "available_ram", lambda: peaks["none"])
-    check_host_memory(run, None)  # a forecast that fits exactly runs
+    check_memory(run, None)  # a forecast that fits exactly runs
+
+
+def test_a_gpu_run_over_its_memory_is_told_what_would_fit():
+    """On CUDA the check only warns (the run goes on); its fix may add GPUs, which on CPU share one RAM. Only the
+    forecast runs here: an 8B recipe on one 80 GB GPU."""
+    import dataclasses
+
+    from ljperf.forecast.bench import shortfall
+    from ljperf.hardware import DeviceInfo
+    from ljperf.runtime import Process
+
+    parser = argparse.ArgumentParser()
+    benchmark.add_arguments(parser)
+    argv = ["--model", "torch/llama3-8b", "--device", "cpu", "--precision", "bf16-mixed", "--seq-len", "4096"]
+    run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
+    run = dataclasses.replace(run, process=Process(device=DeviceInfo(type="cuda", index=None, name="NVIDIA H100")))
+    head, fix = shortfall(run, None, memory=80 * 10**9, processes=1)
+    assert head.startswith("forecast ") and head.endswith(" per process × 1 > 74.51 GiB")
+    assert fix == "with --recompute full, would fit with FSDP2 (engine fsdp) on 4 GPUs"  # 2: 74.85 GiB (plan)
+    assert shortfall(run, None, memory=2**40, processes=1) is None
 
 
 def test_a_forecast_that_fails_is_one_warning_line_and_no_figure(capsys):

@@ -41,7 +41,7 @@ from ljperf.errors import (
     raise_interrupted,
 )
 from ljperf.faults import Fault
-from ljperf.forecast.bench import benchmark_forecast, check_host_memory
+from ljperf.forecast.bench import benchmark_forecast, check_memory
 from ljperf.hooks import startup
 from ljperf.launch import RunFolder
 from ljperf.metrics import Throughput, throughput
@@ -199,7 +199,7 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         record = new_record(cfg, run)
         reporter = ProgressReporter(run)
         state.recompute = prepare_run(run)
-        check_host_memory(run, state.recompute.plan if state.recompute else None)
+        check_memory(run, state.recompute.plan if state.recompute else None)
         engine = make_engine(run)
         engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
         record["config"]["engine"] = engine.describe()

@@ -6,7 +6,6 @@ Run: any ``ljperf benchmark ...``; the record then feeds ``ljperf plan --calibra
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 from ljperf.errors import describe
@@ -44,46 +43,68 @@ def benchmark_forecast(run: RunContext, results: dict[str, Any], plan: tuple[str
     return out
 
 
-def check_host_memory(run: RunContext, plan: tuple[str, ...] | None) -> None:
-    """On CPU, raise ``MemoryError`` (the run ends as ``oom``, its record written) when the forecast peak of this
-    node's processes is over the RAM available. The kernel would kill the run later, with no record and no
-    message: ``torch/llama3-8b`` on a 24 GiB machine died after 85 s of building the model. Rank 0 decides, so
-    every rank agrees. On CUDA an out-of-memory error is caught and recorded, and nothing is refused here."""
+def check_memory(run: RunContext, plan: tuple[str, ...] | None) -> None:
+    """Before the engine is built, compare the forecast peak with the memory the run has.
+
+    CPU: raise ``MemoryError`` (the run ends as ``oom``, its record written) when this node's processes would
+    need more than the RAM available. The kernel would kill the run later with no record and no message:
+    ``torch/llama3-8b`` on a 24 GiB machine died after 85 s of building the model. Rank 0 decides for all.
+    CUDA: rank 0 warns when the allocated peak alone is over the GPU's memory (an out-of-memory error is caught
+    and recorded, and the forecast may be uncalibrated there, so the run goes on)."""
     from ljperf import hardware
-    from ljperf.checkpoint.solver import ordered_plan, shared_from_rank0
+    from ljperf.checkpoint.solver import shared_from_rank0
+    from ljperf.runtime import local_world_size
+
+    if run.device.type == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(run.device.torch_device).total_memory
+        if run.is_main and (short := shortfall(run, plan, memory=total, processes=1)):
+            from ljperf.report import warn
+
+            warn(f"{short[0]} of GPU memory: expect out of memory; {short[1]}")
+        return
+    reason = None
+    if run.is_main and (ram := hardware.available_ram()) is not None:
+        if short := shortfall(run, plan, memory=ram, processes=local_world_size(run.launch.nproc_per_node)):
+            reason = f"{short[0]} of RAM available: not started, the kernel would kill it; {short[1]}"
+    if (reason := shared_from_rank0(reason)) is not None:
+        raise MemoryError(reason)
+
+
+def shortfall(run: RunContext, plan: tuple[str, ...] | None, *, memory: int, processes: int) -> tuple[str, str] | None:
+    """None when ``processes`` of ``run`` (with ``plan``) fit ``memory`` bytes by the forecast's allocated peak
+    (or there is no forecast: the record's warns of it); else ("forecast X per process × N > Y", what would fit)."""
+    from ljperf.checkpoint.solver import advice, ordered_plan
     from ljperf.forecast.api import forecast
     from ljperf.forecast.cli import max_micro_batch
     from ljperf.forecast.recipe import Recipe
-    from ljperf.runtime import local_world_size
     from ljperf.units import format_bytes
 
-    if run.device.type != "cpu":
-        return
+    spec, share = run.model, memory // processes
 
-    def refusal(ram: int) -> str | None:
-        spec, local = run.model, local_world_size(run.launch.nproc_per_node)
+    def peak(recipe: Recipe) -> int:
+        return forecast(spec, recipe).peak_allocated_bytes
+
+    try:
         recipe = Recipe.from_run(run, recompute=tuple(plan or ()))
-        peak = forecast(spec, recipe).peak_allocated_bytes
-        if peak * local <= ram:
+        if (needed := peak(recipe)) <= share:
             return None
-        full = recipe.with_(recompute=ordered_plan(spec.layers, spec.layers, 0))
-        if forecast(spec, full).peak_allocated_bytes * local <= ram:
+        full_plan = ordered_plan(spec.layers, spec.layers, 0)
+        full = recipe.with_(recompute=full_plan)
+        if peak(full) <= share:
             fix = "--recompute auto would fit"
-        elif batch := max_micro_batch(spec, full, ram // local, device_name=None):
+        elif run.device.type == "cuda":  # more GPUs add memory; on CPU more processes share the same RAM
+            fix = "with --recompute full, " + "; ".join(
+                advice(recipe, share, lambda r: peak(r.with_(recompute=full_plan)))
+            )
+        elif batch := max_micro_batch(spec, full, share, device_name=None):
             fix = f"--recompute full with --micro-batch {batch} would fit"
         else:
             fix = "even one sequence with --recompute full would not fit: a smaller model or --seq-len"
-        return (
-            f"forecast {format_bytes(peak)} per process × {local} on this node > {format_bytes(ram)} of RAM "
-            f"available: not started, the kernel would kill it; {fix}"
-        )
-
-    reason = None
-    if run.is_main and (ram := hardware.available_ram()) is not None:
-        with contextlib.suppress(Exception):  # no forecast, no refusal: the record's forecast warns of it
-            reason = refusal(ram)
-    if (reason := shared_from_rank0(reason)) is not None:
-        raise MemoryError(reason)
+    except Exception:  # a forecast must never fail a benchmark
+        return None
+    return f"forecast {format_bytes(needed)} per process × {processes} > {format_bytes(memory)}", fix
 
 
 def forecast_line(results: dict[str, Any]) -> str | None:
