@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from tests.conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
 
 from ljperf import models
 from ljperf.checkpoint.solver import Decision
 from ljperf.forecast import Recipe, forecast
+
+from conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
 
 SHAPE = ("--seq-len", "512", "--micro-batch", "2")
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
 
 from ljperf.hooks.checkpoint import REPLACES
+
+from conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LINE = re.compile(r"\[ljperf\] recomputing (\d+)/(\d+) layers \(selective (\d+), full (\d+)\)[^\n]*")
@@ -92,11 +93,10 @@ def budget_between_none_and_full(engine: str = "torch", world: int = 1) -> int:
 
 def forecasts_none_and_full(engine: str = "torch", world: int = 1) -> tuple[int, int]:
     """The forecasts of no and of full recompute for the scripts' model."""
-    from tests.scripts.tiny_llama import CONFIG, MICRO_BATCH, SEQ_LEN
-
     from ljperf.forecast import Recipe, forecast
     from ljperf.forecast.recipe import ZeroSettings
     from ljperf.models import ModelSpec, hf_config
+    from scripts.tiny_llama import CONFIG, MICRO_BATCH, SEQ_LEN
 
     spec = ModelSpec(name="script", config=hf_config(CONFIG, source="test"))
     # deepspeed_train.py sets its own gradient bucket (DeepSpeed's default is 5e8 elements, ljperf's hidden²)
@@ -157,10 +157,9 @@ def test_trainer_script_gets_the_planned_layers_and_logs_one_line(tmp_path, plai
 
 
 def test_the_scripts_own_gradient_checkpointing_is_told_apart_from_a_plan():
-    from tests.scripts.tiny_llama import build
-
     from ljperf.checkpoint.apply import apply_plan
     from ljperf.hooks.checkpoint import _script_checkpoints
+    from scripts.tiny_llama import build
 
     model = build()
     assert not _script_checkpoints(model)
@@ -201,7 +200,7 @@ def test_zero3_ranks_with_different_lengths_run_one_plan(tmp_path):
     """ZeRO-3 ranks whose batches differ in length (128 and 256, as per-batch padding gives) all run the plan for
     the longest: a rank recomputing layers the others do not would issue other parameter gathers (gloo aborts
     with a collective mismatch)."""
-    from tests.scripts.tiny_llama import SEQ_LEN
+    from scripts.tiny_llama import SEQ_LEN
 
     lengths = {"SEQ_LEN_BY_RANK": f"{SEQ_LEN // 2},{SEQ_LEN}"}
     budget = budget_between_none_and_full("deepspeed", world=2)  # rank 0's shorter batches need no recompute
@@ -359,9 +358,8 @@ def test_a_fully_shard_script_is_planned_in_its_models_dtype(dtype, param_dtype,
 def test_planning_leaves_the_global_random_state_alone(monkeypatch):
     """The plan (rates measured on this device, layers traced, the solver) draws nothing from torch's global
     generator: a model with dropout trained differently under the variable (the rates drew from it)."""
-    from tests.scripts.tiny_llama import MICRO_BATCH, SEQ_LEN, build
-
     from ljperf.hooks.checkpoint import plan_model
+    from scripts.tiny_llama import MICRO_BATCH, SEQ_LEN, build
 
     model = build()
     monkeypatch.setenv("LJPERF_MEMORY_BUDGET", str(budget_between_none_and_full()))
@@ -391,9 +389,8 @@ def test_a_model_the_forecast_cannot_plan_is_named_in_the_warning():
 def test_no_fit_is_warned_once_and_a_replan_for_a_longer_batch_is_logged(monkeypatch, capsys):
     """Each longer batch re-plans; when nothing fits, only the first plan warns (a warning per re-plan was noise
     in every longer batch's log), the later ones print their line."""
-    from tests.scripts.tiny_llama import build
-
     from ljperf.hooks.checkpoint import PREFIX, attach
+    from scripts.tiny_llama import build
 
     model = build().train()
     monkeypatch.setenv("LJPERF_MEMORY_BUDGET", "1MiB")
