@@ -190,3 +190,18 @@ def test_a_model_without_sdpa_runs_eager_by_default_and_refuses_sdpa(tmp_path):
     record = json.loads(out.read_text())
     assert record["config"]["train"]["attn_implementation"] == "eager"
     assert abs(record["results"]["forecast"]["error_pct"]) < 5
+
+
+def test_llama4_text_decoder_layers_are_found(tmp_path):
+    """Llama 4's causal LM is its own ``get_decoder()`` (its base-model prefix names the multimodal model's
+    language part); its layers sit at ``model.layers``, where a --model-config of it had been refused."""
+    from transformers import AutoConfig
+
+    size = {"hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128, "num_hidden_layers": 2}
+    size |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
+    config = AutoConfig.for_model("llama4_text", **size, num_local_experts=2, pad_token_id=0, eos_token_id=1)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    spec = models.resolve(path=path)
+    model = models.build_meta(spec)
+    assert models.decoder_layers(model) is model.model.layers and len(model.model.layers) == 2

@@ -253,7 +253,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     and recompute plans address."""
     import torch
 
-    layers = getattr(model.get_decoder(), "layers", None)
+    # Llama 4's causal LM returns itself as its decoder (its base-model prefix names the multimodal model's part)
+    layers = getattr(model.get_decoder(), "layers", None) or getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise UsageError(
             f"{type(model).__name__} keeps its decoder layers elsewhere than model.layers; ljperf runs decoder-only"

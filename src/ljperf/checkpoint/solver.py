@@ -217,7 +217,7 @@ def layer_cost(spec: models.ModelSpec, *, micro_batch: int, seq_len: int, attn: 
 
     fake_mode = FakeTensorMode()
     model = fake_model(models.with_layers(spec, 1), attn=attn, fake_mode=fake_mode)
-    layer = model.get_decoder().layers[0]
+    layer = models.decoder_layers(model)[0]
     layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
     layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
     with fake_mode, Census(), torch.no_grad():

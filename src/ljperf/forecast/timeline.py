@@ -107,7 +107,7 @@ def _load_blocks(data: dict) -> dict:
 def _block_counts(spec: models.ModelSpec) -> dict[str, int]:
     """What ``BlockParams`` needs that does not depend on the depth (a one-layer build on the meta device)."""
     model = models.build_meta(models.with_layers(spec, 1))
-    layer = model.get_decoder().layers[0]
+    layer = models.decoder_layers(model)[0]
     embed = model.get_input_embeddings().weight
     in_layer = {id(p) for p in layer.parameters()}
     seen: set[int] = set()
