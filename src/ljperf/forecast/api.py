@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ljperf import models
+from ljperf.config import LARGEST
 from ljperf.errors import UsageError
 from ljperf.forecast import analytic, timeline
 from ljperf.forecast.calibrate import overheads_for
@@ -69,6 +70,24 @@ def forecast(spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None 
         traced_peak_bytes=raw.peak_allocated_bytes,
         notes=notes,
     )
+
+
+def max_micro_batch(spec: models.ModelSpec, recipe: Recipe, memory: int, *, device_name: str | None) -> int:
+    """The largest micro batch whose forecast fits ``memory`` (0 when even 1 does not)."""
+
+    def fits(b: int) -> bool:
+        return forecast(spec, recipe.with_(micro_batch=b), device_name=device_name).device_bytes <= memory
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2  # lo fits; hi does not, once the doubling stops
+    while hi <= LARGEST and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, LARGEST + 1)  # the largest --micro-batch ljperf runs bounds the answer
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def analytic_forecast(spec: models.ModelSpec, recipe: Recipe, *, reason: str) -> Forecast:

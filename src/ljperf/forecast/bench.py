@@ -76,8 +76,7 @@ def shortfall(run: RunContext, plan: tuple[str, ...] | None, *, memory: int, pro
     """None when ``processes`` of ``run`` (with ``plan``) fit ``memory`` bytes by the forecast's allocated peak
     (or there is no forecast: the record's warns of it); else ("forecast X per process × N > Y", what would fit)."""
     from ljperf.checkpoint.solver import advice, ordered_plan
-    from ljperf.forecast.api import forecast
-    from ljperf.forecast.cli import max_micro_batch
+    from ljperf.forecast.api import forecast, max_micro_batch
     from ljperf.forecast.recipe import Recipe
     from ljperf.units import format_bytes
 

@@ -16,7 +16,7 @@ from ljperf import config as cfgmod
 from ljperf import deepspeed_config, hardware, models
 from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import fixed_plan
-from ljperf.config import LARGEST, EngineConfig, OptimConfig, TrainConfig, check_zero_stage, positive
+from ljperf.config import EngineConfig, OptimConfig, TrainConfig, check_zero_stage, positive
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings, deepspeed_adamw
 from ljperf.models import ModelSpec
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if args.model or args.model_config:
             raise UsageError("--calibrate fits the GPUs of the records it reads: it takes no --model or --model-config")
         return calibrate_command(args)
-    from ljperf.forecast.api import forecast
+    from ljperf.forecast.api import forecast, max_micro_batch
 
     engine, spec = models.model_from_args(args)
     recipe, warnings = recipe_from_args(args, engine=engine, spec=spec)
@@ -195,25 +195,6 @@ def known_gpu(text: str) -> str:
     if candidates:
         raise UsageError(f"--gpu {text!r} names {len(candidates)} GPUs: choose one of {', '.join(candidates)}")
     raise UsageError(f"--gpu {text!r} is not known; choose one of {', '.join(table)}")
-
-
-def max_micro_batch(spec: ModelSpec, recipe: Recipe, memory: int, *, device_name: str | None) -> int:
-    """The largest micro batch whose forecast fits ``memory`` (0 when even 1 does not)."""
-    from ljperf.forecast.api import forecast
-
-    def fits(b: int) -> bool:
-        return forecast(spec, recipe.with_(micro_batch=b), device_name=device_name).device_bytes <= memory
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2  # lo fits; hi does not, once the doubling stops
-    while hi <= LARGEST and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, LARGEST + 1)  # the largest --micro-batch ljperf runs bounds the answer
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
 
 
 def plan_record(
