@@ -202,6 +202,27 @@ def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypat
     check_memory(run, None)  # a forecast that fits exactly runs
 
 
+def test_the_memory_check_uses_the_devices_calibration(tmp_path, monkeypatch):
+    """The check forecasts as the record does, with this device's saved calibration: a calibration that doubles
+    the forecast refuses a run that the uncalibrated forecast would have let start."""
+    from ljperf import hardware
+    from ljperf.forecast import Recipe, forecast
+    from ljperf.forecast.bench import check_memory
+
+    from conftest import stale_calibration_cache
+
+    parser = argparse.ArgumentParser()
+    benchmark.add_arguments(parser)
+    argv = [*TINY, "--device", "cpu"]
+    run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
+    uncalibrated = forecast(run.model, Recipe.from_run(run)).peak_allocated_bytes
+    monkeypatch.setattr(hardware, "available_ram", lambda: uncalibrated * 3 // 2)
+    check_memory(run, None)
+    monkeypatch.setenv("LJPERF_CACHE_DIR", str(stale_calibration_cache(tmp_path, scale=2.0)))
+    with pytest.raises(MemoryError, match="of RAM available: not started"):
+        check_memory(run, None)
+
+
 def test_a_gpu_run_over_its_memory_is_told_what_would_fit():
     """On CUDA the check only warns (the run goes on); its fix may add GPUs, which on CPU share one RAM. Only the
     forecast runs here: an 8B recipe on one 80 GB GPU."""

@@ -1,5 +1,5 @@
 """The forecast a benchmark records beside its measured peak (``results.forecast``), its printed line, and the
-check that a CPU run fits the RAM before it starts.
+check before a run starts that it fits the RAM (CPU: refused if not) or the GPU (a warning).
 
 Run: any ``ljperf benchmark ...``; the record then feeds ``ljperf plan --calibrate``. A failure only warns.
 """
@@ -80,10 +80,10 @@ def shortfall(run: RunContext, plan: tuple[str, ...] | None, *, memory: int, pro
     from ljperf.forecast.recipe import Recipe
     from ljperf.units import format_bytes
 
-    spec, share = run.model, memory // processes
+    spec, share, device_name = run.model, memory // processes, run.device.calibration_name
 
-    def peak(recipe: Recipe) -> int:
-        return forecast(spec, recipe).peak_allocated_bytes
+    def peak(recipe: Recipe) -> int:  # calibrated as the record's forecast is
+        return forecast(spec, recipe, device_name=device_name).peak_allocated_bytes
 
     try:
         recipe = Recipe.from_run(run, recompute=tuple(plan or ()))
@@ -97,7 +97,7 @@ def shortfall(run: RunContext, plan: tuple[str, ...] | None, *, memory: int, pro
             fix = "with --recompute full, " + "; ".join(
                 advice(recipe, share, lambda r: peak(r.with_(recompute=full_plan)))
             )
-        elif batch := max_micro_batch(spec, full, share, device_name=None):
+        elif batch := max_micro_batch(spec, full, share, device_name=device_name):
             fix = f"--recompute full with --micro-batch {batch} would fit"
         else:
             fix = "even one sequence with --recompute full would not fit: a smaller model or --seq-len"
