@@ -237,10 +237,10 @@ def test_a_gpu_run_over_its_memory_is_told_what_would_fit():
     argv = ["--model", "torch/llama3-8b", "--device", "cpu", "--precision", "bf16-mixed", "--seq-len", "4096"]
     run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
     run = dataclasses.replace(run, process=Process(device=DeviceInfo(type="cuda", index=None, name="NVIDIA H100")))
-    head, fix = shortfall(run, None, memory=80 * 10**9, processes=1)
+    head, fix = shortfall(run, None, memory=80 * 10**9, processes=1, device_name="NVIDIA H100")
     assert head.startswith("forecast ") and head.endswith(" per process × 1 > 74.51 GiB")
     assert fix == "with --recompute full, would fit with FSDP2 (engine fsdp) on 4 GPUs"  # 2: 74.85 GiB (plan)
-    assert shortfall(run, None, memory=2**40, processes=1) is None
+    assert shortfall(run, None, memory=2**40, processes=1, device_name="NVIDIA H100") is None
 
 
 def test_a_forecast_that_fails_is_one_warning_line_and_no_figure(capsys):

@@ -55,34 +55,39 @@ def check_memory(run: RunContext, plan: tuple[str, ...] | None) -> None:
     from ljperf.checkpoint.solver import shared_from_rank0
     from ljperf.runtime import local_world_size
 
+    name = run.device.calibration_name
     if run.device.type == "cuda":
         import torch
 
         total = torch.cuda.get_device_properties(run.device.torch_device).total_memory
-        if run.is_main and (short := shortfall(run, plan, memory=total, processes=1)):
+        if run.is_main and (short := shortfall(run, plan, memory=total, processes=1, device_name=name)):
             from ljperf.report import warn
 
             warn(f"{short[0]} of GPU memory: expect out of memory; {short[1]}")
         return
     reason = None
     if run.is_main and (ram := hardware.available_ram()) is not None:
-        if short := shortfall(run, plan, memory=ram, processes=local_world_size(run.launch.nproc_per_node)):
+        local = local_world_size(run.launch.nproc_per_node)
+        if short := shortfall(run, plan, memory=ram, processes=local, device_name=name):
             reason = f"{short[0]} of RAM available: not started, the kernel would kill it; {short[1]}"
     if (reason := shared_from_rank0(reason)) is not None:
         raise MemoryError(reason)
 
 
-def shortfall(run: RunContext, plan: tuple[str, ...] | None, *, memory: int, processes: int) -> tuple[str, str] | None:
-    """None when ``processes`` of ``run`` (with ``plan``) fit ``memory`` bytes by the forecast's allocated peak
-    (or there is no forecast: the record's warns of it); else ("forecast X per process × N > Y", what would fit)."""
+def shortfall(
+    run: RunContext, plan: tuple[str, ...] | None, *, memory: int, processes: int, device_name: str | None
+) -> tuple[str, str] | None:
+    """None when ``processes`` of ``run`` (with ``plan``) fit ``memory`` bytes by the forecast's allocated peak,
+    calibrated for ``device_name`` as the record's forecast is (or there is no forecast: the record's warns of
+    it); else ("forecast X per process × N > Y", what would fit)."""
     from ljperf.checkpoint.solver import advice, ordered_plan
     from ljperf.forecast.api import forecast, max_micro_batch
     from ljperf.forecast.recipe import Recipe
     from ljperf.units import format_bytes
 
-    spec, share, device_name = run.model, memory // processes, run.device.calibration_name
+    spec, share = run.model, memory // processes
 
-    def peak(recipe: Recipe) -> int:  # calibrated as the record's forecast is
+    def peak(recipe: Recipe) -> int:
         return forecast(spec, recipe, device_name=device_name).peak_allocated_bytes
 
     try:
