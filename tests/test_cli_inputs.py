@@ -26,19 +26,19 @@ ODD_HIDDEN = json.dumps(
 NO_LAYERS = json.dumps(
     {"model_type": "llama", "vocab_size": 64, "hidden_size": 8, "num_hidden_layers": 0, "num_attention_heads": 2}
 )
-GPT2 = json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 50257})  # layers at .h
+XLNET = json.dumps({"model_type": "xlnet", "d_model": 64, "n_layer": 2, "n_head": 2, "d_inner": 128, "vocab_size": 512})
 
 TINY = ["--model", "torch/llama-tiny"]
 AUTO_1MIB = ["--recompute", "auto", "--memory-budget", "1MiB"]
 
-# (argv, environment, text the one line must contain). Names in braces ("{bad}", "{gpt2}", ...) are files.
+# (argv, environment, text the one line must contain). Names in braces ("{bad}", "{xlnet}", ...) are files.
 CASES = [
     (["no-such-command"], {}, "invalid choice"),
     (["benchmark", "--model", "torch/llama-tinyy"], {}, "closest: llama-tiny"),
     (["benchmark", "--model", "tpu/llama-tiny"], {}, "unknown engine"),
     (["benchmark", "--model-config", "{bad}"], {}, "not valid JSON"),
     (["benchmark", "--model-config", "{missing}"], {}, "missing"),
-    (["benchmark", "--model-config", "{gpt2}"], {}, "GPT2LMHeadModel keeps its decoder layers elsewhere"),
+    (["benchmark", "--model-config", "{xlnet}"], {}, "XLNetLMHeadModel keeps its decoder layers elsewhere"),
     (["benchmark", "--model-config", "{odd}"], {}, "hidden size (7) is not a multiple"),
     (["plan", "--model-config", "{empty}"], {}, "num_hidden_layers must be a whole number of 1 or more"),
     (["benchmark", *TINY, "--micro-batch", "-1"], {}, "--micro-batch"),
@@ -85,7 +85,11 @@ CASES = [
     (["benchmark"], {}, "exactly one of --model"),
     (["plan", "--model", "torch/nope"], {}, "unknown model"),
     (["plan", "--model", "torch/llama-tiny", "--deepspeed-config", "{bad}"], {}, "for the deepspeed engine"),
-    (["plan", "--model-config", "{gpt2}", "--device", "cpu"], {}, "GPT2LMHeadModel keeps its decoder layers elsewhere"),
+    (
+        ["plan", "--model-config", "{xlnet}", "--device", "cpu"],
+        {},
+        "XLNetLMHeadModel keeps its decoder layers elsewhere",
+    ),
     (["plan", "--model", "torch/llama-tiny", "--gpu-memory", "80XB"], {}, "80XB"),
     (["plan", "--model", "torch/llama-tiny", "--gpus", "0"], {}, "--gpus"),
     (["plan", *TINY, "--gpu-memory", "80"], {}, "--gpu-memory '80' is 80 bytes: write a unit, e.g. 80GiB"),
@@ -154,7 +158,7 @@ def files(tmp_path):
         "bad": tmp_path / "bad.json",
         "wrong_batch": tmp_path / "ds.json",
         "missing": tmp_path / "cfg.json",
-        "gpt2": tmp_path / "gpt2.json",
+        "xlnet": tmp_path / "xlnet.json",
         "odd": tmp_path / "odd.json",
         "empty": tmp_path / "empty.json",
         "folder": tmp_path,
@@ -167,7 +171,7 @@ def files(tmp_path):
     paths["bad"].write_text(BAD_JSON)
     paths["wrong_batch"].write_text(WRONG_BATCH)
     paths["missing"].write_text(MISSING_FIELDS)
-    paths["gpt2"].write_text(GPT2)
+    paths["xlnet"].write_text(XLNET)  # layers at transformer.layer
     paths["odd"].write_text(ODD_HIDDEN)
     paths["empty"].write_text(NO_LAYERS)
     paths["listed"].write_text("[1, 2]")

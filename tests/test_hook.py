@@ -371,16 +371,16 @@ def test_planning_leaves_the_global_random_state_alone(monkeypatch):
 
 
 def test_a_model_the_forecast_cannot_plan_is_named_in_the_warning():
-    """Not ``'Tiny' object has no attribute 'config'`` or ``'GPT2Model' object has no attribute 'layers'``."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """Not ``'Tiny' object has no attribute 'config'`` or ``'XLNetModel' object has no attribute 'layers'``."""
+    from transformers import XLNetConfig, XLNetLMHeadModel
 
     from ljperf.errors import UsageError
     from ljperf.hooks.checkpoint import model_recipe
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32))
+    xlnet = XLNetLMHeadModel(XLNetConfig(d_model=32, n_layer=2, n_head=2, d_inner=64, vocab_size=64))
     for model, message in (
         (torch.nn.Sequential(torch.nn.Linear(2, 2)), "Sequential is not an HF model"),
-        (gpt2, "GPT2LMHeadModel keeps its decoder layers elsewhere than model.layers"),
+        (xlnet, "XLNetLMHeadModel keeps its decoder layers elsewhere than model.layers or transformer.h"),
     ):
         with pytest.raises(UsageError, match=message):
             model_recipe(model, micro_batch=1, seq_len=8, world=1, precision="fp32", engine="torch")

@@ -68,6 +68,28 @@ def test_llama_tiny_counts_and_flops_by_hand():
     assert spec.flops_per_token(256) == 6 * (total - emb) + 12 * 4 * 4 * 32 * 256
 
 
+def test_learned_positions_are_no_matmul(tmp_path):
+    """GPT-2's position table is a lookup as the token table is: out of the 6·N of the FLOPs."""
+    h, layers, vocab, positions = 64, 2, 512, 128
+    path = tmp_path / "gpt2.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_embd": h,
+                "n_layer": layers,
+                "n_head": 2,
+                "vocab_size": vocab,
+                "n_positions": positions,
+            }
+        )
+    )
+    spec = models.resolve(path=path)
+    per_layer = 12 * h * h + 13 * h  # qkv, out, 4h MLP in and out with biases; two layer norms
+    assert spec.params.total == layers * per_layer + vocab * h + positions * h + 2 * h
+    assert spec.params.matmul == layers * per_layer + 2 * h + vocab * h  # the tied head is a matmul
+
+
 def test_tied_head_is_still_a_matmul():
     spec = models.resolve(name="qwen-tiny")
     total, _ = _tiny_by_hand(

@@ -162,12 +162,16 @@ class ModelSpec:
     @cached_property
     def params(self) -> ParamCounts:
         """Exact parameter counts, from a meta-device build (nothing allocated)."""
+        import torch
+
         model = build_meta(self)
         total = sum(p.numel() for p in model.parameters())
         embedding = model.get_input_embeddings().weight.numel()
         head = model.get_output_embeddings()
         tied_head = head is not None and head.weight is model.get_input_embeddings().weight
-        matmul = total - embedding + (head.weight.numel() if tied_head else 0)
+        # every lookup table, GPT-2's learned positions too, is a gather per token, not a matmul
+        lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+        matmul = total - lookups + (head.weight.numel() if tied_head else 0)
         return ParamCounts(total=total, embedding=embedding, matmul=matmul)
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -185,7 +189,8 @@ class ParamCounts:
     embedding: int
     """Parameters of the input token embedding table."""
     matmul: int
-    """Parameters that take part in a matmul per token: total - embedding, plus the LM head when tied."""
+    """Parameters that take part in a matmul per token: total - the embedding tables (token, and learned positions
+    where a model has them), plus the LM head when tied."""
 
 
 def resolve(*, name: str | None = None, path: str | Path | None = None) -> ModelSpec:
@@ -249,16 +254,22 @@ def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder layers of an HF causal LM (``model.model.layers``): what engines shard, the forecast traces
-    and recompute plans address."""
+    """The decoder layers of an HF causal LM (``model.model.layers``, or GPT-2's ``transformer.h``): what engines
+    shard, the forecast traces and recompute plans address."""
     import torch
 
     # Llama 4's causal LM returns itself as its decoder (its base-model prefix names the multimodal model's part)
-    layers = getattr(model.get_decoder(), "layers", None) or getattr(getattr(model, "model", None), "layers", None)
+    decoder = model.get_decoder()
+    layers = (
+        getattr(decoder, "layers", None)
+        or getattr(decoder, "h", None)
+        or getattr(getattr(model, "model", None), "layers", None)
+    )
     if not isinstance(layers, torch.nn.ModuleList):
         raise UsageError(
-            f"{type(model).__name__} keeps its decoder layers elsewhere than model.layers; ljperf runs decoder-only"
-            " causal LMs laid out as Llama, Qwen, Mistral, Gemma, Phi and GPT-NeoX are"
+            f"{type(model).__name__} keeps its decoder layers elsewhere than model.layers or transformer.h; ljperf"
+            " runs decoder-only causal LMs laid out as Llama, Qwen, Gemma and OPT (model.layers) or GPT-2 and Falcon"
+            " (transformer.h) are"
         )
     return layers
 

@@ -44,7 +44,8 @@ def adamw(params: Iterable[torch.Tensor], *, run: RunContext) -> torch.optim.Ada
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of an HF causal LM (``model.model.layers``): the unit engines shard by."""
+    """The decoder layers of an HF causal LM (``model.model.layers`` or ``transformer.h``): the unit engines shard
+    by."""
     return list(models.decoder_layers(model))
 
 

@@ -256,11 +256,12 @@ def _install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: d
             if i == 0:
                 args[0].register_hook(lambda g: timeline.mark("b0e"))
 
-        def post(_module: torch.nn.Module, _args: tuple[Any, ...], output: torch.Tensor, i: int = i) -> None:
+        def post(_module: torch.nn.Module, _args: tuple[Any, ...], output: Any, i: int = i) -> None:
             if state["backward"]:
                 return
             timeline.mark(f"f{i}e")
-            output.register_hook(lambda g: timeline.mark(f"b{i}"))
+            hidden = output[0] if isinstance(output, tuple) else output  # Falcon's and BLOOM's layers return tuples
+            hidden.register_hook(lambda g: timeline.mark(f"b{i}"))
 
         layer.register_forward_pre_hook(pre)
         layer.register_forward_hook(post)
