@@ -164,13 +164,8 @@ def test_a_model_shallower_than_the_trace_is_forecast(tmp_path):
 
 
 LLAMA_LAYOUT = ["gemma2", "gemma3_text", "phi3", "gpt_neox", "olmo2", "starcoder2", "cohere", "opt"]
-GPT2_LAYOUT = [
-    "gpt2",
-    "falcon",
-    "bloom",
-    "gptj",
-    "gpt_bigcode",
-]  # transformer.h; Falcon's and BLOOM's layers return tuples
+# transformer.h; Falcon's and BLOOM's layers return tuples; GPT-2's SDPA has dropout (0.1), its CPU math path
+GPT2_LAYOUT = ["gpt2", "falcon", "bloom", "gptj", "gpt_bigcode"]
 
 
 @pytest.mark.slow
@@ -206,6 +201,25 @@ def test_forecast_of_other_architectures_within_5_percent(model_type, recompute,
     measured = measured_peak(spec, micro_batch=2, seq_len=64, recompute=recompute, attn=attn)
     assert result.source == "traced"
     assert abs(result.peak_allocated_bytes - measured) / measured < 0.05, (result.peak_allocated_bytes, measured)
+
+
+def test_a_cuda_forecast_keeps_what_fused_attention_dropout_keeps(tmp_path):
+    """CPU SDPA with dropout keeps the b·h·s² probabilities and mask (its math path: the CPU test above measures
+    it); CUDA's flash/efficient kernels fuse the dropout, so GPT-2 on CUDA keeps what it keeps without attention
+    dropout (GPT-2 XL, 2 × 1024 tokens: 41.2 GiB of activations were forecast, 12.2 now)."""
+    recipes = {d: Recipe(device=d, precision="bf16-mixed", micro_batch=2, seq_len=256) for d in ("cpu", "cuda")}
+    out = {}
+    for attn_pdrop in (0.1, 0.0):
+        path = tmp_path / f"gpt2-{attn_pdrop}.json"
+        config = {"model_type": "gpt2", "n_embd": 128, "n_layer": 4, "n_head": 4, "vocab_size": 1024}
+        path.write_text(json.dumps(config | {"attn_pdrop": attn_pdrop, "n_positions": 256}))
+        spec = models.resolve(path=path)
+        out[attn_pdrop] = {d: forecast(spec, r) for d, r in recipes.items()}
+    assert out[0.1]["cuda"].peak_allocated_bytes == out[0.0]["cuda"].peak_allocated_bytes
+    activations = {key: {d: f.breakdown["activations"] for d, f in by.items()} for key, by in out.items()}
+    assert activations[0.1]["cuda"] == activations[0.0]["cuda"] == activations[0.0]["cpu"]
+    probabilities = 4 * 4 * 2 * 256 * 256 * 2  # the 4 layers' bf16 attention probabilities, at least
+    assert activations[0.1]["cpu"] > activations[0.1]["cuda"] + probabilities, activations
 
 
 def test_per_layer_config_lists_follow_the_layer_count():

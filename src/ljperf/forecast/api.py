@@ -25,6 +25,7 @@ def forecast(spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None 
                 attn=recipe.attn_implementation,
                 mode=mode,
                 micro_batch=recipe.micro_batch,
+                device=recipe.device,
             )
             for mode in dict.fromkeys(recipe.layer_modes(spec.layers))
         }
@@ -150,6 +151,7 @@ def layer_costs(
                 attn=recipe.attn_implementation,
                 mode=mode,
                 micro_batch=recipe.micro_batch,
+                device=recipe.device,
             )
         except TraceError as exc:
             raise UsageError(f"cannot trace {spec.name}: {exc}") from None

@@ -21,6 +21,11 @@ integer coefficients are cached per architecture family, precision, attention an
 
 Recompute modes (full, selective) are applied with ``ljperf.checkpoint.apply.apply_plan``, the code the
 engines run, so the traced layers save exactly what training saves.
+
+SDPA with attention dropout runs its math path on CPU, which keeps the b·h·s² probabilities and the dropout
+mask for backward; CUDA's flash and memory-efficient kernels fuse the dropout and keep only the RNG state. So a
+trace notes whether any SDPA call had dropout, and for a CUDA forecast of such a model a second family is
+traced with the kernels' dropout left out (``fused_dropout``): what the fused kernels keep.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-TRACE_VERSION = 3
+TRACE_VERSION = 4
 TRACE_LAYERS = 3
 """Depth of the traced copy whose segments the composition uses."""
 SLOPE_LAYERS = TRACE_LAYERS + 1
@@ -145,6 +150,8 @@ class RawTrace:
 
     points: list[int]
     marks: list[tuple[str, int]]
+    sdpa_dropout: bool = False
+    """An SDPA call had dropout (what CUDA's fused kernels keep differs: see the module docstring)."""
 
 
 def block_marks(layers: int) -> list[str]:
@@ -163,8 +170,10 @@ def trace_shape(
     attn: str,
     mode: str,
     layers: int,
+    fused_dropout: bool = False,
 ) -> RawTrace:
-    """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline."""
+    """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline;
+    ``fused_dropout``: SDPA's dropout as CUDA's kernels fuse it (left out of the traced call)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import masking_utils
 
@@ -194,9 +203,16 @@ def trace_shape(
         process=Process(device=DeviceInfo(type="cpu", index=None, name="fake")),
     )
     timeline = LiveBytesTimeline()
-    state = {"backward": False}
+    state = {"backward": False, "sdpa_dropout": False}
     _install_marks(model, timeline, state)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def traced_sdpa(*args: Any, dropout_p: float = 0.0, **kwargs: Any) -> torch.Tensor:
+        state["sdpa_dropout"] |= dropout_p > 0
+        return sdpa(*args, dropout_p=0.0 if fused_dropout else dropout_p, **kwargs)
+
     with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", traced_sdpa))
         # Real runs pass no position ids, so transformers finds no packed sequences and lets SDPA skip the
         # causal mask; on fake tensors it cannot read the values and would build the mask (and repeat K/V).
         stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
@@ -211,7 +227,7 @@ def trace_shape(
             accumulate(model, batches, run=run)
         except (RuntimeError, NotImplementedError) as exc:  # e.g. a kernel whose fake version refuses fp32
             raise TraceError(f"its training step does not run on fake tensors: {one_line(exc)}") from exc
-    return RawTrace(points=timeline.points, marks=timeline.marks)
+    return RawTrace(points=timeline.points, marks=timeline.marks, sdpa_dropout=state["sdpa_dropout"])
 
 
 @contextlib.contextmanager
@@ -319,6 +335,8 @@ class Patterns:
     ``TRACE_LAYERS``-deep copy runs them."""
     per_layer: dict[str, list[list[int]]]
     """Edge segment → what each layer adds to its points (rows as in ``segments``); absent where nothing."""
+    sdpa_dropout: bool = False
+    """The traced SDPA calls had dropout."""
 
     def points(self, name: str, b: int, s: int, *, per_layer: bool = False) -> list[int]:
         """The points of segment ``name`` at micro batch ``b`` and sequence ``s`` (of its per-layer share)."""
@@ -351,7 +369,9 @@ def fit_patterns(traces: dict[tuple[int, int], RawTrace], *, layers: int) -> dic
     return fitted
 
 
-def with_per_layer(reference: dict[str, list[list[int]]], deeper: dict[str, list[list[int]]]) -> Patterns:
+def with_per_layer(
+    reference: dict[str, list[list[int]]], deeper: dict[str, list[list[int]]], *, sdpa_dropout: bool = False
+) -> Patterns:
     """Patterns from the fits of the ``TRACE_LAYERS``- and ``SLOPE_LAYERS``-deep copies: the layers' segments
     must agree (the composition repeats them), and an edge segment's difference is its per-layer share."""
     per_layer = {}
@@ -365,7 +385,7 @@ def with_per_layer(reference: dict[str, list[list[int]]], deeper: dict[str, list
         if name.split("@")[0] not in EDGES:
             raise TraceError(f"decoder layer segment {name} depends on the model's depth")
         per_layer[name] = slope
-    return Patterns(segments=reference, per_layer=per_layer)
+    return Patterns(segments=reference, per_layer=per_layer, sdpa_dropout=sdpa_dropout)
 
 
 def _exact_fit(x: torch.Tensor, y: torch.Tensor, name: str) -> list[list[int]]:
@@ -404,10 +424,24 @@ _FAILED: dict[Path, TraceError] = {}
 """Traces that failed in this process: each of those calls falls back to the analytic formula at once."""
 
 
-def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: str, micro_batch: int) -> Patterns:
-    """The fitted patterns of one architecture and shape family, from the cache or traced now (and cached)."""
+def traced_patterns(
+    spec: models.ModelSpec, *, precision: str, attn: str, mode: str, micro_batch: int, device: str = "cpu"
+) -> Patterns:
+    """The fitted patterns of one architecture and shape family on ``device``, from the cache or traced now (and
+    cached): CPU's, and for CUDA those with fused SDPA dropout where the model has dropout there."""
+    patterns = _traced_patterns(spec, precision=precision, attn=attn, mode=mode, micro_batch=micro_batch)
+    if device == "cuda" and patterns.sdpa_dropout:
+        return _traced_patterns(
+            spec, precision=precision, attn=attn, mode=mode, micro_batch=micro_batch, fused_dropout=True
+        )
+    return patterns
+
+
+def _traced_patterns(
+    spec: models.ModelSpec, *, precision: str, attn: str, mode: str, micro_batch: int, fused_dropout: bool = False
+) -> Patterns:
     fam = family(micro_batch)
-    key = family_key(spec, precision=precision, attn=attn, mode=mode)
+    key = family_key(spec, precision=precision, attn=attn, mode=mode + ("-fused-dropout" if fused_dropout else ""))
     path = cache_dir() / f"{spec.architecture}-{mode}-{fam}-{key}.json"
     if path in _FAILED:
         raise _FAILED[path]
@@ -415,11 +449,21 @@ def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: 
 
         def trace(shape: tuple[int, int], layers: int) -> RawTrace:
             b, s = shape
-            return trace_shape(spec, micro_batch=b, seq_len=s, precision=precision, attn=attn, mode=mode, layers=layers)
+            return trace_shape(
+                spec,
+                micro_batch=b,
+                seq_len=s,
+                precision=precision,
+                attn=attn,
+                mode=mode,
+                layers=layers,
+                fused_dropout=fused_dropout,
+            )
 
         def make() -> Patterns:
             shapes = FAMILIES[fam]
             reference = {shape: trace(shape, TRACE_LAYERS) for shape in shapes}
+            dropout = any(raw.sdpa_dropout for raw in reference.values())
             patterns = fit_patterns(reference, layers=TRACE_LAYERS)
             # The deeper copy at one shape first: where its segments equal the reference's, no layer leaves anything
             # to the edges (the usual case), and the other shapes need not be traced again.
@@ -428,16 +472,23 @@ def traced_patterns(spec: models.ModelSpec, *, precision: str, attn: str, mode: 
             if split_segments(deeper[probe], layers=SLOPE_LAYERS) == split_segments(
                 reference[probe], layers=TRACE_LAYERS
             ):
-                return Patterns(segments=patterns, per_layer={})
+                return Patterns(segments=patterns, per_layer={}, sdpa_dropout=dropout)
             deeper |= {shape: trace(shape, SLOPE_LAYERS) for shape in shapes[:-1]}
-            return with_per_layer(patterns, fit_patterns(deeper, layers=SLOPE_LAYERS))
+            return with_per_layer(patterns, fit_patterns(deeper, layers=SLOPE_LAYERS), sdpa_dropout=dropout)
 
         try:
             _PATTERNS[path] = cached(
                 path,
-                load=lambda data: Patterns(segments=data["segments"], per_layer=data["per_layer"]),
+                load=lambda data: Patterns(
+                    segments=data["segments"], per_layer=data["per_layer"], sdpa_dropout=data["sdpa_dropout"]
+                ),
                 make=make,
-                dump=lambda p: {"trace_version": TRACE_VERSION, "segments": p.segments, "per_layer": p.per_layer},
+                dump=lambda p: {
+                    "trace_version": TRACE_VERSION,
+                    "segments": p.segments,
+                    "per_layer": p.per_layer,
+                    "sdpa_dropout": p.sdpa_dropout,
+                },
             )
         except TraceError as exc:
             _FAILED[path] = exc
