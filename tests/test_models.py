@@ -227,3 +227,13 @@ def test_llama4_text_decoder_layers_are_found(tmp_path):
     spec = models.resolve(path=path)
     model = models.build_meta(spec)
     assert models.decoder_layers(model) is model.model.layers and len(model.model.layers) == 2
+
+
+def test_a_671b_mixture_of_experts_is_built_on_the_meta_device(tmp_path):
+    """DeepSeek-V3 at its real size (transformers' defaults): its experts are one 3-D tensor per layer, which
+    ``init_empty_weights`` moved to meta only after ``torch.empty`` had made it (30 GB each: out of memory)."""
+    from transformers import AutoConfig
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(AutoConfig.for_model("deepseek_v3").to_dict()))
+    assert models.format_params(models.resolve(path=path).params.total) == "671.03B"

@@ -237,19 +237,24 @@ def _warnings_only_if_accepted() -> Iterator[None]:
 
 PER_LAYER_LISTS = ("layer_types", "no_rope_layers")
 """Config lists with one entry per decoder layer (Gemma 3's sliding/full attention pattern, Llama 4's RoPE)."""
+LAYER_INDEX_LISTS = ("mlp_only_layers", "moe_layers")
+"""Config lists of layer indices (Qwen MoE's dense layers, Llama 4's mixture-of-experts layers)."""
 
 
 def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     """The same architecture with ``layers`` decoder layers, fewer or more (the forecast traces 3- and 4-layer
     copies of a 2-layer model too): per-layer config lists are cut, or repeat their pattern, to match."""
     config = copy.deepcopy(spec.config)
+    depth = config.num_hidden_layers
     config.num_hidden_layers = layers
     for name in PER_LAYER_LISTS:
         value = getattr(config, name, None)
         if isinstance(value, list) and value:
             setattr(config, name, [value[i % len(value)] for i in range(layers)])
-    if isinstance(only := getattr(config, "mlp_only_layers", None), list):  # layer indices (Qwen MoE)
-        config.mlp_only_layers = [i for i in only if i < layers]
+    for name in LAYER_INDEX_LISTS:
+        value = getattr(config, name, None)
+        if isinstance(value, list):
+            setattr(config, name, [i for i in range(layers) if i % depth in value])
     return ModelSpec(name=f"{spec.name}[{layers} layers]", config=config)
 
 
@@ -274,6 +279,24 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
+def _empty_on_meta() -> contextlib.AbstractContextManager:
+    """``torch.empty`` on the meta device: what parameters are made from before ``init_empty_weights`` moves them
+    there on registration (DeepSeek-V3's experts, one 3-D tensor per layer, were 30 GB of real memory each)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class EmptyOnMeta(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Callable, types: tuple[type, ...], args: tuple = (), kwargs: dict | None = None
+        ) -> object:
+            kwargs = kwargs or {}
+            if func is torch.empty and kwargs.get("device") in (None, "cpu"):
+                kwargs = {**kwargs, "device": "meta"}
+            return func(*args, **kwargs)
+
+    return EmptyOnMeta()
+
+
 def build_meta(spec: ModelSpec, *, attn_implementation: str | None = None) -> torch.nn.Module:
     """The model with fp32 parameters on the meta device and real (CPU) buffers such as RoPE frequencies."""
     import torch
@@ -286,7 +309,7 @@ def build_meta(spec: ModelSpec, *, attn_implementation: str | None = None) -> to
     config.use_cache = False
     # fp32 master weights whatever the config's dtype (the catalog's real models say bfloat16): every engine and
     # the forecast's trace take their dtype from here; bf16 compute is the engines' mixed precision.
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), _empty_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     model.tie_weights()  # transformers 5 ties only in from_pretrained
     model._ljperf_built = True  # ljperf's runs plan recompute through --recompute; the startup hook keeps off

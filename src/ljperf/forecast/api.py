@@ -46,11 +46,10 @@ def forecast(spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None 
             " layers, a 1024 window, 4096 tokens: 3.4% low)"
         )
     experts = getattr(spec.config, "num_local_experts", None) or getattr(spec.config, "num_experts", None)
-    if experts and experts > 1:
+    if experts and experts > 1 and raw.source == "analytic":
         notes.append(
-            f"mixture of {experts} experts: the tokens each expert gets depend on the data, which fake tensors do"
-            " not have, so expert activations are not forecast as they run (4-expert top-2 Mixtral, FSDP2 on 2 CPU"
-            " processes: 12.8% low)"
+            f"mixture of {experts} experts, not traced: the analytic formula counts no expert activations as they"
+            " run (4-expert top-2 Mixtral, FSDP2 on 2 CPU processes: 12.8% low; traced: exact)"
         )
     if recipe.engine == "deepspeed" and recipe.zero.offload:
         notes.append(

@@ -34,13 +34,12 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
     """Peak bytes ``MemTracker`` counts over step 2 (the steady state: optimizer states exist) of ``recipe``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
-    from transformers import masking_utils
 
     from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
     from ljperf.engines import fsdp_engine
     from ljperf.engines.common import adamw
     from ljperf.engines.torch_engine import TorchEngine
-    from ljperf.forecast.trace import fake_buffers, fake_model
+    from ljperf.forecast.trace import fake_buffers, fake_model, real_code_paths
     from ljperf.hardware import DeviceInfo
     from ljperf.optimize import apply_optimizations
     from ljperf.runtime import Process, RunContext
@@ -72,9 +71,7 @@ def fake_step_peak(spec: models.ModelSpec, recipe: Recipe) -> int:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=recipe.engine == "fsdp")
     with contextlib.ExitStack() as stack:
         mesh = stack.enter_context(_fake_world(recipe.world))
-        # As in the trace: a real run passes no position ids, so transformers finds no packed sequences and lets
-        # SDPA skip the causal mask; on fake tensors it cannot read the values and would build the mask.
-        stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
+        stack.enter_context(real_code_paths())
         if recipe.engine == "fsdp":
             # A device mesh cannot be made on fake tensors: the engine gets the one made before.
             stack.enter_context(mock.patch.object(fsdp_engine, "init_device_mesh", lambda *a, **k: mesh))

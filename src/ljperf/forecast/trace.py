@@ -175,7 +175,6 @@ def trace_shape(
     """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline;
     ``fused_dropout``: SDPA's dropout as CUDA's kernels fuse it (left out of the traced call)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import masking_utils
 
     from ljperf.config import LaunchConfig, TrainConfig
     from ljperf.engines.common import accumulate
@@ -213,9 +212,7 @@ def trace_shape(
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", traced_sdpa))
-        # Real runs pass no position ids, so transformers finds no packed sequences and lets SDPA skip the
-        # causal mask; on fake tensors it cannot read the values and would build the mask (and repeat K/V).
-        stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
+        stack.enter_context(real_code_paths())
         stack.enter_context(fake_mode)
         # A fake kernel that refuses its inputs logs its traceback before raising: the error says it once.
         stack.enter_context(_quiet("torch._subclasses.fake_tensor"))
@@ -228,6 +225,33 @@ def trace_shape(
         except (RuntimeError, NotImplementedError) as exc:  # e.g. a kernel whose fake version refuses fp32
             raise TraceError(f"its training step does not run on fake tensors: {one_line(exc)}") from exc
     return RawTrace(points=timeline.points, marks=timeline.marks, sdpa_dropout=state["sdpa_dropout"])
+
+
+@contextlib.contextmanager
+def real_code_paths() -> Iterator[None]:
+    """On fake tensors, the code path a real run takes (the trace and ``fakestep`` run under it):
+
+    - A real run passes no position ids, so transformers finds no packed sequences and lets SDPA skip the causal
+      mask; on fake tensors it cannot read the values and would build the mask (and repeat K/V).
+    - Mixture-of-experts layers (transformers' ``grouped_mm`` experts) on fp32 weights: torch's fake
+      ``grouped_mm`` takes bf16 only (it checks as the CUDA kernel does) while the CPU kernel runs fp32, so there
+      transformers' own fallback op runs instead: same output, same tensors saved for backward. Their rows are
+      tokens × top-k whatever the routing, so what they keep does not depend on the data.
+    """
+    from transformers import masking_utils
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
+        with contextlib.suppress(ImportError):  # an older transformers: experts that fake tensors cannot run
+            from transformers.integrations import moe
+
+            can_use = moe._can_use_grouped_mm
+
+            def bf16_only(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
+                return can_use(input, weight, offs) and input.dtype == weight.dtype == torch.bfloat16
+
+            stack.enter_context(mock.patch.object(moe, "_can_use_grouped_mm", bf16_only))
+        yield
 
 
 @contextlib.contextmanager
