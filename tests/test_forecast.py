@@ -17,7 +17,7 @@ from ljperf.checkpoint.apply import fixed_plan
 from ljperf.cli import main
 from ljperf.config import LaunchConfig, OptimConfig, TrainConfig
 from ljperf.engines.torch_engine import TorchEngine
-from ljperf.forecast import Recipe, analytic, calibrate, fakestep, forecast, layer_costs, timeline
+from ljperf.forecast import Recipe, analytic, calibrate, fakestep, forecast, layer_costs, timeline, trace
 from ljperf.forecast.fakestep import fake_step_peak
 from ljperf.forecast.recipe import ZeroSettings
 from ljperf.forecast.trace import LiveBytesTimeline, fake_model
@@ -173,6 +173,20 @@ MOE = {  # transformers' grouped_mm experts, fp32 (torch's fake grouped_mm takes
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64},
     "llama4_text": {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 256},
+    "deepseek_v3": {  # layer 0 dense, layer 1 experts: -8.4% when every layer was counted as the first
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 64,
+        "qk_rope_head_dim": 16,
+        "head_dim": 16,  # its rotary part
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 32,
+        "n_group": 2,
+        "topk_group": 1,
+    },
 }
 
 
@@ -229,6 +243,73 @@ def test_a_cuda_forecast_keeps_what_fused_attention_dropout_keeps(tmp_path):
     assert activations[0.1]["cuda"] == activations[0.0]["cuda"] == activations[0.0]["cpu"]
     probabilities = 4 * 4 * 2 * 256 * 256 * 2  # the 4 layers' bf16 attention probabilities, at least
     assert activations[0.1]["cpu"] > activations[0.1]["cuda"] + probabilities, activations
+
+
+def test_layers_of_different_sizes_are_counted_each(tmp_path):
+    """DeepSeek-V3 at its real size: three dense layers, then 58 of 256 experts. The blocks were one layer's
+    numbers times 61, the first (dense) layer's: 0.54 GiB of parameters per rank of 256 under FSDP2, not 9.8."""
+    from transformers import AutoConfig
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(AutoConfig.for_model("deepseek_v3").to_dict()))
+    spec = models.resolve(path=path)
+    blocks = timeline.block_params(spec)
+    assert blocks.total == spec.params.total and len(set(blocks.layer_sizes[:3])) == 1
+    assert blocks.layer_sizes[3] > 10 * blocks.layer_sizes[0] and len(set(blocks.layer_sizes[3:])) == 1
+    fsdp = timeline.engine_sharding(spec, Recipe(engine="fsdp", world=256, precision="bf16-mixed"))
+    assert fsdp.params == -(-blocks.total * 4 // 256)  # 9.77 GiB
+
+
+DEEPSEEK_TINY = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+DEEPSEEK_TINY |= {"vocab_size": 1024, "max_position_embeddings": 512, "pad_token_id": 0, "bos_token_id": 1}
+DEEPSEEK_TINY |= {"eos_token_id": 2} | MOE["deepseek_v3"] | {"first_k_dense_replace": 3, "num_hidden_layers": 5}
+
+
+def test_layers_of_different_kinds_are_traced_each(tmp_path):
+    """DeepSeek-V3's layout at 5 layers: three dense, then two of experts. Copies of 3 and 4 layers had only
+    dense ones (the trace failed, analytic: -17%); now one copy per kind of middle layer, made of the full
+    model's own layers (0, 1, 4) and (0, 3, 4), and the walk takes each layer's own kind."""
+    from transformers import AutoConfig
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(AutoConfig.for_model("deepseek_v3", **DEEPSEEK_TINY).to_dict()))
+    spec = models.resolve(path=path)
+    assert timeline.block_params(spec).layer_kinds == (0, 0, 0, 1, 1)
+    for recompute in ("none", "2"):
+        plan = fixed_plan(parse_recompute(recompute), spec.layers)
+        result = forecast(spec, Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64, recompute=plan))
+        measured = measured_peak(spec, micro_batch=2, seq_len=64, recompute=recompute)
+        assert result.source == "traced"
+        assert abs(result.peak_allocated_bytes - measured) / measured < 0.05, (recompute, result, measured)
+
+
+def test_picks_of_layer_kinds():
+    assert trace.layer_picks((0,) * 4) == {0: None}
+    assert trace.layer_picks((0, 0, 0, 1, 1, 1)) == {0: (0, 1, 5), 1: (0, 3, 5)}
+    assert trace.layer_picks((0, 1, 0, 1)) == {1: (0, 1, 3), 0: (0, 2, 3)}  # Llama 4 Maverick's interleaving
+    assert trace.layer_picks((0, 1)) == {1: (0, 1, 1)}  # no middle layer: the last stands in
+    assert trace.reference_kind((0, 0, 0, 1, 1, 1, 1)) == 1 and trace.reference_kind((0, 1)) == 1
+
+
+def test_a_cuda_forecast_keeps_what_fused_attention_keeps_for_a_narrower_value_head(tmp_path):
+    """DeepSeek-V3's MLA: value heads (128) narrower than query heads (192). CPU SDPA runs its math path and
+    keeps b·h·s² probabilities; CUDA's memory-efficient kernel does not (DeepSeek-V3 at 4096 tokens under
+    FSDP2: 664.7 GiB of activations were forecast, 162.3 now). So the CUDA forecast is linear in s."""
+    from transformers import AutoConfig
+
+    mla = {"v_head_dim": 16, "num_key_value_heads": 4, "num_hidden_layers": 3, "first_k_dense_replace": 1}
+    config = AutoConfig.for_model("deepseek_v3", **DEEPSEEK_TINY | mla)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    spec = models.resolve(path=path)
+
+    def activations(device: str, s: int) -> int:
+        recipe = Recipe(device=device, precision="bf16-mixed", micro_batch=1, seq_len=s)
+        return forecast(spec, recipe).breakdown["activations"]
+
+    cuda, cpu = ([activations(d, s) for s in (1024, 2048, 3072)] for d in ("cuda", "cpu"))
+    assert cuda[2] - cuda[1] == cuda[1] - cuda[0]
+    assert cpu[2] - cpu[1] > cpu[1] - cpu[0] + 4 * 1024 * 1024  # the s² term: 4 heads, at least a byte each
 
 
 def test_per_layer_config_lists_follow_the_layer_count():

@@ -13,7 +13,7 @@ import difflib
 import json
 import logging
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
@@ -241,21 +241,50 @@ LAYER_INDEX_LISTS = ("mlp_only_layers", "moe_layers")
 """Config lists of layer indices (Qwen MoE's dense layers, Llama 4's mixture-of-experts layers)."""
 
 
-def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
+def with_layers(spec: ModelSpec, layers: int, *, pick: Sequence[int] | None = None) -> ModelSpec:
     """The same architecture with ``layers`` decoder layers, fewer or more (the forecast traces 3- and 4-layer
-    copies of a 2-layer model too): per-layer config lists are cut, or repeat their pattern, to match."""
+    copies of a 2-layer model too): per-layer config lists are cut, or repeat their pattern, to match; with
+    ``pick``, the entries of those of the full model's layers (``build_picked``)."""
     config = copy.deepcopy(spec.config)
     depth = config.num_hidden_layers
     config.num_hidden_layers = layers
+    pick = range(layers) if pick is None else pick
     for name in PER_LAYER_LISTS:
         value = getattr(config, name, None)
         if isinstance(value, list) and value:
-            setattr(config, name, [value[i % len(value)] for i in range(layers)])
+            setattr(config, name, [value[i % len(value)] for i in pick])
     for name in LAYER_INDEX_LISTS:
         value = getattr(config, name, None)
         if isinstance(value, list):
-            setattr(config, name, [i for i in range(layers) if i % depth in value])
+            setattr(config, name, [j for j, i in enumerate(pick) if i % depth in value])
     return ModelSpec(name=f"{spec.name}[{layers} layers]", config=config)
+
+
+def build_picked(spec: ModelSpec, pick: Sequence[int], *, attn_implementation: str | None = None) -> torch.nn.Module:
+    """A copy of ``spec``'s model on the meta device whose decoder layers are the full model's layers ``pick``:
+    where layers differ (DeepSeek-V3's first three dense, then mixtures of experts), a copy of the right ones,
+    which no config of fewer layers builds."""
+    model = build_meta(with_layers(spec, len(pick), pick=pick), attn_implementation=attn_implementation)
+    full = decoder_layers(_full_meta(spec, attn_implementation))
+    layers = decoder_layers(model)
+    for j, i in enumerate(pick):
+        layers[j] = copy.deepcopy(full[i])
+        for module in layers[j].modules():  # indexes the copy's per-layer config entries, as its own layers do
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = j
+    return model
+
+
+_FULL: dict[str, torch.nn.Module] = {}
+
+
+def _full_meta(spec: ModelSpec, attn_implementation: str | None) -> torch.nn.Module:
+    """The full-depth meta build ``build_picked`` copies layers from, kept for the process's later copies."""
+    key = json.dumps([spec.config.to_dict(), attn_implementation], sort_keys=True, default=str)
+    if key not in _FULL:
+        _FULL.clear()  # one model at a time: a solver or plan traces one
+        _FULL[key] = build_meta(spec, attn_implementation=attn_implementation)
+    return _FULL[key]
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

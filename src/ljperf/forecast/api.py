@@ -10,7 +10,7 @@ from ljperf.errors import UsageError
 from ljperf.forecast import analytic, timeline
 from ljperf.forecast.calibrate import overheads_for
 from ljperf.forecast.recipe import Forecast, Recipe
-from ljperf.forecast.trace import FAMILIES, TraceError, traced_patterns
+from ljperf.forecast.trace import FAMILIES, TraceError, layer_picks, reference_kind, traced_patterns
 
 TRACED_TOKENS = max(seq for shapes in FAMILIES.values() for _, seq in shapes)
 
@@ -18,16 +18,19 @@ TRACED_TOKENS = max(seq for shapes in FAMILIES.values() for _, seq in shapes)
 def forecast(spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None = None) -> Forecast:
     """Peak memory of one rank running ``recipe``; overheads: calibrated for ``device_name``, else defaults."""
     try:
+        picks = layer_picks(timeline.block_params(spec).layer_kinds)
         patterns = {
-            mode: traced_patterns(
+            (mode, kind): traced_patterns(
                 spec,
                 precision=recipe.trace_precision,
                 attn=recipe.attn_implementation,
                 mode=mode,
                 micro_batch=recipe.micro_batch,
                 device=recipe.device,
+                pick=pick,
             )
             for mode in dict.fromkeys(recipe.layer_modes(spec.layers))
+            for kind, pick in picks.items()
         }
         raw = timeline.compose(spec, recipe, patterns)
     except TraceError as exc:
@@ -142,6 +145,8 @@ def layer_costs(
 ) -> dict[str, LayerCost]:
     """``{mode: LayerCost}`` for a solver: cheap once the patterns are cached."""
     out = {}
+    kinds = timeline.block_params(spec).layer_kinds
+    pick = layer_picks(kinds)[reference_kind(kinds)]  # the most frequent kind of layer stands for all
     for mode in modes:
         try:
             pats = traced_patterns(
@@ -151,6 +156,7 @@ def layer_costs(
                 mode=mode,
                 micro_batch=recipe.micro_batch,
                 device=recipe.device,
+                pick=pick,
             )
         except TraceError as exc:
             raise UsageError(f"cannot trace {spec.name}: {exc}") from None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from ljperf import models
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
@@ -24,6 +24,7 @@ from ljperf.forecast.trace import (
     cache_dir,
     cached,
     peak_and_net,
+    reference_kind,
 )
 
 FP32 = 4
@@ -37,12 +38,11 @@ class BlockParams:
 
     pre: int
     """Input embedding."""
-    layer: int
-    """One decoder layer."""
+    layer_sizes: tuple[int, ...]
+    """Each decoder layer of the full model (they differ where some are mixtures of experts and some dense:
+    DeepSeek-V3's first three, Qwen MoE's ``mlp_only_layers``, Llama 4's interleaving)."""
     post: int
     """Final norm and (untied) LM head."""
-    layers: int
-    """Decoder layers of the full model."""
     tensors: int
     """Parameter tensors of the full model (optimizer ``step`` scalars)."""
     largest: int
@@ -51,95 +51,78 @@ class BlockParams:
     """Its first dimension (FSDP2 shards every parameter on it)."""
     buffer_bytes: int
     """Model buffers (RoPE frequencies)."""
+    layer_kinds: tuple[int, ...] = ()
+    """Each decoder layer's kind: layers with the same parameters (names, shapes) and modules are one kind,
+    numbered in order (DeepSeek-V3: 0, 0, 0, 1, ..., 1); the trace copies one layer of each."""
     order: tuple[tuple[str, int], ...] = ()
-    """Each parameter tensor of a one-layer build in ``parameters()`` order (DeepSpeed's flat order), as
-    (``pre``, ``layer`` or ``post``, elements): ZeRO-1/2 cut that order into partitions."""
+    """Each parameter tensor of the full model in ``parameters()`` order (DeepSpeed's flat order), as (backward
+    block: ``pre``, ``layer i`` or ``post``, elements): ZeRO-1/2 cut that order into partitions."""
+
+    @property
+    def layers(self) -> int:
+        return len(self.layer_sizes)
+
+    @property
+    def layer(self) -> int:
+        """The largest decoder layer: what a gather, prefetch or reduce of one layer holds at most."""
+        return max(self.layer_sizes)
 
     @property
     def total(self) -> int:
-        return self.pre + self.layers * self.layer + self.post
-
-    def flat(self) -> list[tuple[str, int]]:
-        """Every tensor of the full model in flat order, as (backward block: ``pre``, ``layer i`` or ``post``,
-        elements); a layer's tensors are contiguous in ``parameters()`` order."""
-        tags = [tag for tag, _ in self.order]
-        first = tags.index("layer")
-        layer = [n for tag, n in self.order if tag == "layer"]
-        rest = [(tag, n) for tag, n in self.order if tag != "layer"]
-        return rest[:first] + [(f"layer {i}", n) for i in range(self.layers) for n in layer] + rest[first:]
+        return self.pre + sum(self.layer_sizes) + self.post
 
 
 _BLOCKS: dict[str, BlockParams] = {}
 
 
 def block_params(spec: models.ModelSpec) -> BlockParams:
-    """Parameter numbers per block: from a one-layer meta build, cached per architecture family on disk."""
-    key = architecture_key(spec)
+    """Parameter numbers per block: from a full-depth meta build, cached per architecture and depth on disk."""
+    key = architecture_key(spec, f"{spec.layers} layers")
     if key not in _BLOCKS:
         path = cache_dir() / f"{spec.architecture}-blocks-{key}.json"
-        _BLOCKS[key] = cached(
-            path,
-            load=_load_blocks,
-            make=lambda: _block_counts(spec),
-            dump=dict,
-        )
-    data = _BLOCKS[key]
-    return BlockParams(
-        pre=data["pre"],
-        layer=data["layer"],
-        post=data["post"],
-        layers=spec.layers,
-        tensors=data["other_tensors"] + spec.layers * data["layer_tensors"],
-        largest=data["largest"],
-        largest_rows=data["largest_rows"],
-        buffer_bytes=data["buffer_bytes"],
-        order=tuple((str(tag), int(n)) for tag, n in data["order"]),
-    )
+        _BLOCKS[key] = cached(path, load=_load_blocks, make=lambda: _block_counts(spec), dump=_dump_blocks)
+    return _BLOCKS[key]
 
 
-_BLOCK_FIELDS = ("pre", "layer", "post", "other_tensors", "layer_tensors", "largest", "largest_rows", "buffer_bytes")
+def _load_blocks(data: dict) -> BlockParams:
+    ints = {k: int(data[k]) for k in ("pre", "post", "tensors", "largest", "largest_rows", "buffer_bytes")}
+    order = tuple((str(tag), int(n)) for tag, n in data["order"])
+    sizes, kinds = (tuple(int(n) for n in data[k]) for k in ("layer_sizes", "layer_kinds"))
+    return BlockParams(**ints, layer_sizes=sizes, layer_kinds=kinds, order=order)
 
 
-def _load_blocks(data: dict) -> dict:
-    return {k: int(data[k]) for k in _BLOCK_FIELDS} | {"order": list(data["order"])}
+def _dump_blocks(blocks: BlockParams) -> dict:
+    return asdict(blocks)
 
 
-def _block_counts(spec: models.ModelSpec) -> dict[str, int]:
-    """What ``BlockParams`` needs that does not depend on the depth (a one-layer build on the meta device)."""
-    model = models.build_meta(models.with_layers(spec, 1))
-    layer = models.decoder_layers(model)[0]
+def _block_counts(spec: models.ModelSpec) -> BlockParams:
+    """``BlockParams`` of a full-depth build on the meta device (about 1 s at 70B–671B: nothing allocated)."""
+    model = models.build_meta(spec)
+    layers = models.decoder_layers(model)
     embed = model.get_input_embeddings().weight
-    in_layer = {id(p) for p in layer.parameters()}
-    seen: set[int] = set()
-    pre = post = 0
-    layer_tensors = other_tensors = 0
-    largest = max(model.parameters(), key=lambda p: p.numel())
-    order = []
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if id(p) in in_layer:
-            layer_tensors += 1
-            order.append(("layer", p.numel()))
-            continue
-        other_tensors += 1
-        order.append(("pre" if p is embed else "post", p.numel()))
-        if p is embed:
-            pre += p.numel()
-        else:
-            post += p.numel()
-    return {
-        "pre": pre,
-        "layer": sum(p.numel() for p in layer.parameters()),
-        "post": post,
-        "layer_tensors": layer_tensors,
-        "other_tensors": other_tensors,
-        "largest": largest.numel(),
-        "largest_rows": largest.shape[0],
-        "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
-        "order": order,
-    }
+    owner = {id(p): f"layer {i}" for i, layer in enumerate(layers) for p in layer.parameters()}
+    unique = list({id(p): p for p in model.parameters()}.values())
+    order = [(owner.get(id(p), "pre" if p is embed else "post"), p.numel()) for p in unique]
+    largest = max(unique, key=lambda p: p.numel())
+    signatures = [
+        (
+            tuple((name, tuple(p.shape)) for name, p in layer.named_parameters()),
+            tuple(type(m).__name__ for m in layer.modules()),
+        )
+        for layer in layers
+    ]
+    kinds = {signature: None for signature in signatures}
+    return BlockParams(
+        pre=embed.numel(),
+        layer_sizes=tuple(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        post=sum(n for tag, n in order if tag == "post"),
+        tensors=len(unique),
+        largest=largest.numel(),
+        largest_rows=largest.shape[0],
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        layer_kinds=tuple(list(kinds).index(signature) for signature in signatures),
+        order=tuple(order),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,7 +221,7 @@ def zero_partitions(
     Gradients arrive in reverse flat order (an untied LM head first, a tied embedding last) into the IPG bucket;
     one that would overflow it has the bucket reduced first, and a tensor larger than the bucket is reduced
     alone. The flat buffer is padded to a multiple of 2·world (``nccl_start_alignment_factor``)."""
-    flat = blocks.flat()
+    flat = blocks.order
     align = 2 * world
     part = -(-sum(n for _, n in flat) // align) * align // world
     offsets = list(itertools.accumulate((n for _, n in flat), initial=0))
@@ -426,7 +409,9 @@ def zero3_sharding(
     elements of the forward), and the rest is released and gathered again in backward. Each block is released
     after its backward.
     """
-    n, pre, layer, post = blocks.layers, blocks.pre, blocks.layer, blocks.post
+    n, pre, sizes, post = blocks.layers, blocks.pre, blocks.layer_sizes, blocks.post
+    after = list(itertools.accumulate(reversed(sizes), initial=0))[::-1]  # after[i]: layers i.. n-1
+    before = list(itertools.accumulate(sizes, initial=0))  # before[i]: layers 0 .. i-1
     # Every submodule's fetch prefetches a bucket, many per layer: the prefetch outruns the compute until the
     # gathered elements reach max_live_parameters, so that (not the bucket) bounds what is gathered ahead.
     window = min(zero.max_live_parameters, blocks.total)
@@ -435,23 +420,23 @@ def zero3_sharding(
 
     def ahead(i: int) -> int:
         """Elements of the forward trace from layer ``i`` on."""
-        return (n - i) * layer + post
+        return after[i] + post
 
     def kept(i: int) -> int:
         """Elements of layer ``i`` still gathered after its forward: all within the reuse distance; else what
         the prefetch reached of its backward use (the last max_live_parameters elements of the forward)."""
         if 2 * ahead(i + 1) < zero.max_reuse_distance:
-            return layer
-        return min(layer, max(0, zero.max_live_parameters - ahead(i + 1)))
+            return sizes[i]
+        return min(sizes[i], max(0, zero.max_live_parameters - ahead(i + 1)))
 
     def in_flight(elements: int) -> int:
         """Prefetched elements: their flat all-gather buffers, and the one being copied out into parameters."""
         return min(window, elements) + min(bucket_elems, elements)
 
     # While layer i runs forward: its copy and the prefetched ones after it, and the in-flight flat buffers.
-    forward = [ahead(i) + blocks.total if whole else layer + in_flight(ahead(i + 1)) for i in range(n)]
+    forward = [ahead(i) + blocks.total if whole else sizes[i] + in_flight(ahead(i + 1)) for i in range(n)]
     held = [kept(i) for i in range(n)]
-    backward = [0 if held[i] == layer else layer - held[i] + in_flight(i * layer + pre) for i in range(n)]
+    backward = [0 if held[i] == sizes[i] else sizes[i] - held[i] + in_flight(before[i] + pre) for i in range(n)]
     pre_held = 2 * ahead(0) < zero.max_reuse_distance
     return Sharding(
         params=shard * compute // FP32 + shard,
@@ -595,11 +580,14 @@ def edge_values(patterns: dict[str, Patterns], modes: tuple[str, ...], b: int, s
     return out
 
 
-def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[str, Patterns]) -> Forecast:
-    """The forecast of ``recipe`` from the traced patterns of each recompute mode it uses: the highest rank's."""
+def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[tuple[str, int], Patterns]) -> Forecast:
+    """The forecast of ``recipe`` from the traced patterns of each recompute mode it uses and each kind of layer
+    (``(mode, kind)``; see ``trace.layer_picks``): the highest rank's."""
     modes = recipe.layer_modes(spec.layers)
-    values = {mode: pats.evaluate(recipe.micro_batch, recipe.seq_len) for mode, pats in patterns.items()}
-    edge = edge_values(patterns, modes, recipe.micro_batch, recipe.seq_len)
+    values = {key: pats.evaluate(recipe.micro_batch, recipe.seq_len) for key, pats in patterns.items()}
+    ref = reference_kind(block_params(spec).layer_kinds)
+    by_mode = {mode: pats for (mode, kind), pats in patterns.items() if kind == ref}
+    edge = edge_values(by_mode, modes, recipe.micro_batch, recipe.seq_len)
     shards = rank_shardings(spec, recipe)
     walks = [_walk_step(spec, recipe, shard, modes=modes, values=values, edge=edge) for shard in shards]
     walk = max(walks, key=lambda w: w.peak)
@@ -621,11 +609,14 @@ def _walk_step(
     shard: Sharding,
     *,
     modes: tuple[str, ...],
-    values: dict[str, dict[str, tuple[int, int]]],
+    values: dict[tuple[str, int], dict[str, tuple[int, int]]],
     edge: dict[str, tuple[int, int]],
 ) -> _Walk:
     """One rank's training step, as the walk of its running level."""
     blocks = block_params(spec)
+    ref = reference_kind(blocks.layer_kinds)
+    # a middle layer walks its own kind's copy; the first and last are alike in every copy
+    kind = [ref, *blocks.layer_kinds[1:-1], ref][: blocks.layers]
     batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * TOKEN_BYTES
     held_grads = shard.grads if shard.grads_persistent else 0
     walk = _Walk(
@@ -682,7 +673,7 @@ def _walk_step(
             activations=edge[f"pre_f@{k}"][1],
         )
         for i, pos in enumerate(position):
-            seg = values[modes[i]][f"{pos}@{k}"]
+            seg = values[modes[i], kind[i]][f"{pos}@{k}"]
             gather, _, held = shard.layer_terms(i)
             walk.step(seg, f"forward, {where}, layer {i}", gathered=gather, activations=seg[1])
             walk.add("gathered_parameters", held)
@@ -699,8 +690,8 @@ def _walk_step(
         if micro == 1 or not shard.bucket_until_boundary:
             walk.add("comm_buffers", shard.backward_bucket)
         for i, pos in reversed(list(enumerate(position))):
-            seg = values[modes[i]][f"b{pos[1]}@{k}"]
-            saved = values[modes[i]][f"{pos}@{k}"][1]
+            seg = values[modes[i], kind[i]][f"b{pos[1]}@{k}"]
+            saved = values[modes[i], kind[i]][f"{pos}@{k}"][1]
             _, gather, held = shard.layer_terms(i)
             if i == n - 1:
                 gather = extra.get("last_b", gather)
@@ -710,7 +701,7 @@ def _walk_step(
             partition(f"layer {i}", where, after=False)
             walk.step(seg, f"backward, {where}, layer {i}", gathered=gather, reducing=reducing, activations=-saved)
             walk.add("gathered_parameters", -held)
-            grads.settle(walk, blocks.layer)
+            grads.settle(walk, blocks.layer_sizes[i])
             all_reduce(f"layer {i}", f"backward, {where}, layer {i}")
         pre_f = edge[f"pre_f@{k}"][1]
         walk.step(

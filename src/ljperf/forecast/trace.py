@@ -22,10 +22,11 @@ integer coefficients are cached per architecture family, precision, attention an
 Recompute modes (full, selective) are applied with ``ljperf.checkpoint.apply.apply_plan``, the code the
 engines run, so the traced layers save exactly what training saves.
 
-SDPA with attention dropout runs its math path on CPU, which keeps the b·h·s² probabilities and the dropout
-mask for backward; CUDA's flash and memory-efficient kernels fuse the dropout and keep only the RNG state. So a
-trace notes whether any SDPA call had dropout, and for a CUDA forecast of such a model a second family is
-traced with the kernels' dropout left out (``fused_dropout``): what the fused kernels keep.
+SDPA runs its math path on CPU, which keeps the b·h·s² probabilities (and a dropout mask) for backward, where
+the call has attention dropout (GPT-2) or a value head narrower than the query's (DeepSeek-V3's MLA); CUDA's
+memory-efficient kernel fuses both and keeps its output and log-sum-exp, as CPU's flash kernel does otherwise.
+So a trace notes whether an SDPA call took the math path, and for a CUDA forecast of such a model a second
+family is traced with those calls as a fused kernel keeps them (``fused_attention``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-TRACE_VERSION = 4
+TRACE_VERSION = 5
 TRACE_LAYERS = 3
 """Depth of the traced copy whose segments the composition uses."""
 SLOPE_LAYERS = TRACE_LAYERS + 1
@@ -124,10 +125,19 @@ class LiveBytesTimeline(TorchDispatchMode):
 
 
 def fake_model(
-    spec: models.ModelSpec, *, attn: str, fake_mode: FakeTensorMode, dtype: torch.dtype | None = None
+    spec: models.ModelSpec,
+    *,
+    attn: str,
+    fake_mode: FakeTensorMode,
+    dtype: torch.dtype | None = None,
+    pick: Sequence[int] | None = None,
 ) -> torch.nn.Module:
-    """``spec``'s model with fake CPU parameters (in ``dtype`` if given) and buffers (tied weights stay tied)."""
-    model = models.build_meta(spec, attn_implementation=attn)
+    """``spec``'s model with fake CPU parameters (in ``dtype`` if given) and buffers (tied weights stay tied);
+    with ``pick``, a copy of those of its layers (``models.build_picked``)."""
+    if pick is None:
+        model = models.build_meta(spec, attn_implementation=attn)
+    else:
+        model = models.build_picked(spec, pick, attn_implementation=attn)
     with fake_mode:
         models.replace_parameters(
             model, lambda _m, _k, param: torch.nn.Parameter(torch.empty(param.shape, dtype=dtype or param.dtype))
@@ -150,8 +160,8 @@ class RawTrace:
 
     points: list[int]
     marks: list[tuple[str, int]]
-    sdpa_dropout: bool = False
-    """An SDPA call had dropout (what CUDA's fused kernels keep differs: see the module docstring)."""
+    sdpa_math: bool = False
+    """An SDPA call took the math path (which CUDA's fused kernels do not: see the module docstring)."""
 
 
 def block_marks(layers: int) -> list[str]:
@@ -170,10 +180,12 @@ def trace_shape(
     attn: str,
     mode: str,
     layers: int,
-    fused_dropout: bool = False,
+    fused_attention: bool = False,
+    pick: tuple[int, ...] | None = None,
 ) -> RawTrace:
     """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline;
-    ``fused_dropout``: SDPA's dropout as CUDA's kernels fuse it (left out of the traced call)."""
+    ``fused_attention``: SDPA calls CPU runs on its math path as CUDA's fused kernel runs them; ``pick``: the
+    full model's (first, middle, last) layers the copy is made of, the middle one repeated (``layer_picks``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ljperf.config import LaunchConfig, TrainConfig
@@ -181,10 +193,15 @@ def trace_shape(
     from ljperf.hardware import DeviceInfo
     from ljperf.runtime import Process, RunContext
 
-    shallow = models.with_layers(spec, layers)
     fake_mode = FakeTensorMode()
     dtype = torch.bfloat16 if precision == "bf16-params" else None
-    model = fake_model(shallow, attn=attn, fake_mode=fake_mode, dtype=dtype)
+    if pick is None:
+        shallow = models.with_layers(spec, layers)
+        model = fake_model(shallow, attn=attn, fake_mode=fake_mode, dtype=dtype)
+    else:
+        picked = (pick[0], *[pick[1]] * (layers - 2), pick[-1])
+        shallow = models.with_layers(spec, layers, pick=picked)
+        model = fake_model(spec, attn=attn, fake_mode=fake_mode, dtype=dtype, pick=picked)
     if mode != "none":
         from ljperf.checkpoint.apply import apply_plan
 
@@ -202,13 +219,18 @@ def trace_shape(
         process=Process(device=DeviceInfo(type="cpu", index=None, name="fake")),
     )
     timeline = LiveBytesTimeline()
-    state = {"backward": False, "sdpa_dropout": False}
+    state = {"backward": False, "sdpa_math": False}
     _install_marks(model, timeline, state)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def traced_sdpa(*args: Any, dropout_p: float = 0.0, **kwargs: Any) -> torch.Tensor:
-        state["sdpa_dropout"] |= dropout_p > 0
-        return sdpa(*args, dropout_p=0.0 if fused_dropout else dropout_p, **kwargs)
+    def traced_sdpa(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, dropout_p: float = 0.0, **kwargs: Any
+    ) -> torch.Tensor:
+        if fused_attention and (dropout_p > 0 or value.shape[-1] != query.shape[-1]):
+            return _FusedAttention.apply(query, key, value)
+        out = sdpa(query, key, value, *args, dropout_p=dropout_p, **kwargs)
+        state["sdpa_math"] |= out.grad_fn is not None and "ScaledDotProduct" not in type(out.grad_fn).__name__
+        return out
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", traced_sdpa))
@@ -224,7 +246,25 @@ def trace_shape(
             accumulate(model, batches, run=run)
         except (RuntimeError, NotImplementedError) as exc:  # e.g. a kernel whose fake version refuses fp32
             raise TraceError(f"its training step does not run on fake tensors: {one_line(exc)}") from exc
-    return RawTrace(points=timeline.points, marks=timeline.marks, sdpa_dropout=state["sdpa_dropout"])
+    return RawTrace(points=timeline.points, marks=timeline.marks, sdpa_math=state["sdpa_math"])
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What CUDA's memory-efficient SDPA kernel keeps for backward (its inputs, output and fp32 log-sum-exp) and
+    makes there (the inputs' gradients); on fake tensors only the sizes count."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        b, h, s, _ = query.shape
+        # laid out (batch, seq, heads, dim) as the kernels write it: the layers' transpose back makes no copy
+        out = query.new_empty((b, s, h, value.shape[-1])).transpose(1, 2)
+        lse = query.new_empty((b, h, s), dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors[:3])
 
 
 @contextlib.contextmanager
@@ -245,12 +285,13 @@ def real_code_paths() -> Iterator[None]:
         with contextlib.suppress(ImportError):  # an older transformers: experts that fake tensors cannot run
             from transformers.integrations import moe
 
-            can_use = moe._can_use_grouped_mm
+            can_use = getattr(moe, "_can_use_grouped_mm", None)
 
             def bf16_only(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
                 return can_use(input, weight, offs) and input.dtype == weight.dtype == torch.bfloat16
 
-            stack.enter_context(mock.patch.object(moe, "_can_use_grouped_mm", bf16_only))
+            if can_use is not None:
+                stack.enter_context(mock.patch.object(moe, "_can_use_grouped_mm", bf16_only))
         yield
 
 
@@ -359,8 +400,8 @@ class Patterns:
     ``TRACE_LAYERS``-deep copy runs them."""
     per_layer: dict[str, list[list[int]]]
     """Edge segment → what each layer adds to its points (rows as in ``segments``); absent where nothing."""
-    sdpa_dropout: bool = False
-    """The traced SDPA calls had dropout."""
+    sdpa_math: bool = False
+    """A traced SDPA call took the math path."""
 
     def points(self, name: str, b: int, s: int, *, per_layer: bool = False) -> list[int]:
         """The points of segment ``name`` at micro batch ``b`` and sequence ``s`` (of its per-layer share)."""
@@ -394,7 +435,7 @@ def fit_patterns(traces: dict[tuple[int, int], RawTrace], *, layers: int) -> dic
 
 
 def with_per_layer(
-    reference: dict[str, list[list[int]]], deeper: dict[str, list[list[int]]], *, sdpa_dropout: bool = False
+    reference: dict[str, list[list[int]]], deeper: dict[str, list[list[int]]], *, sdpa_math: bool = False
 ) -> Patterns:
     """Patterns from the fits of the ``TRACE_LAYERS``- and ``SLOPE_LAYERS``-deep copies: the layers' segments
     must agree (the composition repeats them), and an edge segment's difference is its per-layer share."""
@@ -409,7 +450,7 @@ def with_per_layer(
         if name.split("@")[0] not in EDGES:
             raise TraceError(f"decoder layer segment {name} depends on the model's depth")
         per_layer[name] = slope
-    return Patterns(segments=reference, per_layer=per_layer, sdpa_dropout=sdpa_dropout)
+    return Patterns(segments=reference, per_layer=per_layer, sdpa_math=sdpa_math)
 
 
 def _exact_fit(x: torch.Tensor, y: torch.Tensor, name: str) -> list[list[int]]:
@@ -448,24 +489,61 @@ _FAILED: dict[Path, TraceError] = {}
 """Traces that failed in this process: each of those calls falls back to the analytic formula at once."""
 
 
+def layer_picks(kinds: Sequence[int]) -> dict[int, tuple[int, int, int] | None]:
+    """``{kind: pick}`` for each kind of middle decoder layer (``kinds``: one per layer of the full model): the
+    full model's first layer, the first middle one of that kind and the last, which a traced copy is made of;
+    ``{kind: None}`` where every layer is alike (the copy's own layers, as its config builds them)."""
+    n = len(kinds)
+    if len(set(kinds)) == 1:
+        return {kinds[0]: None}
+    picks: dict[int, tuple[int, int, int] | None] = {}
+    for i in range(1, n - 1) if n > 2 else (n - 1,):
+        picks.setdefault(kinds[i], (0, i, n - 1))
+    return picks
+
+
+def reference_kind(kinds: Sequence[int]) -> int:
+    """The most frequent kind of middle layer: its copy's first and last layers, edges and per-layer costs stand
+    for all kinds (every copy has the same first and last layers)."""
+    middle = list(kinds[1:-1]) or list(kinds[-1:])
+    return max(dict.fromkeys(middle), key=middle.count)
+
+
 def traced_patterns(
-    spec: models.ModelSpec, *, precision: str, attn: str, mode: str, micro_batch: int, device: str = "cpu"
+    spec: models.ModelSpec,
+    *,
+    precision: str,
+    attn: str,
+    mode: str,
+    micro_batch: int,
+    device: str = "cpu",
+    pick: tuple[int, ...] | None = None,
 ) -> Patterns:
     """The fitted patterns of one architecture and shape family on ``device``, from the cache or traced now (and
-    cached): CPU's, and for CUDA those with fused SDPA dropout where the model has dropout there."""
-    patterns = _traced_patterns(spec, precision=precision, attn=attn, mode=mode, micro_batch=micro_batch)
-    if device == "cuda" and patterns.sdpa_dropout:
-        return _traced_patterns(
-            spec, precision=precision, attn=attn, mode=mode, micro_batch=micro_batch, fused_dropout=True
-        )
+    cached): CPU's, and for CUDA those with fused attention where CPU's SDPA took its math path. ``pick``: a
+    copy of those layers of the full model (``layer_picks``)."""
+    kwargs = {"precision": precision, "attn": attn, "mode": mode, "micro_batch": micro_batch, "pick": pick}
+    patterns = _traced_patterns(spec, **kwargs)
+    if device == "cuda" and patterns.sdpa_math:
+        return _traced_patterns(spec, **kwargs, fused_attention=True)
     return patterns
 
 
 def _traced_patterns(
-    spec: models.ModelSpec, *, precision: str, attn: str, mode: str, micro_batch: int, fused_dropout: bool = False
+    spec: models.ModelSpec,
+    *,
+    precision: str,
+    attn: str,
+    mode: str,
+    micro_batch: int,
+    fused_attention: bool = False,
+    pick: tuple[int, ...] | None = None,
 ) -> Patterns:
     fam = family(micro_batch)
-    key = family_key(spec, precision=precision, attn=attn, mode=mode + ("-fused-dropout" if fused_dropout else ""))
+    variant = mode + ("-fused-attention" if fused_attention else "")
+    if pick is not None:  # its layers, of this depth
+        variant += f"-layers-{'-'.join(map(str, pick))}-of-{spec.layers}"
+    key = family_key(spec, precision=precision, attn=attn, mode=variant)
     path = cache_dir() / f"{spec.architecture}-{mode}-{fam}-{key}.json"
     if path in _FAILED:
         raise _FAILED[path]
@@ -481,13 +559,14 @@ def _traced_patterns(
                 attn=attn,
                 mode=mode,
                 layers=layers,
-                fused_dropout=fused_dropout,
+                fused_attention=fused_attention,
+                pick=pick,
             )
 
         def make() -> Patterns:
             shapes = FAMILIES[fam]
             reference = {shape: trace(shape, TRACE_LAYERS) for shape in shapes}
-            dropout = any(raw.sdpa_dropout for raw in reference.values())
+            math = any(raw.sdpa_math for raw in reference.values())
             patterns = fit_patterns(reference, layers=TRACE_LAYERS)
             # The deeper copy at one shape first: where its segments equal the reference's, no layer leaves anything
             # to the edges (the usual case), and the other shapes need not be traced again.
@@ -496,22 +575,22 @@ def _traced_patterns(
             if split_segments(deeper[probe], layers=SLOPE_LAYERS) == split_segments(
                 reference[probe], layers=TRACE_LAYERS
             ):
-                return Patterns(segments=patterns, per_layer={}, sdpa_dropout=dropout)
+                return Patterns(segments=patterns, per_layer={}, sdpa_math=math)
             deeper |= {shape: trace(shape, SLOPE_LAYERS) for shape in shapes[:-1]}
-            return with_per_layer(patterns, fit_patterns(deeper, layers=SLOPE_LAYERS), sdpa_dropout=dropout)
+            return with_per_layer(patterns, fit_patterns(deeper, layers=SLOPE_LAYERS), sdpa_math=math)
 
         try:
             _PATTERNS[path] = cached(
                 path,
                 load=lambda data: Patterns(
-                    segments=data["segments"], per_layer=data["per_layer"], sdpa_dropout=data["sdpa_dropout"]
+                    segments=data["segments"], per_layer=data["per_layer"], sdpa_math=data["sdpa_math"]
                 ),
                 make=make,
                 dump=lambda p: {
                     "trace_version": TRACE_VERSION,
                     "segments": p.segments,
                     "per_layer": p.per_layer,
-                    "sdpa_dropout": p.sdpa_dropout,
+                    "sdpa_math": p.sdpa_math,
                 },
             )
         except TraceError as exc:
