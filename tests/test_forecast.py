@@ -267,7 +267,8 @@ DEEPSEEK_TINY |= {"eos_token_id": 2} | MOE["deepseek_v3"] | {"first_k_dense_repl
 
 
 def test_layers_of_different_kinds_are_traced_each(tmp_path):
-    """DeepSeek-V3's layout at 5 layers: three dense, then two of experts. Copies of 3 and 4 layers had only
+    """DeepSeek-V3's layout at 5 layers: three dense, then two of experts (micro batch 1: its family traces 4
+    shapes, not 7). Copies of 3 and 4 layers had only
     dense ones (the trace failed, analytic: -17%); now one copy per kind of middle layer, made of the full
     model's own layers (0, 1, 4) and (0, 3, 4), and the walk takes each layer's own kind."""
     from transformers import AutoConfig
@@ -276,12 +277,12 @@ def test_layers_of_different_kinds_are_traced_each(tmp_path):
     path.write_text(json.dumps(AutoConfig.for_model("deepseek_v3", **DEEPSEEK_TINY).to_dict()))
     spec = models.resolve(path=path)
     assert timeline.block_params(spec).layer_kinds == (0, 0, 0, 1, 1)
-    for recompute in ("none", "2", "selective"):
-        plan = fixed_plan(parse_recompute(recompute), spec.layers)
-        result = forecast(spec, Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64, recompute=plan))
-        measured = measured_peak(spec, micro_batch=2, seq_len=64, recompute=recompute)
-        assert result.source == "traced"
-        assert abs(result.peak_allocated_bytes - measured) / measured < 0.05, (recompute, result, measured)
+    # the first two layers full, the rest none: both modes, both kinds (selective, none alone: exact by hand)
+    plan = fixed_plan(parse_recompute("2"), spec.layers)
+    result = forecast(spec, Recipe(device="cpu", precision="fp32", micro_batch=1, seq_len=64, recompute=plan))
+    measured = measured_peak(spec, micro_batch=1, seq_len=64, recompute="2")
+    assert result.source == "traced"
+    assert abs(result.peak_allocated_bytes - measured) / measured < 0.05, (result, measured)
 
 
 def test_picks_of_layer_kinds():
