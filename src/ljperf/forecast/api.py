@@ -10,9 +10,22 @@ from ljperf.errors import UsageError
 from ljperf.forecast import analytic, timeline
 from ljperf.forecast.calibrate import overheads_for
 from ljperf.forecast.recipe import Forecast, Recipe
-from ljperf.forecast.trace import FAMILIES, TraceError, layer_picks, reference_kind, traced_patterns
+from ljperf.forecast.trace import FAMILIES, Patterns, TraceError, layer_picks, reference_kind, traced_patterns
 
 TRACED_TOKENS = max(seq for shapes in FAMILIES.values() for _, seq in shapes)
+
+
+def _patterns(spec: models.ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[int, ...] | None) -> Patterns:
+    """The traced patterns of ``recipe``'s code path in recompute ``mode`` (of a copy of layers ``pick``)."""
+    return traced_patterns(
+        spec,
+        precision=recipe.trace_precision,
+        attn=recipe.attn_implementation,
+        mode=mode,
+        micro_batch=recipe.micro_batch,
+        device=recipe.device,
+        pick=pick,
+    )
 
 
 def forecast(spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None = None) -> Forecast:
@@ -20,15 +33,7 @@ def forecast(spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None 
     try:
         picks = layer_picks(timeline.block_params(spec).layer_kinds)
         patterns = {
-            (mode, kind): traced_patterns(
-                spec,
-                precision=recipe.trace_precision,
-                attn=recipe.attn_implementation,
-                mode=mode,
-                micro_batch=recipe.micro_batch,
-                device=recipe.device,
-                pick=pick,
-            )
+            (mode, kind): _patterns(spec, recipe, mode=mode, pick=pick)
             for mode in dict.fromkeys(recipe.layer_modes(spec.layers))
             for kind, pick in picks.items()
         }
@@ -149,15 +154,7 @@ def layer_costs(
     pick = layer_picks(kinds)[reference_kind(kinds)]  # the most frequent kind of layer stands for all
     for mode in modes:
         try:
-            pats = traced_patterns(
-                spec,
-                precision=recipe.trace_precision,
-                attn=recipe.attn_implementation,
-                mode=mode,
-                micro_batch=recipe.micro_batch,
-                device=recipe.device,
-                pick=pick,
-            )
+            pats = _patterns(spec, recipe, mode=mode, pick=pick)
         except TraceError as exc:
             raise UsageError(f"cannot trace {spec.name}: {exc}") from None
         values = pats.evaluate(recipe.micro_batch, recipe.seq_len)

@@ -51,7 +51,7 @@ class BlockParams:
     """Its first dimension (FSDP2 shards every parameter on it)."""
     buffer_bytes: int
     """Model buffers (RoPE frequencies)."""
-    layer_kinds: tuple[int, ...] = ()
+    layer_kinds: tuple[int, ...]
     """Each decoder layer's kind: layers with the same parameters (names, shapes) and modules are one kind,
     numbered in order (DeepSeek-V3: 0, 0, 0, 1, ..., 1); the trace copies one layer of each."""
     order: tuple[tuple[str, int], ...] = ()
@@ -80,7 +80,7 @@ def block_params(spec: models.ModelSpec) -> BlockParams:
     key = architecture_key(spec, f"{spec.layers} layers")
     if key not in _BLOCKS:
         path = cache_dir() / f"{spec.architecture}-blocks-{key}.json"
-        _BLOCKS[key] = cached(path, load=_load_blocks, make=lambda: _block_counts(spec), dump=_dump_blocks)
+        _BLOCKS[key] = cached(path, load=_load_blocks, make=lambda: _block_counts(spec), dump=asdict)
     return _BLOCKS[key]
 
 
@@ -89,10 +89,6 @@ def _load_blocks(data: dict) -> BlockParams:
     order = tuple((str(tag), int(n)) for tag, n in data["order"])
     sizes, kinds = (tuple(int(n) for n in data[k]) for k in ("layer_sizes", "layer_kinds"))
     return BlockParams(**ints, layer_sizes=sizes, layer_kinds=kinds, order=order)
-
-
-def _dump_blocks(blocks: BlockParams) -> dict:
-    return asdict(blocks)
 
 
 def _block_counts(spec: models.ModelSpec) -> BlockParams:

@@ -195,13 +195,10 @@ def trace_shape(
 
     fake_mode = FakeTensorMode()
     dtype = torch.bfloat16 if precision == "bf16-params" else None
-    if pick is None:
-        shallow = models.with_layers(spec, layers)
-        model = fake_model(shallow, attn=attn, fake_mode=fake_mode, dtype=dtype)
-    else:
-        picked = (pick[0], *[pick[1]] * (layers - 2), pick[-1])
-        shallow = models.with_layers(spec, layers, pick=picked)
-        model = fake_model(spec, attn=attn, fake_mode=fake_mode, dtype=dtype, pick=picked)
+    picked = None if pick is None else (pick[0], *[pick[1]] * (layers - 2), pick[-1])
+    shallow = models.with_layers(spec, layers, pick=picked)
+    # picked layers are copied from the full model; otherwise the shallow config builds its own
+    model = fake_model(shallow if picked is None else spec, attn=attn, fake_mode=fake_mode, dtype=dtype, pick=picked)
     if mode != "none":
         from ljperf.checkpoint.apply import apply_plan
 
@@ -548,20 +545,10 @@ def _traced_patterns(
     if path in _FAILED:
         raise _FAILED[path]
     if path not in _PATTERNS:
+        options = {"precision": precision, "attn": attn, "mode": mode, "fused_attention": fused_attention, "pick": pick}
 
         def trace(shape: tuple[int, int], layers: int) -> RawTrace:
-            b, s = shape
-            return trace_shape(
-                spec,
-                micro_batch=b,
-                seq_len=s,
-                precision=precision,
-                attn=attn,
-                mode=mode,
-                layers=layers,
-                fused_attention=fused_attention,
-                pick=pick,
-            )
+            return trace_shape(spec, micro_batch=shape[0], seq_len=shape[1], layers=layers, **options)
 
         def make() -> Patterns:
             shapes = FAMILIES[fam]
