@@ -25,7 +25,7 @@ REL = 1e-5
 
 def tiny_spec(layers: int = 2) -> models.ModelSpec:
     data = {**models.read_config_dict(name="llama-tiny"), "num_hidden_layers": layers}
-    return models.ModelSpec(name="llama-tiny-2l", config=models.hf_config(data, source="test"))
+    return models.ModelSpec.of(models.hf_config(data, source="test"), name="llama-tiny-2l")
 
 
 def tiny_model() -> torch.nn.Module:

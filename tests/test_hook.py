@@ -98,7 +98,7 @@ def forecasts_none_and_full(engine: str = "torch", world: int = 1) -> tuple[int,
     from ljperf.models import ModelSpec, hf_config
     from scripts.tiny_llama import CONFIG, MICRO_BATCH, SEQ_LEN
 
-    spec = ModelSpec(name="script", config=hf_config(CONFIG, source="test"))
+    spec = ModelSpec.of(hf_config(CONFIG, source="test"), name="script")
     # deepspeed_train.py sets its own gradient bucket (DeepSpeed's default is 5e8 elements, ljperf's hidden²)
     zero = ZeroSettings(reduce_bucket_size=4096)
     recipe = Recipe(

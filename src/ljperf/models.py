@@ -10,16 +10,18 @@ import argparse
 import contextlib
 import copy
 import difflib
+import hashlib
 import json
 import logging
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
-from importlib import resources
+from importlib import metadata, resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ljperf.cache import cache_root, cached
 from ljperf.errors import UsageError, describe
 from ljperf.result import read_json_object
 
@@ -100,46 +102,111 @@ def hf_config(data: dict, *, source: str) -> PretrainedConfig:
     return config
 
 
+FACT_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "intermediate_size",
+    "sliding_window",
+    "num_local_experts",
+    "num_experts",
+    "model_type",
+)
+"""The config attributes the forecast reads (``ModelSpec.fact``), through the config class's attribute map
+(GPT-2's ``n_embd`` is ``hidden_size``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigFacts:
+    """What ljperf reads of a transformers config, kept on disk per config file and transformers version so that
+    a warm ``ljperf plan`` runs without importing transformers (seconds of its ~4 s of imports)."""
+
+    architecture: str
+    """The config class's name without ``Config`` (``Llama``)."""
+    attributes: dict[str, Any]
+    """``FACT_FIELDS`` as the config object answers them (None where it has no such attribute)."""
+    config_dict: dict[str, Any]
+    """``config.to_dict()``: with defaults filled in, what traced numbers depend on."""
+    sdpa: bool
+    """The model's transformers class has SDPA attention."""
+
+    @classmethod
+    def of(cls, config: PretrainedConfig) -> ConfigFacts:
+        from transformers import AutoModelForCausalLM
+
+        model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+        return cls(
+            architecture=type(config).__name__.removesuffix("Config"),
+            attributes={k: getattr(config, k, None) for k in FACT_FIELDS},
+            config_dict=config.to_dict(),
+            sdpa=bool(getattr(model_class, "_supports_sdpa", True)),
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A resolved model: its name, HF config and the arithmetic the metrics need."""
+    """A resolved model: its name, HF config and the arithmetic the metrics need. ``ModelSpec.of`` a config
+    object; ``resolve`` gives one whose config object is built from the file when first asked for."""
 
     name: str
     """Catalog name, or the config path for ``--model-config``."""
-    config: PretrainedConfig
-    """The transformers config the model is built from."""
+    facts: ConfigFacts
+    """What the forecast reads of the config."""
+    data: dict[str, Any] | None = None
+    """The config file's dict, the config object is built from (None: the object was given)."""
+
+    @classmethod
+    def of(cls, config: PretrainedConfig, *, name: str) -> ModelSpec:
+        spec = cls(name=name, facts=ConfigFacts.of(config))
+        spec.__dict__["config"] = config  # the cached property's value
+        return spec
+
+    @cached_property
+    def config(self) -> PretrainedConfig:
+        """The transformers config the model is built from (shared: a copy is changed, never this one)."""
+        assert self.data is not None
+        return hf_config(self.data, source=f"model {self.name!r}")
+
+    def fact(self, name: str, default: Any = None) -> Any:
+        """A ``FACT_FIELDS`` attribute of the config, or ``default`` where it is None."""
+        value = self.facts.attributes[name]
+        return default if value is None else value
 
     @property
     def architecture(self) -> str:
-        return type(self.config).__name__.removesuffix("Config")
+        return self.facts.architecture
 
     @property
     def layers(self) -> int:
-        return self.config.num_hidden_layers
+        return self.fact("num_hidden_layers")
 
     @property
     def hidden(self) -> int:
-        return self.config.hidden_size
+        return self.fact("hidden_size")
 
     @property
     def vocab(self) -> int:
-        return self.config.vocab_size
+        return self.fact("vocab_size")
 
     @property
     def heads(self) -> int:
-        return self.config.num_attention_heads
+        return self.fact("num_attention_heads")
 
     @property
     def kv_heads(self) -> int:
-        return getattr(self.config, "num_key_value_heads", None) or self.heads
+        return self.fact("num_key_value_heads") or self.heads
 
     @property
     def head_dim(self) -> int:
-        return getattr(self.config, "head_dim", None) or self.hidden // self.heads
+        return self.fact("head_dim") or self.hidden // self.heads
 
     @property
     def max_positions(self) -> int | None:
-        return getattr(self.config, "max_position_embeddings", None)
+        return self.fact("max_position_embeddings")
 
     def seq_len(self, requested: int | None, *, flag: str = "--seq-len") -> int:
         """``requested``, or min(4096, the max positions) when None; one past the max positions is a usage error
@@ -152,12 +219,9 @@ class ModelSpec:
     def attention(self, requested: str | None, *, flag: str = "--attn-implementation") -> str:
         """``requested``, or (None) sdpa where the model's transformers class has it and eager where not
         (Gemma 2), as transformers' own default picks; sdpa asked of a class without it is a usage error."""
-        from transformers import AutoModelForCausalLM
-
-        sdpa = getattr(AutoModelForCausalLM._model_mapping[type(self.config)], "_supports_sdpa", True)
-        if requested == "sdpa" and not sdpa:
+        if requested == "sdpa" and not self.facts.sdpa:
             raise UsageError(f"{flag} sdpa: {self.name} ({self.architecture}) has no SDPA attention; use eager")
-        return requested or ("sdpa" if sdpa else "eager")
+        return requested or ("sdpa" if self.facts.sdpa else "eager")
 
     @cached_property
     def params(self) -> ParamCounts:
@@ -193,21 +257,43 @@ class ParamCounts:
     where a model has them), plus the LM head when tied."""
 
 
+FACTS_VERSION = 1
+"""Bump when ``ConfigFacts`` changes: older cached facts are then not read."""
+
+
 def resolve(*, name: str | None = None, path: str | Path | None = None) -> ModelSpec:
     """A ``ModelSpec`` from a catalog name or a local config path (whose layout is checked on a one-layer
-    meta-device build: about 1 s, mostly importing the model's code, which a run imports anyway)."""
+    meta-device build: about 1 s, mostly importing the model's code, which a run imports anyway).
+
+    A config file this transformers version has accepted before is not built again: its ``ConfigFacts`` are
+    read from the cache and the config object is built when first asked for (a warm ``ljperf plan`` never is;
+    transformers' warnings about the file show on its first build).
+    """
     data = read_config_dict(name=name, path=path)
     source = f"model {name!r}" if name else f"--model-config {str(path)!r}"
-    with _warnings_only_if_accepted():
-        spec = ModelSpec(name=name or str(path), config=hf_config(data, source=source))
-        if path is not None:
-            try:
-                decoder_layers(build_meta(with_layers(spec, 1)))
-            except UsageError as exc:
-                raise UsageError(f"{source}: {exc}") from None
-            except Exception as exc:  # a value transformers' validation let through, e.g. an unknown rope type
-                raise UsageError(f"{source}: transformers cannot build the model: {describe(exc)}") from None
-    return spec
+    spec_name = name or str(path)
+
+    def build() -> ModelSpec:
+        with _warnings_only_if_accepted():
+            spec = ModelSpec.of(hf_config(data, source=source), name=spec_name)
+            if path is not None:
+                try:
+                    decoder_layers(build_meta(with_layers(spec, 1)))
+                except UsageError as exc:
+                    raise UsageError(f"{source}: {exc}") from None
+                except Exception as exc:  # a value transformers' validation let through, e.g. an unknown rope type
+                    raise UsageError(f"{source}: transformers cannot build the model: {describe(exc)}") from None
+        return spec
+
+    blob = json.dumps([data, metadata.version("transformers"), FACTS_VERSION], sort_keys=True, default=str)
+    file = cache_root() / "models" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
+    return cached(
+        file,
+        load=lambda facts: ModelSpec(name=spec_name, facts=ConfigFacts(**facts), data=data),
+        make=build,
+        # JSON as the forecast's cache keys dump it (default=str), so a read dict keys the same traces
+        dump=lambda spec: json.loads(json.dumps(asdict(spec.facts), default=str)),
+    )
 
 
 @contextlib.contextmanager
@@ -257,7 +343,7 @@ def with_layers(spec: ModelSpec, layers: int, *, pick: Sequence[int] | None = No
         value = getattr(config, name, None)
         if isinstance(value, list):
             setattr(config, name, [j for j, i in enumerate(pick) if i % depth in value])
-    return ModelSpec(name=f"{spec.name}[{layers} layers]", config=config)
+    return ModelSpec.of(config, name=f"{spec.name}[{layers} layers]")
 
 
 def build_picked(spec: ModelSpec, pick: Sequence[int], *, attn_implementation: str | None = None) -> torch.nn.Module:
@@ -280,7 +366,7 @@ _FULL: dict[str, torch.nn.Module] = {}
 
 def _full_meta(spec: ModelSpec, attn_implementation: str | None) -> torch.nn.Module:
     """The full-depth meta build ``build_picked`` copies layers from, kept for the process's later copies."""
-    key = json.dumps([spec.config.to_dict(), attn_implementation], sort_keys=True, default=str)
+    key = json.dumps([spec.facts.config_dict, attn_implementation], sort_keys=True, default=str)
     if key not in _FULL:
         _FULL.clear()  # one model at a time: a solver or plan traces one
         _FULL[key] = build_meta(spec, attn_implementation=attn_implementation)

@@ -16,12 +16,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from ljperf import hardware, models
+from ljperf.cache import cached
 from ljperf.checkpoint import parse_recompute
 from ljperf.checkpoint.apply import SAVE_OPS, Plan, fixed_plan, summary
 from ljperf.errors import UsageError
@@ -180,6 +181,20 @@ class LayerCost:
 
 
 def layer_cost(spec: models.ModelSpec, *, micro_batch: int, seq_len: int, attn: str) -> LayerCost:
+    """``LayerCost`` of the first decoder layer of ``spec``, traced on fake tensors (cached on disk per
+    architecture, attention and shape)."""
+    from ljperf.forecast.trace import architecture_key, cache_dir
+
+    key = architecture_key(spec, "layer cost", attn, f"{micro_batch}x{seq_len}")
+    return cached(
+        cache_dir() / f"{spec.architecture}-cost-{key}.json",
+        load=lambda data: LayerCost(**data),
+        make=lambda: _traced_layer_cost(spec, micro_batch=micro_batch, seq_len=seq_len, attn=attn),
+        dump=asdict,
+    )
+
+
+def _traced_layer_cost(spec: models.ModelSpec, *, micro_batch: int, seq_len: int, attn: str) -> LayerCost:
     """Trace the first decoder layer of ``spec`` on fake tensors and split its forward ops."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -30,7 +30,7 @@ def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
     if mode == "full":  # the layer's input: the residual stream, bf16 with bf16 parameters
         return (2 if recipe.trace_precision == "bf16-params" else 4) * h * tokens
     a = 2 if recipe.precision != "fp32" else 4
-    ffn = getattr(spec.config, "intermediate_size", 4 * h)
+    ffn = spec.fact("intermediate_size", 4 * h)
     # bf16 parameters (FSDP2, DeepSpeed): each RMSNorm keeps its fp32 upcast of the input and the rsqrt instead
     per_token = 2 * (4 * h + 4) if recipe.trace_precision == "bf16-params" else 2 * (2 * 4 * h + 4)
     per_token += 2 * a * (heads * d + 2 * kv * d) + a * heads * d + 4 * heads
@@ -40,7 +40,7 @@ def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
         per_token += 2 * a * h
     if recipe.trace_precision == "bf16-mixed":  # fp32 parameters under autocast (DDP): per-op weight copies
         weights = 2 * (h * heads * d * 2 + 2 * h * kv * d + 3 * h * ffn)
-    if spec.config.model_type in QK_NORM:
+    if spec.fact("model_type") in QK_NORM:
         per_token += (4 + a) * (heads + kv) * d + 4 * (heads + kv)
     if recipe.attn_implementation == "eager":
         probs = 4 + (a if a < 4 else 0)  # the fp32 softmax, and its cast when the matmuls run narrower

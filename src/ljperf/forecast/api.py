@@ -46,14 +46,14 @@ def forecast(spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None 
     if allocated != raw.peak_allocated_bytes:
         breakdown["device_overhead"] = allocated - raw.peak_allocated_bytes
     notes = list(raw.notes)
-    window = getattr(spec.config, "sliding_window", None)
+    window = spec.fact("sliding_window")
     if window and TRACED_TOKENS < window < recipe.seq_len:
         notes.append(
             f"sliding window {window} is shorter than --seq-len {recipe.seq_len} but longer than the traced"
             f" {TRACED_TOKENS} tokens, so what windowed attention adds (its mask) is not traced (8 Mistral-7B"
             " layers, a 1024 window, 4096 tokens: 3.4% low)"
         )
-    experts = getattr(spec.config, "num_local_experts", None) or getattr(spec.config, "num_experts", None)
+    experts = spec.fact("num_local_experts") or spec.fact("num_experts")
     if experts and experts > 1 and raw.source == "analytic":
         notes.append(
             f"mixture of {experts} experts, not traced: the analytic formula counts no expert activations as they"

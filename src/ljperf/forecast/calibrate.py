@@ -14,6 +14,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ljperf.cache import cache_root
 from ljperf.errors import UsageError
 from ljperf.result import read_json, read_json_object, write_json
 
@@ -54,9 +55,7 @@ DEFAULTS: dict[str, Overheads] = {
 
 
 def calibration_path() -> Path:
-    from ljperf.forecast.trace import cache_dir
-
-    return cache_dir().parent / "calibration.json"
+    return cache_root() / "calibration.json"
 
 
 def load(path: Path | None = None) -> dict[str, Overheads]:

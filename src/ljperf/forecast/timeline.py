@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 from ljperf import models
+from ljperf.cache import cached
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
 from ljperf.forecast.trace import (
     EDGES,
@@ -22,7 +23,6 @@ from ljperf.forecast.trace import (
     TraceError,
     architecture_key,
     cache_dir,
-    cached,
     peak_and_net,
     reference_kind,
 )

@@ -36,13 +36,12 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
@@ -50,15 +49,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ljperf import models
+from ljperf.cache import cache_root, cached
 from ljperf.errors import one_line
-from ljperf.result import read_json, write_json
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.modeling_outputs import CausalLMOutputWithPast
-
-T = TypeVar("T")
 
 TRACE_VERSION = 5
 TRACE_LAYERS = 3
@@ -459,12 +456,12 @@ def _exact_fit(x: torch.Tensor, y: torch.Tensor, name: str) -> list[list[int]]:
 
 # --- cache ----------------------------------------------------------------------------------------------
 def cache_dir() -> Path:
-    return Path(os.environ.get("LJPERF_CACHE_DIR") or Path.home() / ".cache" / "ljperf") / "forecast"
+    return cache_root() / "forecast"
 
 
 def architecture_key(spec: models.ModelSpec, *extra: str) -> str:
     """The config without its depth, plus ``extra`` and the package versions: what traced numbers depend on."""
-    config = {k: v for k, v in spec.config.to_dict().items() if k not in ("num_hidden_layers", "layer_types")}
+    config = {k: v for k, v in spec.facts.config_dict.items() if k not in ("num_hidden_layers", "layer_types")}
     blob = json.dumps([config, *extra, _versions(), TRACE_VERSION], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -584,15 +581,3 @@ def _traced_patterns(
             _FAILED[path] = exc
             raise
     return _PATTERNS[path]
-
-
-def cached(path: Path, *, load: Callable[[Any], T], make: Callable[[], T], dump: Callable[[T], Any]) -> T:
-    """``load`` of the JSON file at ``path``; when it is missing, unreadable or damaged, ``make()``, saved there
-    through ``dump`` (a cache that cannot be written is only slower)."""
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        return load(read_json(path))
-    value = make()
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, dump(value))
-    return value

@@ -421,7 +421,7 @@ def model_recipe(
         raise UsageError(f"{type(model).__name__} is not an HF model: plans are made for HF causal LMs")
     decoder_layers(model)  # one the forecast can trace (Llama's layout), or a UsageError that says so
     config = model.config
-    spec = ModelSpec(name=getattr(config, "name_or_path", "") or type(model).__name__, config=config)
+    spec = ModelSpec.of(config, name=getattr(config, "name_or_path", "") or type(model).__name__)
     device = next(model.parameters()).device
     if device.type == "meta":
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device
