@@ -293,6 +293,25 @@ def test_picks_of_layer_kinds():
     assert trace.reference_kind((0, 0, 0, 1, 1, 1, 1)) == 1 and trace.reference_kind((0, 1)) == 1
 
 
+def test_the_recompute_cost_per_layer_is_a_layer_of_the_most_frequent_kind(tmp_path):
+    """The solver ranks plans by one layer's recompute time: DeepSeek-V3's is a layer of experts (58 of 61),
+    not its first, dense, layer (what a one-layer copy builds). Its trace of fp32 experts failed (torch's fake
+    grouped_mm takes bf16 only): ``--recompute auto`` of any mixture of experts ended in a traceback."""
+    from transformers import AutoConfig
+
+    from ljperf.checkpoint.solver import LayerCost, layer_cost
+
+    def cost(dense: int) -> LayerCost:
+        path = tmp_path / f"dense{dense}.json"
+        config = AutoConfig.for_model("deepseek_v3", **DEEPSEEK_TINY | {"num_hidden_layers": 4})
+        config.first_k_dense_replace = dense
+        path.write_text(json.dumps(config.to_dict()))
+        return layer_cost(models.resolve(path=path), micro_batch=1, seq_len=32, attn="sdpa")
+
+    one_dense, all_experts, all_dense = cost(1), cost(0), cost(4)
+    assert one_dense == all_experts and all_experts.saved_flops != all_dense.saved_flops
+
+
 def test_a_cuda_forecast_keeps_what_fused_attention_keeps_for_a_narrower_value_head(tmp_path):
     """DeepSeek-V3's MLA: value heads (128) narrower than query heads (192). CPU SDPA runs its math path and
     keeps b·h·s² probabilities; CUDA's memory-efficient kernel does not (DeepSeek-V3 at 4096 tokens under

@@ -181,27 +181,32 @@ class LayerCost:
 
 
 def layer_cost(spec: models.ModelSpec, *, micro_batch: int, seq_len: int, attn: str) -> LayerCost:
-    """``LayerCost`` of the first decoder layer of ``spec``, traced on fake tensors (cached on disk per
-    architecture, attention and shape)."""
-    from ljperf.forecast.trace import architecture_key, cache_dir
+    """``LayerCost`` of a decoder layer of ``spec`` of the most frequent kind (DeepSeek-V3's first three are
+    dense, the other 58 mixtures of experts), traced on fake tensors; cached on disk per architecture, layer,
+    attention and shape."""
+    from ljperf.forecast.timeline import block_params
+    from ljperf.forecast.trace import architecture_key, cache_dir, reference_kind
 
-    key = architecture_key(spec, "layer cost", attn, f"{micro_batch}x{seq_len}")
+    kinds = block_params(spec).layer_kinds
+    index = 0 if len(set(kinds)) == 1 else kinds.index(reference_kind(kinds))
+    key = architecture_key(spec, "layer cost", f"layer {index}", attn, f"{micro_batch}x{seq_len}")
     return cached(
         cache_dir() / f"{spec.architecture}-cost-{key}.json",
         load=lambda data: LayerCost(**data),
-        make=lambda: _traced_layer_cost(spec, micro_batch=micro_batch, seq_len=seq_len, attn=attn),
+        make=lambda: _traced_layer_cost(spec, index, micro_batch=micro_batch, seq_len=seq_len, attn=attn),
         dump=asdict,
     )
 
 
-def _traced_layer_cost(spec: models.ModelSpec, *, micro_batch: int, seq_len: int, attn: str) -> LayerCost:
-    """Trace the first decoder layer of ``spec`` on fake tensors and split its forward ops."""
+def _traced_layer_cost(spec: models.ModelSpec, index: int, *, micro_batch: int, seq_len: int, attn: str) -> LayerCost:
+    """Trace decoder layer ``index`` of ``spec`` (0: a one-layer copy's own) on fake tensors and split its
+    forward ops."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
     from torch.utils.flop_counter import flop_registry
 
-    from ljperf.forecast.trace import fake_model
+    from ljperf.forecast.trace import fake_model, real_code_paths
 
     totals = {"flops": 0.0, "bytes": 0.0}
     inside = [False]
@@ -231,11 +236,15 @@ def _traced_layer_cost(spec: models.ModelSpec, *, micro_batch: int, seq_len: int
             return out
 
     fake_mode = FakeTensorMode()
-    model = fake_model(models.with_layers(spec, 1), attn=attn, fake_mode=fake_mode)
+    if index == 0:
+        model = fake_model(models.with_layers(spec, 1), attn=attn, fake_mode=fake_mode)
+    else:  # a copy of the full model's layer: no config of one layer builds it
+        model = fake_model(spec, attn=attn, fake_mode=fake_mode, pick=(index,))
     layer = models.decoder_layers(model)[0]
     layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
     layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
-    with fake_mode, Census(), torch.no_grad():
+    # real_code_paths: fp32 experts run transformers' fallback op (torch's fake grouped_mm refuses fp32)
+    with fake_mode, Census(), torch.no_grad(), real_code_paths():
         model(input_ids=torch.zeros(micro_batch, seq_len, dtype=torch.long), use_cache=False)
     return LayerCost(tokens=micro_batch * seq_len, saved_flops=totals["flops"], pointwise_bytes=totals["bytes"])
 
