@@ -74,7 +74,7 @@ from ljperf.forecast import Recipe, forecast
 from ljperf.hardware import calibration_name
 from ljperf.models import ModelSpec, hf_config
 device = sys.argv[1]
-spec = ModelSpec(name="script", config=hf_config(CONFIG, source="gpu_session"))
+spec = ModelSpec.of(hf_config(CONFIG, source="gpu_session"), name="script")
 recipe = Recipe(device=device, precision="fp32", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, optimizer="fused")
 name = calibration_name(torch.device(device, 0) if device == "cuda" else torch.device("cpu"))
 none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers), device_name=name).device_bytes for m in ("none", "full"))
