@@ -346,6 +346,14 @@ def test_per_layer_config_lists_follow_the_layer_count():
         [1, 3],
     )
     assert (shallower.moe_layers, deeper.moe_layers) == ([0], [0, 2, 4])
+    # DeepSeek's dense layers before its experts: an all-dense 3-layer model traced its 4-layer copy with a fourth
+    # layer of experts (its trace failed, depth-dependent; analytic -12% on CPU)
+    spec.config.first_k_dense_replace = 4  # all four layers dense
+    assert [models.with_layers(spec, n).config.first_k_dense_replace for n in (2, 3, 5)] == [2, 3, 5]
+    spec.config.first_k_dense_replace = 3
+    five = models.with_layers(spec, 5)  # the full model's layers 0, 1, 2, 3, 0: three dense, then experts
+    assert five.config.first_k_dense_replace == 3
+    assert models.with_layers(five, 3, pick=(0, 3, 4)).config.first_k_dense_replace == 1
 
 
 def test_a_sliding_window_the_trace_does_not_reach_gets_a_note(tmp_path, capsys):

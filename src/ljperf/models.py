@@ -325,12 +325,15 @@ PER_LAYER_LISTS = ("layer_types", "no_rope_layers")
 """Config lists with one entry per decoder layer (Gemma 3's sliding/full attention pattern, Llama 4's RoPE)."""
 LAYER_INDEX_LISTS = ("mlp_only_layers", "moe_layers")
 """Config lists of layer indices (Qwen MoE's dense layers, Llama 4's mixture-of-experts layers)."""
+LEADING_LAYER_COUNTS = ("first_k_dense_replace",)
+"""Config counts of leading layers of one kind (DeepSeek's and GLM-4.5's dense layers before their experts)."""
 
 
 def with_layers(spec: ModelSpec, layers: int, *, pick: Sequence[int] | None = None) -> ModelSpec:
     """The same architecture with ``layers`` decoder layers, fewer or more (the forecast traces 3- and 4-layer
-    copies of a 2-layer model too): per-layer config lists are cut, or repeat their pattern, to match; with
-    ``pick``, the entries of those of the full model's layers (``build_picked``)."""
+    copies of a 2-layer model too): per-layer config lists are cut, or repeat their pattern, to match, and counts
+    of leading layers follow (a 3-layer DeepSeek whose 3 layers are dense has a 4-layer copy with 4 dense, not a
+    fourth of experts); with ``pick``, the entries of those of the full model's layers (``build_picked``)."""
     config = copy.deepcopy(spec.config)
     depth = config.num_hidden_layers
     config.num_hidden_layers = layers
@@ -343,6 +346,11 @@ def with_layers(spec: ModelSpec, layers: int, *, pick: Sequence[int] | None = No
         value = getattr(config, name, None)
         if isinstance(value, list):
             setattr(config, name, [j for j, i in enumerate(pick) if i % depth in value])
+    for name in LEADING_LAYER_COUNTS:  # the copy's leading run of layers the full model has of that kind
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            leading = [i % depth < value for i in pick] + [False]
+            setattr(config, name, leading.index(False))
     return ModelSpec.of(config, name=f"{spec.name}[{layers} layers]")
 
 
