@@ -1,4 +1,5 @@
-"""python benchmarks/forecast_gpu.py [--device cuda|cpu] [--models llama3.2-1b,llama3.2-3b] [--out-dir DIR]
+"""python benchmarks/forecast_gpu.py [--device cuda|cpu] [--models llama3.2-1b,llama3.2-3b] [--shapes 1x2048,...]
+[--out-dir DIR]
 
 Forecast vs measured peak memory of a real training step, side by side. For each model and shape the torch
 engine (bf16-mixed, AdamW foreach, sdpa) trains three steps and ``torch.cuda.max_memory_allocated`` of step 3
@@ -10,6 +11,11 @@ Writes to ``--out-dir`` (default ``benchmarks/results``): ``forecast_<device>_<d
 and ``forecast_<device>_<date>/*.json``, one record per run that ``ljperf plan --calibrate DIR/*.json`` fits the
 device overheads from. ``--device cpu`` runs the same comparison with tiny models in fp32 and the CPU
 live-tensor measurement: an end-to-end check of the script on a machine without a GPU.
+
+``--models`` also takes config.json paths: ``benchmarks/configs`` has GPT-2 large (attention dropout) and a dense
+DeepSeek-V2-Lite-shaped MLA model (value heads narrower than query heads), the two kinds of attention whose CUDA
+forecast assumes the fused kernel CPU's SDPA does not run (``--shapes 1x1024,4x1024``). A run that fails is a
+row with its error, not the end of the table.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 from ljperf import benchmark, hardware, models
 from ljperf.config import LaunchConfig, OptimConfig, TrainConfig
 from ljperf.engines.torch_engine import TorchEngine
+from ljperf.errors import describe
 from ljperf.forecast import Recipe, forecast
 from ljperf.result import environment, write_atomic, write_json
 from ljperf.runtime import Process, RunContext
@@ -71,6 +78,10 @@ def main() -> None:
     parser.add_argument(
         "--models", help=f"comma-separated catalog names (default: {MODELS['cuda']} on cuda, {MODELS['cpu']} on cpu)"
     )
+    parser.add_argument(
+        "--shapes",
+        help="comma-separated MICRO_BATCHxSEQ_LEN (default: 1x2048,2x2048,1x4096 on cuda, 1x128,2x256 on cpu)",
+    )
     parser.add_argument("--recompute", choices=("none", "full"), default="none")
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
@@ -82,10 +93,17 @@ def main() -> None:
     env = environment(devices=[info.name], world_size=1)
     (out_dir / stamp).mkdir(parents=True, exist_ok=True)
     title = f"{info.name}, torch {torch.__version__}, {precision}, recompute {args.recompute}"
-    rows = []
-    for name in (args.models or MODELS[args.device]).split(","):
-        spec = models.resolve(name=name)
-        for micro_batch, seq_len in SHAPES[args.device]:
+    rows: list[dict] = []
+    failures: list[str] = []
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES[args.device]
+    specs = {  # all resolved before the first run: a misspelt one stops the script at once
+        Path(entry).stem if entry.endswith(".json") else entry: (
+            models.resolve(path=entry) if entry.endswith(".json") else models.resolve(name=entry)
+        )
+        for entry in (args.models or MODELS[args.device]).split(",")
+    }
+    for name, spec in specs.items():
+        for micro_batch, seq_len in shapes:
             recipe = Recipe(
                 device=args.device,
                 precision=precision,
@@ -94,18 +112,24 @@ def main() -> None:
                 recompute=(args.recompute,) * spec.layers,
             )
             start = time.perf_counter()
-            predicted = forecast(spec, recipe, device_name=info.name)
-            seconds = time.perf_counter() - start
-            train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device=args.device)
-            run = RunContext(
-                engine="torch",
-                model=spec,
-                train=train,
-                launch=LaunchConfig(),
-                optim=OptimConfig(recompute=args.recompute),
-                process=Process(device=info),
-            )
-            measured = measure(run)
+            try:
+                predicted = forecast(spec, recipe, device_name=info.name)
+                seconds = time.perf_counter() - start
+                train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device=args.device)
+                run = RunContext(
+                    engine="torch",
+                    model=spec,
+                    train=train,
+                    launch=LaunchConfig(),
+                    optim=OptimConfig(recompute=args.recompute),
+                    process=Process(device=info),
+                )
+                measured = measure(run)
+            except Exception as exc:  # one model's failure (a kernel, a trace) is a row; the others still run
+                failures.append(f"{name} {micro_batch}x{seq_len}: {describe(exc)}")
+                print(failures[-1], flush=True)
+                write_atomic(out_dir / f"{stamp}.md", lambda f: f.write(table(rows, failures, title=title).encode()))
+                continue
             row = {
                 "model": name,
                 "micro_batch": micro_batch,
@@ -133,12 +157,12 @@ def main() -> None:
                 }
                 write_json(out_dir / stamp / f"{name}-b{micro_batch}-s{seq_len}.json", record)
             write_atomic(
-                out_dir / f"{stamp}.md", lambda f: f.write(table(rows, title=title).encode())
+                out_dir / f"{stamp}.md", lambda f: f.write(table(rows, failures, title=title).encode())
             )  # after every run: partial results stay
     print((out_dir / f"{stamp}.md").read_text())
 
 
-def table(rows: list[dict], *, title: str) -> str:
+def table(rows: list[dict], failures: list[str], *, title: str) -> str:
     """Markdown: traced and default-overhead forecasts beside the measured peak, with the error of each."""
 
     def pct(pred: int, meas: int | None) -> str:
@@ -164,6 +188,7 @@ def table(rows: list[dict], *, title: str) -> str:
     errors = [abs(r["forecast_bytes"] - r["measured_bytes"]) / r["measured_bytes"] for r in rows if r["measured_bytes"]]
     if errors:
         lines += ["", f"max |error| of the forecast {100 * max(errors):.1f}% over {len(errors)} runs (target: 5%)"]
+    lines += ["", *(f"failed: {f}" for f in failures)] if failures else []
     return "\n".join(lines) + "\n"
 
 

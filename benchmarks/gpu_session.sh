@@ -12,7 +12,10 @@
 # (4) the startup hook's plan and closed loop in an HF Trainer script (its [ljperf] lines in session.log), with a
 # cache of its own (no calibration fitted on 1B models applied to its tiny one); (5) FSDP2 and ZeRO-3 bf16
 # benchmark runs of llama3.2-1b and a ZeRO-2 one with accumulation, whose records hold forecast vs measured;
-# (6) regional vs DeepSpeed's engine.compile() with DeepCompile under ZeRO-3. Every table is rewritten after each of its runs.
+# (6) regional vs DeepSpeed's engine.compile() with DeepCompile under ZeRO-3; (7) forecast vs measured for GPT-2
+# large (attention dropout) and a dense MLA model (narrower value heads), whose CUDA forecast assumes the fused
+# SDPA kernel. Every table is rewritten after each of its runs.
+# A rerun of some steps only (after a cut): ONLY="compile-deepspeed forecast-fused" bash benchmarks/gpu_session.sh
 # Everything lands in $OUT (the device's return folder; default benchmarks/results/gpu_session): at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +26,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LJPERF_CACHE_DIR="$WORK/cache" PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${LJPERF_GPU_SMOKE:-}" ]; then
     PY="${PY:-.venv/bin/python}" DEVICE=cpu MODEL=llama-tiny MODELS=llama-tiny SEQ=128 MB=2 NPROC=2 KS=0,2 SCALE=3
-    HOOK_MB=4 DEADLINE="${DEADLINE_SMOKE:-1500}"
+    HOOK_MB=4 DEADLINE="${DEADLINE_SMOKE:-1500}" FUSED_MODELS=llama-tiny FUSED_SHAPES=1x64
 else
     PY=python3 DEVICE=cuda MODEL=llama3.2-1b MODELS=llama3.2-1b,llama3.2-3b SEQ=2048 MB=4 NPROC=1 KS=0,8 SCALE=1
     HOOK_MB=64 # 16k tokens a step: activations of hundreds of MiB, beside the device's fixed overheads
+    FUSED_MODELS=benchmarks/configs/gpt2-large.json,benchmarks/configs/deepseek-mla-1b.json FUSED_SHAPES=1x1024,4x1024
     if [ -d .whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || exit 1
@@ -36,9 +40,11 @@ else
     "$PY" -c "import deepspeed, torch, transformers; print('deepspeed', deepspeed.__version__, 'torch', \
 torch.__version__, 'transformers', transformers.__version__)" >>"$OUT/session.log" 2>&1
 fi
+wanted() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 step() { # step NAME SECONDS COMMAND...: run with a time limit (never past DEADLINE), log it, go on whatever happens
     local name=$1 limit=$(($2 * SCALE)) left=$((DEADLINE - SECONDS))
     shift 2
+    wanted "$name" || return 0
     [ "$limit" -gt "$left" ] && limit=$left
     if [ "$limit" -lt 20 ]; then
         echo "== $name skipped: ${left}s left of ${DEADLINE}s" | tee -a "$OUT/session.log"
@@ -64,7 +70,9 @@ step recompute 100 "$PY" benchmarks/recompute.py --device "$DEVICE" --model "$MO
 # CHECKPOINT_OPTIMIZATION (installed as ljperf_startup.pth would), budget half-way between no and full recompute,
 # with the default (uncalibrated) overheads of a cache of its own.
 export HOOK_SCRIPT_MICRO_BATCH="$HOOK_MB"
-if [ $((DEADLINE - SECONDS)) -gt 60 ]; then # the budget takes a forecast of its own (about 10 s)
+if ! wanted hook; then
+    :
+elif [ $((DEADLINE - SECONDS)) -gt 60 ]; then # the budget takes a forecast of its own (about 10 s)
     budget=$(LJPERF_CACHE_DIR="$WORK/hook-cache" "$PY" - "$DEVICE" <<'PY'
 import sys
 sys.path.insert(0, "tests/scripts")
@@ -124,5 +132,8 @@ PY
 step compile-deepspeed 200 "$PY" benchmarks/compile.py --device "$DEVICE" --model "deepspeed/$MODEL" \
     --seq-len "$SEQ" --micro-batch "$MB" --steps 6 --warmup 7 --modes regional,deepspeed \
     --markdown "$OUT/compile_deepspeed.md" -- --nproc-per-node "$NPROC"
+step forecast-fused 120 "$PY" benchmarks/forecast_gpu.py --device "$DEVICE" --models "$FUSED_MODELS" \
+    --shapes "$FUSED_SHAPES" --out-dir "$WORK/forecast-fused"
+cp "$WORK"/forecast-fused/forecast_*.md "$OUT/forecast_fused.md" 2>/dev/null
 echo "== done at ${SECONDS}s" | tee -a "$OUT/session.log"
 ls -l "$OUT"
