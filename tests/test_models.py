@@ -108,6 +108,19 @@ def test_llama3_8b_flops_per_token():
     assert spec.flops_per_token(8192) == 6 * (8_030_261_248 - n_emb) + 12 * 32 * 32 * 128 * 8192
 
 
+def test_mla_attention_flops_count_its_query_key_and_value_widths(tmp_path):
+    """DeepSeek's MLA: query·key 128 + 64 wide per head, value 128; its config's head_dim (64) is the rotary
+    part alone, so 12·L·H·head_dim·T counted 2.5× too few attention FLOPs (and MFU)."""
+    mla = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2}
+    mla |= {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128, "first_k_dense_replace": 2}
+    mla |= {"kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(mla | {"v_head_dim": 128}))
+    spec = models.resolve(path=path)
+    assert spec.head_dim == 64 and spec.attention_widths == (192, 128)
+    assert spec.flops_per_token(1024) == 6 * spec.params.matmul + 6 * 2 * 4 * (192 + 128) * 1024
+
+
 def test_70b_is_built_on_meta_without_allocating():
     start = time.perf_counter()
     model = models.build_meta(models.resolve(name="llama3.1-70b"))

@@ -109,6 +109,9 @@ FACT_FIELDS = (
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
     "max_position_embeddings",
     "intermediate_size",
     "sliding_window",
@@ -205,6 +208,14 @@ class ModelSpec:
         return self.fact("head_dim") or self.hidden // self.heads
 
     @property
+    def attention_widths(self) -> tuple[int, int]:
+        """Per head, the width of the query·key product and of the value: ``head_dim`` twice, except where
+        they differ (DeepSeek's MLA: 128 + 64 rotary for query and key, 128 for the value; its config's
+        ``head_dim`` is the rotary part alone)."""
+        nope, rope = self.fact("qk_nope_head_dim"), self.fact("qk_rope_head_dim")
+        return (nope + rope if nope and rope else self.head_dim), self.fact("v_head_dim") or self.head_dim
+
+    @property
     def max_positions(self) -> int | None:
         return self.fact("max_position_embeddings")
 
@@ -241,7 +252,8 @@ class ModelSpec:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, PaLM/torchtitan definition (see docs/metrics.md)."""
         counts = self.params
-        return 6 * counts.matmul + 12 * self.layers * self.heads * self.head_dim * seq_len
+        qk, v = self.attention_widths
+        return 6 * counts.matmul + 6 * self.layers * self.heads * (qk + v) * seq_len
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,7 +269,7 @@ class ParamCounts:
     where a model has them), plus the LM head when tied."""
 
 
-FACTS_VERSION = 1
+FACTS_VERSION = 2
 """Bump when ``ConfigFacts`` changes: older cached facts are then not read."""
 
 

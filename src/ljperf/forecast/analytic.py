@@ -11,7 +11,8 @@ parameters are fp32 (DDP), the bf16 weight copies its matmuls save (2 bytes per 
 Eager attention keeps the fp32 softmax and, under bf16, its cast (heads·s·4, or heads·s·(4 + a)), and its
 output in place of the log-sum-exp (a·heads·d − 4·heads). Qwen3's per-head RMSNorms of Q
 and K keep the fp32 upcast of their input, the normalised output in the activation width and a per-head
-rsqrt, (4 + a)(heads + kv)·d + 4(heads + kv). Full recompute keeps only the layer input (4h).
+rsqrt, (4 + a)(heads + kv)·d + 4(heads + kv). Full recompute keeps only the layer input (4h). ``d`` is the
+query·key width for Q and K and the value width for V and the output, where they differ (MLA).
 """
 
 from __future__ import annotations
@@ -26,25 +27,26 @@ QK_NORM = ("qwen3",)
 def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
     """Activation bytes one decoder layer keeps for its backward."""
     tokens = recipe.micro_batch * recipe.seq_len
-    h, heads, kv, d = spec.hidden, spec.heads, spec.kv_heads, spec.head_dim
+    h, heads, kv = spec.hidden, spec.heads, spec.kv_heads
+    qk, v = spec.attention_widths
     if mode == "full":  # the layer's input: the residual stream, bf16 with bf16 parameters
         return (2 if recipe.trace_precision == "bf16-params" else 4) * h * tokens
     a = 2 if recipe.precision != "fp32" else 4
     ffn = spec.fact("intermediate_size", 4 * h)
     # bf16 parameters (FSDP2, DeepSpeed): each RMSNorm keeps its fp32 upcast of the input and the rsqrt instead
     per_token = 2 * (4 * h + 4) if recipe.trace_precision == "bf16-params" else 2 * (2 * 4 * h + 4)
-    per_token += 2 * a * (heads * d + 2 * kv * d) + a * heads * d + 4 * heads
+    per_token += 2 * a * (heads * qk + kv * (qk + v)) + a * heads * v + 4 * heads
     per_token += 4 * a * ffn
     weights = 0
     if a == 2:
         per_token += 2 * a * h
     if recipe.trace_precision == "bf16-mixed":  # fp32 parameters under autocast (DDP): per-op weight copies
-        weights = 2 * (h * heads * d * 2 + 2 * h * kv * d + 3 * h * ffn)
+        weights = 2 * ((heads + kv) * h * (qk + v) + 3 * h * ffn)
     if spec.fact("model_type") in QK_NORM:
-        per_token += (4 + a) * (heads + kv) * d + 4 * (heads + kv)
+        per_token += (4 + a) * (heads + kv) * qk + 4 * (heads + kv)
     if recipe.attn_implementation == "eager":
         probs = 4 + (a if a < 4 else 0)  # the fp32 softmax, and its cast when the matmuls run narrower
-        per_token += heads * recipe.seq_len * probs + a * heads * d - 4 * heads
+        per_token += heads * recipe.seq_len * probs + a * heads * v - 4 * heads
     return per_token * tokens + weights
 
 
