@@ -184,6 +184,9 @@ class LoopState:
     recompute: Any = None
     """The recompute plan running (``checkpoint.solver.Decision``; the closed loop may replace it)."""
     closed_loop: dict | None = None
+    forecast_made: bool = False
+    """The memory check forecast the recipe before the run: a record written after a signal (torchrun's SIGTERM
+    once a peer failed, a Ctrl-C) keeps the forecast too, repeated from the trace cache in milliseconds."""
 
 
 def run_worker(cfg: BenchmarkConfig) -> int:
@@ -199,7 +202,7 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         record = new_record(cfg, run)
         reporter = ProgressReporter(run)
         state.recompute = prepare_run(run)
-        check_memory(run, state.recompute.plan if state.recompute else None)
+        state.forecast_made = check_memory(run, state.recompute.plan if state.recompute else None)
         engine = make_engine(run)
         engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
         record["config"]["engine"] = engine.describe()
@@ -228,8 +231,8 @@ def run_worker(cfg: BenchmarkConfig) -> int:
     if recompute is not None:
         loop = {"closed_loop": state.closed_loop} if state.closed_loop else {}
         record["results"]["recompute"] = recompute.record() | loop
-    if run.is_main and exit_code not in (EXIT_SIGINT, EXIT_SIGTERM):
-        # A failed run's record shows what the forecast expected too (a peer's OOM reaches rank 0 as an error).
+    if run.is_main and (state.forecast_made or exit_code not in (EXIT_SIGINT, EXIT_SIGTERM)):
+        # A failed run's record shows what the forecast expected too; a signal must not wait on a first trace.
         plan = recompute.plan if recompute is not None else None
         record["results"]["forecast"] = benchmark_forecast(run, record["results"], plan)
     if run.is_main:

@@ -43,8 +43,9 @@ def benchmark_forecast(run: RunContext, results: dict[str, Any], plan: tuple[str
     return out
 
 
-def check_memory(run: RunContext, plan: tuple[str, ...] | None) -> None:
-    """Before the engine is built, compare the forecast peak with the memory the run has.
+def check_memory(run: RunContext, plan: tuple[str, ...] | None) -> bool:
+    """Before the engine is built, compare the forecast peak with the memory the run has; True where this rank
+    forecast the recipe (rank 0, the memory known): the record's forecast then costs milliseconds, not a trace.
 
     CPU: raise ``MemoryError`` (the run ends as ``oom``, its record written) when this node's processes would
     need more than the RAM available. The kernel would kill the run later with no record and no message:
@@ -64,14 +65,16 @@ def check_memory(run: RunContext, plan: tuple[str, ...] | None) -> None:
             from ljperf.report import warn
 
             warn(f"{short[0]} of GPU memory: expect out of memory; {short[1]}")
-        return
-    reason = None
+        return run.is_main
+    reason, forecast_made = None, False
     if run.is_main and (ram := hardware.available_ram()) is not None:
         local = local_world_size(run.launch.nproc_per_node)
         if short := shortfall(run, plan, memory=ram, processes=local, device_name=name):
             reason = f"{short[0]} of RAM available: not started, the kernel would kill it; {short[1]}"
+        forecast_made = True
     if (reason := shared_from_rank0(reason)) is not None:
         raise MemoryError(reason)
+    return forecast_made
 
 
 def shortfall(
