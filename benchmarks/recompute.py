@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ljperf import hardware, models
-from ljperf.checkpoint.apply import summary
+from ljperf.checkpoint import summary
 from ljperf.checkpoint.solver import Rates, allocated_budget, solve_recipe
 from ljperf.forecast import Forecast, Recipe, forecast
 from ljperf.result import write_atomic

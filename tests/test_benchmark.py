@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ljperf import benchmark, memory, models
+from ljperf import benchmark, benchmark_flags, memory, models
 from ljperf.data import SyntheticTokens
 from ljperf.engines.common import causal_lm_loss
 
@@ -182,7 +182,7 @@ def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypat
     from ljperf.forecast.bench import check_memory
 
     parser = argparse.ArgumentParser()
-    benchmark.add_arguments(parser)
+    benchmark_flags.add_arguments(parser)
     argv = [*TINY, "--device", "cpu", "--micro-batch", "4"]
     run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
     recipe = Recipe.from_run(run)
@@ -212,7 +212,7 @@ def test_the_memory_check_uses_the_devices_calibration(tmp_path, monkeypatch):
     from conftest import stale_calibration_cache
 
     parser = argparse.ArgumentParser()
-    benchmark.add_arguments(parser)
+    benchmark_flags.add_arguments(parser)
     argv = [*TINY, "--device", "cpu"]
     run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
     uncalibrated = forecast(run.model, Recipe.from_run(run)).peak_allocated_bytes
@@ -233,7 +233,7 @@ def test_a_gpu_run_over_its_memory_is_told_what_would_fit():
     from ljperf.runtime import Process
 
     parser = argparse.ArgumentParser()
-    benchmark.add_arguments(parser)
+    benchmark_flags.add_arguments(parser)
     argv = ["--model", "torch/llama3-8b", "--device", "cpu", "--precision", "bf16-mixed", "--seq-len", "4096"]
     run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
     run = dataclasses.replace(run, process=Process(device=DeviceInfo(type="cuda", index=None, name="NVIDIA H100")))
@@ -250,7 +250,7 @@ def test_a_forecast_that_fails_is_one_warning_line_and_no_figure(capsys):
     from ljperf.forecast.bench import benchmark_forecast
 
     parser = argparse.ArgumentParser()
-    benchmark.add_arguments(parser)
+    benchmark_flags.add_arguments(parser)
     argv = [*TINY, "--device", "cpu"]
     run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
     run.train = TrainConfig(device="cpu")
@@ -322,7 +322,7 @@ def test_a_record_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, capsys
     folder = tmp_path / "gone"
     folder.mkdir()
     parser = argparse.ArgumentParser()
-    benchmark.add_arguments(parser)
+    benchmark_flags.add_arguments(parser)
     argv = [*TINY, "--device", "cpu", "--steps", "1", "--warmup", "0", "--output", str(folder / "r.json")]
     cfg = benchmark.config_from_args(parser.parse_args(argv), argv)
     folder.rmdir()

@@ -7,8 +7,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ljperf import memory, models
-from ljperf.checkpoint import parse_recompute
-from ljperf.checkpoint.apply import apply_plan, current_plan, find_blocks, fixed_plan, summary
+from ljperf.checkpoint import fixed_plan, parse_recompute, summary
+from ljperf.checkpoint.apply import apply_plan, current_plan, find_blocks
 from ljperf.errors import UsageError
 
 PLANS = [

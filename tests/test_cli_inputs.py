@@ -253,3 +253,27 @@ def test_help_explains_every_flag_and_shows_its_default(command):
             shown = {("on" if default else "off")} if isinstance(default, bool) else {str(default)}
             shown |= {f"{default:g}"} if isinstance(default, float) else set()
             assert any(f"(default: {s})" in action.help for s in shown), f"{command} {action.option_strings}"
+
+
+TORCH_FREE_FLAGS = ["benchmark", "models", "plan", "doctor", "ablation", "report"]
+"""Commands whose ``--help`` and flag errors answer before torch is imported (comm and compile-report define
+their flags beside the code that measures: they import it)."""
+
+
+def test_help_and_a_mistyped_flag_answer_without_importing_torch():
+    """``ljperf benchmark --help`` took 3-6 s, nearly all of it importing torch (and ``--bogus`` as long)."""
+    code = f"""
+import contextlib, io, sys
+from ljperf import cli
+for command in {TORCH_FREE_FLAGS!r}:
+    for flag in ("--bogus", "--help"):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            try:
+                cli.main([command, flag])
+            except SystemExit as exc:
+                assert exc.code == (2 if flag == "--bogus" else 0), (command, flag, exc.code, err.getvalue())
+        assert "torch" not in sys.modules and "transformers" not in sys.modules, (command, flag)
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr[-3000:]

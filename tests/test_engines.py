@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ljperf import benchmark
+from ljperf import benchmark, benchmark_flags
 from ljperf import deepspeed_config as dsc
 from ljperf.errors import UsageError
 from ljperf.models import read_config_dict
@@ -180,7 +180,7 @@ def test_benchmark_takes_batch_and_stage_from_the_deepspeed_config_unless_a_flag
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 2}}
     path.write_text(json.dumps(config))
     parser = argparse.ArgumentParser()
-    benchmark.add_arguments(parser)
+    benchmark_flags.add_arguments(parser)
     argv = ["--model", "deepspeed/llama-tiny", "--device", "cpu", "--deepspeed-config", str(path)]
     cfg = benchmark.config_from_args(parser.parse_args(argv), argv)
     assert (cfg.train.micro_batch, cfg.train.grad_accum, cfg.engine_opts.zero_stage) == (4, 8, 2)

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from ljperf import benchmark, models
-from ljperf.checkpoint import parse_recompute
-from ljperf.checkpoint.apply import fixed_plan
+from ljperf.checkpoint import fixed_plan, parse_recompute
 from ljperf.cli import main
 from ljperf.config import LaunchConfig, OptimConfig, TrainConfig
 from ljperf.engines.torch_engine import TorchEngine

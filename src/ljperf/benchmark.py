@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 from ljperf import config as cfgmod
 from ljperf import deepspeed_config, hardware, memory, models
-from ljperf.checkpoint import parse_recompute
-from ljperf.checkpoint.apply import fixed_plan
+from ljperf.checkpoint import fixed_plan, parse_recompute
 from ljperf.checkpoint.solver import close_the_loop, prepare_run
 from ljperf.compile import DEEPCOMPILE_WARMUP
 from ljperf.config import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
@@ -42,7 +41,6 @@ from ljperf.errors import (
 )
 from ljperf.faults import Fault
 from ljperf.forecast.bench import benchmark_forecast, check_memory
-from ljperf.hooks import startup
 from ljperf.launch import RunFolder
 from ljperf.metrics import Throughput, throughput
 from ljperf.models import ModelSpec
@@ -96,21 +94,6 @@ class BenchmarkConfig:
             fixed_plan(plan, self.model.layers)  # one that does not match the model fails here, not in every rank
         if optim.compile_mode != "off" and self.train.warmup < 1:
             raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
-
-
-def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) -> None:
-    """The flags of ``ljperf benchmark``; ``environment``: ``CHECKPOINT_OPTIMIZATION=true`` makes ``--recompute``
-    default to ``auto`` (off for a command whose runs are started without the variable)."""
-    models.add_model_arguments(parser)
-    parser.add_argument("--output", metavar="FILE", help="write the JSON result record here (atomically)")
-    cfgmod.add_arguments(parser, TrainConfig)
-    cfgmod.add_arguments(parser, EngineConfig)
-    cfgmod.add_arguments(parser, OptimConfig)
-    if environment and startup.enabled("CHECKPOINT_OPTIMIZATION"):
-        parser.set_defaults(recompute="auto")
-    parser.add_argument("--compile", action="store_true", help="same as --compile-mode regional")
-    parser.set_defaults(compile_mode=None, warmup=None)  # to tell an explicit flag from the default
-    cfgmod.add_arguments(parser, LaunchConfig)
 
 
 def _warmup(args: argparse.Namespace, *, device_type: str) -> int:

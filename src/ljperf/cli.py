@@ -38,17 +38,26 @@ class Command:
 
     help: str
     module: str
+    flags: str | None = None
+    """The module with its ``add_arguments``, where ``module`` imports torch: ``--help`` and a bad flag answer
+    without it (``module`` is imported once the flags parse, under the start-up signal handlers)."""
 
 
 COMMANDS: dict[str, Command] = {
     "benchmark": Command(
-        "train a model on synthetic tokens and measure throughput, MFU and memory", "ljperf.benchmark"
+        "train a model on synthetic tokens and measure throughput, MFU and memory",
+        "ljperf.benchmark",
+        flags="ljperf.benchmark_flags",
     ),
     "models": Command("list the model catalog with parameter counts", "ljperf.list_models"),
     "plan": Command("forecast peak memory per GPU of a recipe before it runs; --calibrate", "ljperf.forecast.cli"),
     "doctor": Command("check driver, NCCL, DeepSpeed config, versions, compile; each with a fix", "ljperf.doctor.cli"),
     "comm": Command("measure collectives (all_reduce, all_gather, ...): time, algbw, busbw, #wrong", "ljperf.comm"),
-    "ablation": Command("measure each optimization's contribution: variants × repeats, report", "ljperf.ablation.cli"),
+    "ablation": Command(
+        "measure each optimization's contribution: variants × repeats, report",
+        "ljperf.ablation.cli",
+        flags="ljperf.ablation.flags",
+    ),
     "report": Command("re-render an ablation's report (table, report.md, PNG) from its JSON", "ljperf.ablation.report"),
     "compile-report": Command(
         "graph breaks, recompiles, compile time per region, eager vs compiled step time", "ljperf.compile_report"
@@ -74,7 +83,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for name, cmd in COMMANDS.items():
         child = sub.add_parser(name, help=cmd.help, description=cmd.help)
         if name == command:
-            importlib.import_module(cmd.module).add_arguments(child)
+            importlib.import_module(cmd.flags or cmd.module).add_arguments(child)
     return parser
 
 

@@ -1,15 +1,18 @@
 """Devices: which one a run uses, its name, memory, and its peak dense bf16 TFLOPS for MFU.
 
 Peak figures are the vendors' dense (no sparsity) BF16 tensor-core numbers from their datasheets
-(see docs/metrics.md). An unknown device gets no MFU rather than a guessed one.
+(see docs/metrics.md). An unknown device gets no MFU rather than a guessed one. torch is imported where a
+function needs it: ``ljperf plan`` on a CPU-less name (``--gpu H100-80GB``) and every command's flags need none.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Ordered: the first pattern that matches the device name wins, so narrower names come first.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -94,25 +97,35 @@ class DeviceInfo:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.type, self.index) if self.index is not None else torch.device(self.type)
 
     @property
     def calibration_name(self) -> str:
         """The name its forecast overheads are calibrated under (``ljperf plan --calibrate``)."""
-        return calibration_name(self.torch_device)
+        return "cpu" if self.type == "cpu" else calibration_name(self.torch_device)
 
 
 def calibration_name(device: torch.device) -> str:
     """The name a device's forecast overheads are calibrated under: the GPU's name, ``cpu`` for any CPU."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(device)
 
 
 def default_device_type() -> str:
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def local_device(device_type: str, local_rank: int) -> DeviceInfo:
     if device_type == "cuda":
+        import torch
+
         torch.cuda.set_device(local_rank)
         return DeviceInfo(type="cuda", index=local_rank, name=torch.cuda.get_device_name(local_rank))
     return DeviceInfo(type="cpu", index=None, name=cpu_name())
@@ -145,4 +158,6 @@ def available_ram() -> int | None:
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)

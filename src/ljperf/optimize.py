@@ -24,7 +24,8 @@ def apply_checkpoint(model: torch.nn.Module, run: RunContext) -> None:
     """The run's ``--recompute`` plan on the model's decoder layers (``auto``: solved here unless the caller did)."""
     if run.optim.recompute == "none":
         return
-    from ljperf.checkpoint.apply import apply_plan, fixed_plan
+    from ljperf.checkpoint import fixed_plan
+    from ljperf.checkpoint.apply import apply_plan
     from ljperf.checkpoint.solver import prepare_run
 
     if run.optim.recompute == "auto":  # not resolved by the caller (the benchmark resolves it first)

@@ -23,8 +23,8 @@ import torch
 
 from ljperf import hardware, models
 from ljperf.cache import cached
-from ljperf.checkpoint import parse_recompute
-from ljperf.checkpoint.apply import SAVE_OPS, Plan, fixed_plan, summary
+from ljperf.checkpoint import Plan, fixed_plan, parse_recompute, summary
+from ljperf.checkpoint.apply import SAVE_OPS
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.units import format_bytes, format_part, parse_memory

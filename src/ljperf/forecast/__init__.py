@@ -14,7 +14,20 @@ API (stable; ``plan``, ``benchmark`` and the checkpoint optimization's solver us
 - Recompute modes are traced through ``ljperf.checkpoint.apply.apply_plan`` (what the engines run).
 """
 
-from ljperf.forecast.api import LayerCost, forecast, layer_costs
-from ljperf.forecast.recipe import Forecast, Recipe
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ljperf.forecast.api import LayerCost, forecast, layer_costs
+    from ljperf.forecast.recipe import Forecast, Recipe
 
 __all__ = ["Forecast", "LayerCost", "Recipe", "forecast", "layer_costs"]
+
+_HOME = {"Forecast": "recipe", "Recipe": "recipe", "LayerCost": "api", "forecast": "api", "layer_costs": "api"}
+
+
+def __getattr__(name: str) -> Any:
+    # Imported when first used: the tracer imports torch, and a command's flags (``--help``, a typo) need none.
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

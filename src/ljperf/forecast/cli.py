@@ -14,8 +14,7 @@ from dataclasses import asdict
 
 from ljperf import config as cfgmod
 from ljperf import deepspeed_config, hardware, models
-from ljperf.checkpoint import parse_recompute
-from ljperf.checkpoint.apply import fixed_plan
+from ljperf.checkpoint import fixed_plan, parse_recompute
 from ljperf.config import EngineConfig, OptimConfig, TrainConfig, check_zero_stage, positive
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings, deepspeed_adamw
@@ -259,7 +258,7 @@ def print_plan(report: dict) -> None:
     console.print(table)
     lines = [f"peak at: {report['phase']} ({report['source']})"]
     if "recompute" in report:
-        from ljperf.checkpoint.apply import describe
+        from ljperf.checkpoint import describe
 
         r = report["recompute"]
         lines.insert(
