@@ -52,7 +52,11 @@ COMMANDS: dict[str, Command] = {
     "models": Command("list the model catalog with parameter counts", "ljperf.list_models"),
     "plan": Command("forecast peak memory per GPU of a recipe before it runs; --calibrate", "ljperf.forecast.cli"),
     "doctor": Command("check driver, NCCL, DeepSpeed config, versions, compile; each with a fix", "ljperf.doctor.cli"),
-    "comm": Command("measure collectives (all_reduce, all_gather, ...): time, algbw, busbw, #wrong", "ljperf.comm"),
+    "comm": Command(
+        "measure collectives (all_reduce, all_gather, ...): time, algbw, busbw, #wrong",
+        "ljperf.comm",
+        flags="ljperf.comm_flags",
+    ),
     "ablation": Command(
         "measure each optimization's contribution: variants × repeats, report",
         "ljperf.ablation.cli",
@@ -60,7 +64,9 @@ COMMANDS: dict[str, Command] = {
     ),
     "report": Command("re-render an ablation's report (table, report.md, PNG) from its JSON", "ljperf.ablation.report"),
     "compile-report": Command(
-        "graph breaks, recompiles, compile time per region, eager vs compiled step time", "ljperf.compile_report"
+        "graph breaks, recompiles, compile time per region, eager vs compiled step time",
+        "ljperf.compile_report",
+        flags="ljperf.compile_report_flags",
     ),
 }
 

@@ -12,15 +12,16 @@ import argparse
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from ljperf import config as cfgmod
 from ljperf import hardware
-from ljperf.config import LaunchConfig, opt
-from ljperf.errors import EXIT_ERROR, EXIT_OK, RunFailed, UsageError, failure, raise_interrupted
+from ljperf.comm_flags import BUS_FACTOR, DTYPE_NAMES, CommConfig
+from ljperf.config import LaunchConfig
+from ljperf.errors import EXIT_ERROR, EXIT_OK, RunFailed, failure, raise_interrupted
 from ljperf.report import console, titled_table
 from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import (
@@ -31,71 +32,14 @@ from ljperf.runtime import (
     shutdown_process,
     under_torchrun,
 )
-from ljperf.units import format_bytes, parse_size
+from ljperf.units import format_bytes
 
-# Bus bandwidth = algbw × this factor of the world size n (nccl-tests, doc/PERFORMANCE.md).
-BUS_FACTOR: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
-OPS = tuple(BUS_FACTOR)
 # Ops whose buffers are split in n equal chunks: their size is rounded down to a multiple of n elements.
 SPLIT_OPS = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # Largest integer each dtype holds exactly: the check's values stay below it for small worlds.
 _EXACT_INT = {torch.float32: 2**24, torch.bfloat16: 2**8, torch.float16: 2**11}
-DEFAULT_MIN_BYTES = "1K"
 CHECK_CHUNK = 1 << 24  # elements compared at a time, so the check needs little extra memory
-
-
-@dataclass(kw_only=True)
-class CommConfig:
-    """Which collectives to time, at which sizes, how often."""
-
-    ops: str = opt("all", f"comma-separated collectives ({', '.join(OPS)}) or all")
-    min_bytes: str | None = opt(
-        None,
-        f"smallest message (nccl-tests -b; default: {DEFAULT_MIN_BYTES}, or --max-bytes when smaller); "
-        "K/M/G are binary, KB/MB/GB decimal",
-    )
-    max_bytes: str = opt("64M", "largest message (nccl-tests -e)")
-    step_factor: int = opt(2, "multiply the size by this from --min-bytes to --max-bytes (nccl-tests -f)")
-    iters: int = opt(20, "timed iterations per size (nccl-tests -n)")
-    warmup_iters: int = opt(5, "untimed iterations per size before timing (nccl-tests -w)")
-    dtype: str = opt("float32", "element type: float32, bfloat16 or float16")
-    device: str = opt("auto", "cuda (NCCL), cpu (gloo) or auto (cuda when available)")
-    check: bool = opt(True, "verify one iteration per size (the #wrong column)")
-    op_list: list[str] = field(init=False, default_factory=list)
-    """The collectives, resolved from ``ops``."""
-    sizes: list[int] = field(init=False, default_factory=list)
-    """The sizes in bytes, resolved from ``min_bytes``, ``max_bytes`` and ``step_factor``."""
-
-    def __post_init__(self) -> None:
-        names = [o.strip() for o in self.ops.split(",") if o.strip()]
-        unknown = [o for o in names if o not in (*OPS, "all")]
-        if unknown or not names:
-            raise UsageError(f"--ops {self.ops!r}: choose from {', '.join(OPS)} or all")
-        self.op_list = list(OPS) if "all" in names else list(dict.fromkeys(names))
-        high = parse_size(self.max_bytes, what="--max-bytes")
-        if self.min_bytes is None:  # a max below the default min asks for small sizes, not for an error
-            self.min_bytes = DEFAULT_MIN_BYTES if parse_size(DEFAULT_MIN_BYTES) <= high else self.max_bytes
-        low = parse_size(self.min_bytes, what="--min-bytes")
-        if low > high:
-            raise UsageError(f"--min-bytes {self.min_bytes} is larger than --max-bytes {self.max_bytes}")
-        if self.step_factor < 2:
-            raise UsageError(f"--step-factor must be 2 or more (got {self.step_factor})")
-        if self.iters <= 0 or self.warmup_iters < 0:
-            raise UsageError("--iters must be larger than zero and --warmup-iters zero or more")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"--device {self.device!r}: choose cpu, cuda or auto")
-        self.sizes = [low]
-        while self.sizes[-1] * self.step_factor <= high:
-            self.sizes.append(self.sizes[-1] * self.step_factor)
 
 
 def bandwidth(op: str, size_bytes: int, seconds: float, *, world: int) -> tuple[float, float]:
@@ -263,13 +207,6 @@ def measure(op: str, size_bytes: int, cfg: CommConfig, *, process: Process) -> R
 
 
 # --- command ----------------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``ljperf comm``."""
-    parser.add_argument("--output", metavar="FILE", help="write the JSON result record here (atomically)")
-    cfgmod.add_arguments(parser, CommConfig)
-    cfgmod.add_arguments(parser, LaunchConfig)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -20,52 +20,14 @@ from rich.markup import escape
 from ljperf import config as cfgmod
 from ljperf import hardware, models
 from ljperf.compile import compile_model
-from ljperf.config import COMPILE_MODES, LARGEST, LaunchConfig, TrainConfig, opt, positive
+from ljperf.compile_report_flags import ReportConfig
+from ljperf.config import LaunchConfig, TrainConfig
 from ljperf.data import SyntheticTokens
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.errors import UsageError
 from ljperf.report import console, titled_table
 from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import Process, RunContext, init_process, resolve_device_type, resolve_train
-
-
-@dataclass(kw_only=True)
-class ReportConfig:
-    """What compile-report runs: lengths, steps per length, compile mode."""
-
-    seq_lens: str = opt("512,1000,2048", "comma-separated sequence lengths, run in this order")
-    steps: int = opt(3, "timed steps per length (after one untimed step), eager and compiled")
-    micro_batch: int = opt(1, "sequences per step")
-    compile_mode: str = opt("regional", "regional or whole", choices=COMPILE_MODES[:2])
-    device: str = opt("auto", "cpu, cuda or auto")
-    precision: str | None = opt(
-        None, "fp32, bf16-mixed or bf16, as ljperf benchmark (default: bf16-mixed on GPU, fp32 on CPU)"
-    )
-
-    def __post_init__(self) -> None:
-        try:
-            lens = [int(x) for x in self.seq_lens.split(",") if x.strip()]
-        except ValueError:
-            raise UsageError(
-                f"--seq-lens {self.seq_lens!r} must be integers separated by commas, e.g. 512,1024"
-            ) from None
-        if not lens or not 2 <= min(lens) <= max(lens) <= LARGEST:
-            raise UsageError(f"--seq-lens {self.seq_lens!r}: give one or more lengths from 2 to {LARGEST}")
-        if len(set(lens)) < len(lens):
-            raise UsageError(f"--seq-lens {self.seq_lens!r} names a length twice: each is one row of the report")
-        positive("steps", self.steps)
-        positive("micro_batch", self.micro_batch)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [int(x) for x in self.seq_lens.split(",") if x.strip()]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``ljperf compile-report``."""
-    models.add_model_arguments(parser, engines=("torch",))  # one process: the regions are every engine's
-    parser.add_argument("--output", metavar="FILE", help="write the JSON report here (atomically)")
-    cfgmod.add_arguments(parser, ReportConfig)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
