@@ -37,7 +37,8 @@ from ljperf.errors import (
     EXIT_SIGTERM,
     UsageError,
     failure,
-    raise_interrupted,
+    interrupt_on_signals,
+    raise_if_interrupted,
 )
 from ljperf.faults import Fault
 from ljperf.forecast.bench import benchmark_forecast, check_memory
@@ -174,7 +175,7 @@ class LoopState:
 
 def run_worker(cfg: BenchmarkConfig) -> int:
     """One rank of a run: build, train, measure, and (on rank 0) print and write the record."""
-    previous = {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = interrupt_on_signals()
     run = run_context(cfg)
     record: dict[str, Any] | None = None
     reporter: ProgressReporter | None = None
@@ -190,6 +191,7 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
         record["config"]["engine"] = engine.describe()
         train_loop(run, engine, state=state, reporter=reporter)
+        raise_if_interrupted()
     except UsageError:
         raise
     except (Exception, KeyboardInterrupt) as exc:  # the record must be written whatever failed
@@ -345,6 +347,7 @@ def _steps(
 ) -> None:
     train, device = run.train, run.device.torch_device
     for step in range(total):
+        raise_if_interrupted()
         batches = data.micro_batches(step, run.rank, device)
         if fault is not None:
             fault.maybe_fire(step, run.rank)

@@ -21,7 +21,7 @@ from ljperf import config as cfgmod
 from ljperf import hardware
 from ljperf.comm_flags import BUS_FACTOR, DTYPE_NAMES, CommConfig
 from ljperf.config import LaunchConfig
-from ljperf.errors import EXIT_ERROR, EXIT_OK, RunFailed, failure, raise_interrupted
+from ljperf.errors import EXIT_ERROR, EXIT_OK, RunFailed, failure, interrupt_on_signals, raise_if_interrupted
 from ljperf.report import console, titled_table
 from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import (
@@ -244,16 +244,18 @@ def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, outpu
     }
     rows: list[Row] = []
     status, reason, exit_code = "ok", None, EXIT_OK
-    previous = {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = interrupt_on_signals()
     try:
         for op in cfg.op_list:
             start = len(rows)
             try:
                 for size in cfg.sizes:
+                    raise_if_interrupted()
                     rows.append(measure(op, size, cfg, process=process))
             finally:  # also the sizes an op measured before it failed
                 if process.is_main and rows[start:]:
                     print_table(op, rows[start:], world=process.world, backend=dist.get_backend())
+        raise_if_interrupted()
     except (Exception, KeyboardInterrupt) as exc:
         status, reason, exit_code = failure(exc)
     for sig in previous:  # a second signal must not interrupt writing the record

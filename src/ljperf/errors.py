@@ -1,7 +1,9 @@
 """Errors that ljperf turns into exit codes and one-line messages (see ``ljperf.cli.main``)."""
 
 import signal
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -85,9 +87,41 @@ def failure(exc: BaseException) -> tuple[str, str, int]:
     return "error", describe(exc), EXIT_ERROR
 
 
+_received: list[int] = []
+"""The signals ``raise_interrupted`` took since ``interrupt_on_signals``."""
+
+
 def raise_interrupted(signum: int, _frame: object) -> None:
-    """A SIGTERM/SIGINT handler for runs that keep a partial result: the run unwinds, then writes it."""
+    """A SIGTERM/SIGINT handler for runs that keep a partial result: the run unwinds, then writes it. The signal
+    is kept too: raised inside a ``__del__`` or a weakref callback (the garbage collector runs them at any
+    allocation), the exception goes to ``sys.unraisablehook`` and the run would go on to its end, exit status 0;
+    ``raise_if_interrupted`` raises it again where the run checks."""
+    _received.append(signum)
     raise Interrupted(signum)
+
+
+def raise_if_interrupted() -> None:
+    """Raise the ``Interrupted`` of a signal that came (one swallowed where Python ignores exceptions)."""
+    if _received:
+        raise Interrupted(_received[0])
+
+
+def interrupt_on_signals() -> dict[int, Any]:
+    """Make SIGTERM and SIGINT raise ``Interrupted`` (nothing received yet); returns the handlers they had. A
+    swallowed ``Interrupted`` prints nothing (it is raised again), other unraisable errors print as before."""
+    _received.clear()
+    if not getattr(sys.unraisablehook, "_ljperf", False):
+        sys.unraisablehook = _quiet_when_interrupted(sys.unraisablehook)
+    return {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _quiet_when_interrupted(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    def unraisable(info: Any) -> None:
+        if not isinstance(info.exc_value, Interrupted):
+            hook(info)
+
+    unraisable._ljperf = True  # type: ignore[attr-defined]
+    return unraisable
 
 
 def one_line(exc: BaseException) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 from rich.markup import escape
 
 from ljperf.ablation.variants import Environment, Variant
-from ljperf.errors import Interrupted, UsageError
+from ljperf.errors import UsageError, raise_interrupted
 from ljperf.hooks import startup
 from ljperf.launch import RUN_DIR_ENV
 from ljperf.report import console, warn
@@ -113,7 +113,7 @@ def run_all(runs: list[PlannedRun], *, out: Path, timeout: float, force: bool) -
     records = []
     # SIGTERM (a scheduler ending the job) unwinds like Ctrl-C: the running benchmark is stopped, not orphaned,
     # and ljperf exits 143.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         for i, run in enumerate(runs):
             record = done[i]
@@ -126,10 +126,6 @@ def run_all(runs: list[PlannedRun], *, out: Path, timeout: float, force: bool) -
     finally:
         signal.signal(signal.SIGTERM, previous)
     return records
-
-
-def _interrupt(signum: int, _frame: Any) -> None:
-    raise Interrupted(signum)
 
 
 def read_records(out: Path) -> tuple[dict[Path, dict[str, Any]], list[str]]:
