@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ljperf.memory import CPU_METHOD
 from ljperf.result import write_json
 from ljperf.runtime import free_port
 
@@ -340,6 +341,50 @@ def test_a_signal_that_lands_inside_a_destructor_still_ends_the_run(tmp_path):
     assert proc.stderr.strip().splitlines() == ["ljperf benchmark: error: interrupted by SIGTERM"], proc.stderr
     res = read_record(out)["results"]
     assert res["reason"] == "interrupted by SIGTERM" and res["steps_completed"] == 0
+
+
+def test_a_signal_while_a_failure_is_handled_still_leaves_the_record(tmp_path):
+    """torchrun sends SIGTERM to every rank once one failed; it lands while the others handle their own error
+    (rank 0 saw its peer vanish). It once escaped from there and rank 0 wrote no record: the launcher rebuilt one
+    without rank 0's peak (``test_an_oom_on_another_rank_is_the_runs_oom`` failed so, 1 in 2 full runs). A
+    stand-in sends SIGTERM while the injected error is handled; the record keeps the error and the peak."""
+    out = tmp_path / "r.json"
+    (tmp_path / "stand_in.py").write_text(
+        "import os, signal, sys, time\n"
+        "from ljperf import benchmark, cli\n"
+        "handled = benchmark.failure\n"
+        "def failure_then_signal(exc):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.1)  # the handler runs here\n"
+        "    return handled(exc)\n"
+        "benchmark.failure = failure_then_signal\n"
+        f"sys.argv = ['ljperf', *{[*TINY, '--warmup', '3', '--steps', '2', '--output', str(out)]!r}]\n"
+        "cli.entry()\n"
+    )
+    env = cli_env() | {"LJPERF_FAULT": "error,step=4,rank=0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "stand_in"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    res = read_record(out)["results"]
+    assert res["status"] == "error" and "injected" in res["reason"], res["reason"]
+    assert res["steps_completed"] == 1 and res["peak_allocated_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_rank_0_dying_after_its_measured_step_keeps_its_peak(tmp_path):
+    """Rank 0 dies with no record; the launcher rebuilds it from rank 0's progress lines, whose measured step's
+    line carries its peak."""
+    out = tmp_path / "r.json"
+    args = [*TINY, "--nproc-per-node", "2", "--warmup", "3", "--steps", "2", "--output", str(out)]
+    proc = start(args, tmp_path, LJPERF_FAULT="exit,step=4,rank=0")
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 1, stderr[-2000:]
+    res = read_record(out)["results"]
+    assert res["status"] == "error" and "rank 0" in res["reason"], res["reason"]
+    assert res["steps_completed"] == 1
+    assert res["peak_allocated_bytes_per_rank"][0] > 0 and res["peak_allocated_bytes_per_rank"][1] is None
+    assert res["memory_method"] == CPU_METHOD
 
 
 def test_ctrl_c_inside_an_exec_of_source_still_exits_130(tmp_path):

@@ -12,7 +12,6 @@ import contextlib
 import functools
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -37,8 +36,10 @@ from ljperf.errors import (
     EXIT_SIGTERM,
     UsageError,
     failure,
+    hold_interrupts,
     interrupt_on_signals,
     raise_if_interrupted,
+    restore_signals,
 )
 from ljperf.faults import Fault
 from ljperf.forecast.bench import benchmark_forecast, check_memory
@@ -191,19 +192,20 @@ def run_worker(cfg: BenchmarkConfig) -> int:
         engine.setup(models.build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
         record["config"]["engine"] = engine.describe()
         train_loop(run, engine, state=state, reporter=reporter)
+        hold_interrupts()
         raise_if_interrupted()
     except UsageError:
         raise
     except (Exception, KeyboardInterrupt) as exc:  # the record must be written whatever failed
+        # First: a signal from here on (torchrun's SIGTERM after this rank's own error, a second Ctrl-C) must not
+        # escape while the record is written. Only the microseconds before this line stay open to one.
+        hold_interrupts()
         status, reason, exit_code = failure(exc)
         if (folder := RunFolder.watching()) is not None:
             folder.leave_failure(reason, rank=run.rank)
     finally:
         if reporter is not None:
             reporter.close()
-    # A second Ctrl-C must not interrupt writing the record; the caller's handlers come back after.
-    for sig in previous:
-        signal.signal(sig, signal.SIG_IGN)
     if record is None and exit_code in (EXIT_SIGINT, EXIT_SIGTERM):
         # Nothing ran, so nothing is lost; and an import the signal cut short is broken (retried, it warns or fails).
         print(f"ljperf benchmark: {reason} before the run began; no record written", file=sys.stderr)
@@ -234,8 +236,7 @@ def run_worker(cfg: BenchmarkConfig) -> int:
             print(f"ljperf benchmark: {status}: {reason}", file=sys.stderr)
     if status == "ok" or run.world == 1:  # a failed group is kept: its barrier could wait on a lost peer
         shutdown_process()
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
+    restore_signals(previous)
     return exit_code
 
 
@@ -355,8 +356,7 @@ def _steps(
         if step in measure_steps:
             loss = measured_memory_step(run, engine, batches, state=state)
             if step == track_step and closed_loop:
-                measured = memory.cuda_peaks(device)[0] if device.type == "cuda" else state.peak_allocated
-                if loop := close_the_loop(run, engine.model, state.recompute, measured=measured):
+                if loop := close_the_loop(run, engine.model, state.recompute, measured=state.peak_allocated):
                     state.recompute, state.closed_loop = loop
                     # CUDA's counters were reset for the new plan; the CPU measures its first step if untimed
                     if state.closed_loop["replanned"] and device.type != "cuda":
@@ -370,7 +370,14 @@ def _steps(
             if train.warmup <= step < train.warmup + train.steps:
                 state.step_times.append(elapsed)
                 state.losses.append(loss)
-        reporter.step(step, total=total, loss=loss, seconds=elapsed)
+        peaks = None
+        if step in measure_steps:
+            peaks = {
+                "peak_allocated": state.peak_allocated,
+                "peak_reserved": state.peak_reserved,
+                "memory_method": state.memory_method,
+            }
+        reporter.step(step, total=total, loss=loss, seconds=elapsed, peaks=peaks)
 
 
 def measured_memory_step(
@@ -381,7 +388,10 @@ def measured_memory_step(
     if device.type == "cuda":
         memory.reset_cuda_peak(device)
         state.memory_method = memory.CUDA_METHOD
-        return engine.train_step(batches)
+        loss = engine.train_step(batches)
+        # Read again when the loop ends (a later step may go higher); this reading is the progress line's.
+        state.peak_allocated, state.peak_reserved = memory.cuda_peaks(device)
+        return loss
     # An engine whose state lies outside model/optimizer.state (DeepSpeed's flat partitions) lists its own.
     own = getattr(engine, "state_tensors", None)
     alive = (own() if own else memory.training_state_tensors(engine.model, engine.optimizer)) + batches
@@ -463,7 +473,7 @@ def _per_rank_memory(run: RunContext, state: LoopState, healthy: bool) -> tuple[
 
 
 def results_from_progress(cfg: BenchmarkConfig, progress: Path) -> dict[str, Any]:
-    """The record of a run whose rank 0 died before writing one: the steps its progress lines show."""
+    """The record of a run whose rank 0 died before writing one: the steps and the peak its progress lines show."""
     run = run_context(cfg, world=cfg.launch.nproc_per_node * cfg.launch.nnodes)
     record = new_record(cfg, run)
     state = LoopState()
@@ -474,5 +484,9 @@ def results_from_progress(cfg: BenchmarkConfig, progress: Path) -> dict[str, Any
         if step is not None and seconds is not None and cfg.train.warmup <= step < cfg.train.warmup + cfg.train.steps:
             state.step_times.append(seconds)
             state.losses.append(torch.tensor(entry["loss"]))
+        if "peaks" in entry:  # the measured step's memory: rank 0's, the figure a record from its end would hold
+            state.peak_allocated = entry["peaks"]["peak_allocated"]
+            state.peak_reserved = entry["peaks"]["peak_reserved"]
+            state.memory_method = entry["peaks"]["memory_method"]
     record["results"] = results_section(cfg, run, state, status="error", reason=None)
     return record

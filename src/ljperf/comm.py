@@ -9,7 +9,6 @@ nccl-tests' definitions (docs/comm.md). ``--output FILE`` writes the JSON record
 from __future__ import annotations
 
 import argparse
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -21,7 +20,16 @@ from ljperf import config as cfgmod
 from ljperf import hardware
 from ljperf.comm_flags import BUS_FACTOR, DTYPE_NAMES, CommConfig
 from ljperf.config import LaunchConfig
-from ljperf.errors import EXIT_ERROR, EXIT_OK, RunFailed, failure, interrupt_on_signals, raise_if_interrupted
+from ljperf.errors import (
+    EXIT_ERROR,
+    EXIT_OK,
+    RunFailed,
+    failure,
+    hold_interrupts,
+    interrupt_on_signals,
+    raise_if_interrupted,
+    restore_signals,
+)
 from ljperf.report import console, titled_table
 from ljperf.result import check_writable, record_header, write_json
 from ljperf.runtime import (
@@ -255,11 +263,11 @@ def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, outpu
             finally:  # also the sizes an op measured before it failed
                 if process.is_main and rows[start:]:
                     print_table(op, rows[start:], world=process.world, backend=dist.get_backend())
+        hold_interrupts()  # a signal from here on must not interrupt writing the record
         raise_if_interrupted()
     except (Exception, KeyboardInterrupt) as exc:
+        hold_interrupts()
         status, reason, exit_code = failure(exc)
-    for sig in previous:  # a second signal must not interrupt writing the record
-        signal.signal(sig, signal.SIG_IGN)
     wrong = sum(r.wrong or 0 for r in rows)
     if status == "ok" and wrong:
         reason = f"{wrong} element(s) differ from the expected result (see the #wrong column)"
@@ -275,8 +283,7 @@ def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, outpu
         write_json(output, record)
     if status == "ok" or process.world == 1:  # a failed group is kept: its barrier could wait on a lost peer
         shutdown_process()
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
+    restore_signals(previous)
     if status != "ok":
         raise RunFailed(reason, exit_code=exit_code)
     return 0

@@ -89,6 +89,8 @@ def failure(exc: BaseException) -> tuple[str, str, int]:
 
 _received: list[int] = []
 """The signals ``raise_interrupted`` took since ``interrupt_on_signals``."""
+_held = False
+"""Set by ``hold_interrupts``: signals are noted, not raised."""
 
 
 def raise_interrupted(signum: int, _frame: object) -> None:
@@ -97,7 +99,16 @@ def raise_interrupted(signum: int, _frame: object) -> None:
     allocation), the exception goes to ``sys.unraisablehook`` and the run would go on to its end, exit status 0;
     ``raise_if_interrupted`` raises it again where the run checks."""
     _received.append(signum)
-    raise Interrupted(signum)
+    if not _held:
+        raise Interrupted(signum)
+
+
+def hold_interrupts() -> None:
+    """From here on a signal is noted (``raise_if_interrupted`` sees it) but not raised: the run is unwinding to
+    write its record, which a signal must not cut short (torchrun sends SIGTERM to every rank once one failed,
+    and it lands while the others handle their own error)."""
+    global _held
+    _held = True
 
 
 def raise_if_interrupted() -> None:
@@ -109,10 +120,20 @@ def raise_if_interrupted() -> None:
 def interrupt_on_signals() -> dict[int, Any]:
     """Make SIGTERM and SIGINT raise ``Interrupted`` (nothing received yet); returns the handlers they had. A
     swallowed ``Interrupted`` prints nothing (it is raised again), other unraisable errors print as before."""
+    global _held
     _received.clear()
+    _held = False
     if not getattr(sys.unraisablehook, "_ljperf", False):
         sys.unraisablehook = _quiet_when_interrupted(sys.unraisablehook)
     return {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def restore_signals(previous: dict[int, Any]) -> None:
+    """Give SIGTERM and SIGINT back the handlers ``interrupt_on_signals`` returned; signals raise again."""
+    global _held
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    _held = False
 
 
 def _quiet_when_interrupted(hook: Callable[[Any], None]) -> Callable[[Any], None]:

@@ -47,7 +47,8 @@ class ProgressReporter:
         if self.enabled and folder is not None:
             self._log = open(folder.progress, "a", buffering=1)
 
-    def step(self, step: int, *, total: int, loss: Any, seconds: float | None) -> None:
+    def step(self, step: int, *, total: int, loss: Any, seconds: float | None, peaks: dict | None = None) -> None:
+        """Step ``step`` ended; ``peaks``: the memory a measured step used (its line keeps it for the launcher)."""
         if not self.enabled:
             return
         value = float(loss)
@@ -67,7 +68,8 @@ class ProgressReporter:
         ms = f"{seconds * 1e3:.1f} ms" if seconds is not None else "(memory)"
         self._bar.update(self._task, completed=step + 1, loss=value, ms=ms)
         if self._log is not None:
-            self._log.write(json.dumps({"step": step, "loss": value, "time_s": seconds}) + "\n")
+            line = {"step": step, "loss": value, "time_s": seconds} | ({"peaks": peaks} if peaks else {})
+            self._log.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
         if self._bar is not None:
