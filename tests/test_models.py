@@ -238,19 +238,21 @@ def test_unknown_model_names_the_closest():
 
 
 def test_a_model_without_sdpa_runs_eager_by_default_and_refuses_sdpa(tmp_path):
-    """Gemma 2's transformers class has no SDPA attention: with ljperf's sdpa default its run failed after the
-    model was built (ValueError, status error) and it got no forecast; transformers itself picks eager."""
-    gemma2 = {**models.read_config_dict(name="llama-tiny"), "model_type": "gemma2"}
-    gemma2 |= {"architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 2}
-    config = tmp_path / "gemma2.json"
-    config.write_text(json.dumps(gemma2))
+    """A transformers class with no SDPA attention (BLOOM's; Gemma 2's in transformers 5.24, not 5.17): with
+    ljperf's sdpa default Gemma 2's run failed after the model was built (ValueError, status error) and it got
+    no forecast; transformers itself picks eager."""
+    from transformers import AutoConfig
+
+    bloom = AutoConfig.for_model("bloom", hidden_size=64, n_layer=2, n_head=4, vocab_size=1024).to_dict()
+    config = tmp_path / "bloom.json"
+    config.write_text(json.dumps(bloom | {"architectures": ["BloomForCausalLM"]}))
     spec = models.resolve(path=config)
     assert (spec.attention(None), spec.attention("eager"), models.resolve(name="llama-tiny").attention(None)) == (
         "eager",
         "eager",
         "sdpa",
     )
-    with pytest.raises(UsageError, match=r"--attn-implementation sdpa: .*gemma2.json \(Gemma2\) has no SDPA"):
+    with pytest.raises(UsageError, match=r"--attn-implementation sdpa: .*bloom.json \(Bloom\) has no SDPA"):
         spec.attention("sdpa")
     out = tmp_path / "r.json"
     args = ("--model-config", str(config), "--device", "cpu", "--seq-len", "32", "--steps", "1", "--warmup", "1")

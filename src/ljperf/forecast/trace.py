@@ -139,7 +139,22 @@ def fake_model(
         models.replace_parameters(
             model, lambda _m, _k, param: torch.nn.Parameter(torch.empty(param.shape, dtype=dtype or param.dtype))
         )
+    for module in model.modules():
+        if getattr(module, "layerdrop", None) == 0:
+            module.layerdrop = _NeverDrops()
     return fake_buffers(model, fake_mode)
+
+
+class _NeverDrops:
+    """A LayerDrop probability of 0 that compares without a value: transformers 5.17's OPT tests
+    ``torch.rand([]) < layerdrop`` in training even at 0, a branch on a value that fake tensors do not have
+    (the tensor's ``<`` gives way to this ``>``)."""
+
+    def __gt__(self, _other: object) -> bool:
+        return False
+
+    def __lt__(self, _other: object) -> bool:
+        return False
 
 
 def fake_buffers(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
@@ -270,7 +285,9 @@ def real_code_paths() -> Iterator[None]:
     - Mixture-of-experts layers (transformers' ``grouped_mm`` experts) on fp32 weights: torch's fake
       ``grouped_mm`` takes bf16 only (it checks as the CUDA kernel does) while the CPU kernel runs fp32, so there
       transformers' own fallback op runs instead: same output, same tensors saved for backward. Their rows are
-      tokens × top-k whatever the routing, so what they keep does not depend on the data.
+      tokens × top-k whatever the routing, so what they keep does not depend on the data. Before transformers
+      made that op's backward an op of its own (5.17 has none), its backward read the offsets' values, which
+      fake tensors do not have: ``_FallbackGroupedMM`` stands in, with the same tensors saved and allocated.
     """
     from transformers import masking_utils
 
@@ -286,7 +303,31 @@ def real_code_paths() -> Iterator[None]:
 
             if can_use is not None:
                 stack.enter_context(mock.patch.object(moe, "_can_use_grouped_mm", bf16_only))
+            grouped_mm = getattr(moe, "_grouped_mm", None)
+            if can_use is not None and grouped_mm is not None and not hasattr(moe, "_grouped_mm_fallback_bwd"):
+
+                def without_values(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+                    if bf16_only(input, weight, offs):
+                        return grouped_mm(input, weight, offs)
+                    return _FallbackGroupedMM.apply(input.to(weight.dtype), weight, offs)
+
+                stack.enter_context(mock.patch.object(moe, "_grouped_mm", without_values))
         yield
+
+
+class _FallbackGroupedMM(torch.autograd.Function):
+    """transformers' ``grouped_mm_fallback`` op as fake tensors run it: output (tokens, out); saves input and
+    weight; backward makes a gradient like each (transformers 5.24's backward op, faked, does the same)."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        return input.new_zeros(input.size(0), weight.size(2))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        input, weight = ctx.saved_tensors
+        return torch.zeros_like(input), torch.zeros_like(weight), None
 
 
 @contextlib.contextmanager
