@@ -226,6 +226,37 @@ def test_forecast_of_other_architectures_within_5_percent(model_type, recompute,
     assert abs(result.peak_allocated_bytes - measured) / measured < 0.05, (result.peak_allocated_bytes, measured)
 
 
+def test_the_older_transformers_experts_stand_in_traces_what_transformers_runs(tmp_path, monkeypatch):
+    """transformers 5.17 (the GPU machine's) has no backward op for its fp32 grouped_mm fallback, and its Python
+    backward reads the offsets' values, which fake tensors lack: every MoE forecast was analytic there. The
+    trace's stand-in, run here by hiding 5.24's backward op, keeps what transformers' own op keeps: the same
+    peak in every block of the timeline (the test above checks it against a real step under 5.17)."""
+    from transformers import AutoConfig
+    from transformers.integrations import moe
+
+    from ljperf.forecast import trace
+    from ljperf.forecast.trace import RawTrace, trace_shape
+
+    size = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1024}
+    size |= {"intermediate_size": 256, "num_key_value_heads": 2, "head_dim": 32} | MOE["mixtral"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(AutoConfig.for_model("mixtral", **size).to_dict()))
+    spec = models.resolve(path=path)
+    shape = {"micro_batch": 2, "seq_len": 64, "precision": "fp32", "attn": "sdpa", "mode": "none", "layers": 3}
+    ops = trace_shape(spec, **shape)
+    monkeypatch.delattr(moe, "_grouped_mm_fallback_bwd", raising=False)  # 5.17 has none
+    calls, apply = [], trace._FallbackGroupedMM.apply
+    monkeypatch.setattr(trace._FallbackGroupedMM, "apply", lambda *args: calls.append(1) or apply(*args))
+    stand_in = trace_shape(spec, **shape)
+    assert len(calls) == 2 * 3 * 2  # the gate-up and down projections of 3 layers, 2 micro-steps
+
+    def block_peaks(trace: RawTrace) -> list[tuple[str, int]]:
+        ends = [i for _, i in trace.marks[1:]] + [len(trace.points)]
+        return [(name, max(trace.points[i:end])) for (name, i), end in zip(trace.marks, ends, strict=True)]
+
+    assert block_peaks(stand_in) == block_peaks(ops)
+
+
 def test_a_cuda_forecast_keeps_what_fused_attention_dropout_keeps(tmp_path):
     """CPU SDPA with dropout keeps the b·h·s² probabilities and mask (its math path: the CPU test above measures
     it); CUDA's flash/efficient kernels fuse the dropout, so GPT-2 on CUDA keeps what it keeps without attention

@@ -316,12 +316,14 @@ def real_code_paths() -> Iterator[None]:
 
 
 class _FallbackGroupedMM(torch.autograd.Function):
-    """transformers' ``grouped_mm_fallback`` op as fake tensors run it: output (tokens, out); saves input and
-    weight; backward makes a gradient like each (transformers 5.24's backward op, faked, does the same)."""
+    """transformers' ``grouped_mm_fallback`` op as fake tensors run it: output (tokens, out); keeps input,
+    weight and the offsets; backward makes a gradient like each (transformers 5.24's backward op, faked, does
+    the same)."""
 
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
+        ctx.offs = offs
         return input.new_zeros(input.size(0), weight.size(2))
 
     @staticmethod
