@@ -195,11 +195,18 @@ def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypat
     }
     low, high = (peaks[k] for k in ram_between)
     assert low < high
-    monkeypatch.setattr(hardware, "available_ram", lambda: (low + high) // 2)
+    monkeypatch.setattr(hardware, "available_ram", lambda: hardware.host_ram_needed((low + high) // 2, processes=1))
     with pytest.raises(MemoryError, match=fix):
         check_memory(run, None)
-    monkeypatch.setattr(hardware, "available_ram", lambda: peaks["none"])
-    check_memory(run, None)  # a forecast that fits exactly runs
+    # A forecast that fits exactly runs, with what a process holds beyond its tensors; without it, not.
+    needed = hardware.host_ram_needed(peaks["none"], processes=1)
+    monkeypatch.setattr(hardware, "available_ram", lambda: needed)
+    check_memory(run, None)
+    margin = r"per process × 1: .* with what a process holds beyond its tensors \(5% and 256 MiB\) > "
+    for ram in (needed - 1, peaks["none"]):
+        monkeypatch.setattr(hardware, "available_ram", lambda ram=ram: ram)
+        with pytest.raises(MemoryError, match=margin):
+            check_memory(run, None)
 
 
 def test_the_memory_check_uses_the_devices_calibration(tmp_path, monkeypatch):
@@ -216,7 +223,7 @@ def test_the_memory_check_uses_the_devices_calibration(tmp_path, monkeypatch):
     argv = [*TINY, "--device", "cpu"]
     run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
     uncalibrated = forecast(run.model, Recipe.from_run(run)).peak_allocated_bytes
-    monkeypatch.setattr(hardware, "available_ram", lambda: uncalibrated * 3 // 2)
+    monkeypatch.setattr(hardware, "available_ram", lambda: hardware.host_ram_needed(uncalibrated * 3 // 2, processes=1))
     check_memory(run, None)
     monkeypatch.setenv("LJPERF_CACHE_DIR", str(stale_calibration_cache(tmp_path, scale=2.0)))
     with pytest.raises(MemoryError, match="of RAM available: not started"):

@@ -90,7 +90,7 @@ def budget_bytes(
 ) -> int:
     """The budget: ``given``, else ``$LJPERF_MEMORY_BUDGET``, else the GPU's memory (``memory``, or this
     machine's) minus ``GPU_MARGIN``, else (CPU) ``memory`` or the available RAM shared by the node's
-    ``local_world`` processes."""
+    ``local_world`` processes, less what each holds beyond its tensors (``hardware.ram_share``)."""
     text = given or os.environ.get(BUDGET_ENV)
     if text:
         return parse_memory(text, what="memory budget" if given else f"${BUDGET_ENV}")
@@ -100,7 +100,7 @@ def budget_bytes(
         return memory
     if (ram := hardware.available_ram()) is None:
         raise UsageError(f"cannot read the available RAM: set {BUDGET_ENV}, e.g. {BUDGET_ENV}=16GiB")
-    return ram // max(local_world, 1)
+    return hardware.ram_share(ram, processes=local_world)
 
 
 # --- recompute cost -----------------------------------------------------------------------------------------

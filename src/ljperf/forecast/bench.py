@@ -82,13 +82,15 @@ def shortfall(
 ) -> tuple[str, str] | None:
     """None when ``processes`` of ``run`` (with ``plan``) fit ``memory`` bytes by the forecast's allocated peak,
     calibrated for ``device_name`` as the record's forecast is (or there is no forecast: the record's warns of
-    it); else ("forecast X per process × N > Y", what would fit)."""
+    it), on CPU with ``hardware.HOST_MARGIN`` added to each; else ("forecast X per process × N > Y", what would fit)."""
     from ljperf.checkpoint.solver import advice, ordered_plan
     from ljperf.forecast.api import forecast, max_micro_batch
     from ljperf.forecast.recipe import Recipe
+    from ljperf.hardware import host_ram_needed, ram_share
     from ljperf.units import format_bytes
 
-    spec, share = run.model, memory // processes
+    cpu = run.device.type != "cuda"
+    spec, share = run.model, ram_share(memory, processes=processes) if cpu else memory // processes
 
     def peak(recipe: Recipe) -> int:
         return forecast(spec, recipe, device_name=device_name).peak_allocated_bytes
@@ -101,7 +103,7 @@ def shortfall(
         full = recipe.with_(recompute=full_plan)
         if peak(full) <= share:
             fix = "--recompute auto would fit"
-        elif run.device.type == "cuda":  # more GPUs add memory; on CPU more processes share the same RAM
+        elif not cpu:  # more GPUs add memory; on CPU more processes share the same RAM
             fix = "with --recompute full, " + "; ".join(
                 advice(recipe, share, lambda r: peak(r.with_(recompute=full_plan)))
             )
@@ -111,7 +113,11 @@ def shortfall(
             fix = "even one sequence with --recompute full would not fit: a smaller model or --seq-len"
     except Exception:  # a forecast must never fail a benchmark
         return None
-    return f"forecast {format_bytes(needed)} per process × {processes} > {format_bytes(memory)}", fix
+    head = f"forecast {format_bytes(needed)} per process × {processes}"
+    if cpu:
+        ram = host_ram_needed(needed, processes=processes)
+        head += f": {format_bytes(ram)} with what a process holds beyond its tensors (5% and 256 MiB)"
+    return f"{head} > {format_bytes(memory)}", fix
 
 
 def forecast_line(results: dict[str, Any]) -> str | None:
