@@ -82,7 +82,8 @@ def shortfall(
 ) -> tuple[str, str] | None:
     """None when ``processes`` of ``run`` (with ``plan``) fit ``memory`` bytes by the forecast's allocated peak,
     calibrated for ``device_name`` as the record's forecast is (or there is no forecast: the record's warns of
-    it), on CPU with ``hardware.HOST_MARGIN`` added to each; else ("forecast X per process × N > Y", what would fit)."""
+    it), on CPU with ``hardware.HOST_MARGIN`` added to each; else ("forecast X per process × N[: the RAM that
+    takes] > Y", what would fit)."""
     from ljperf.checkpoint.solver import advice, ordered_plan
     from ljperf.forecast.api import forecast, max_micro_batch
     from ljperf.forecast.recipe import Recipe
