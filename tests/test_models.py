@@ -13,7 +13,7 @@ import torch
 from ljperf import models
 from ljperf.errors import UsageError
 
-from conftest import run_ljperf
+from conftest import MOE, run_ljperf
 
 REQUIRED = [
     "llama3-8b",
@@ -47,6 +47,18 @@ def test_catalog_has_the_required_models():
 )
 def test_parameter_counts_match_published(name, published_billions, digits):
     assert round(models.resolve(name=name).params.total / 1e9, digits) == published_billions
+
+
+@pytest.mark.parametrize(
+    ("name", "total_billions", "active_billions"),
+    [("mixtral-8x7b", 46.7, 12.9), ("qwen3-30b-a3b", 30.5, 3.3), ("llama3-8b", 8.0, 8.0)],
+)
+def test_mixture_of_experts_counts_match_published(name, total_billions, active_billions):
+    """Mistral's and Qwen's model cards: 46.7B parameters of which 12.9B used per token; 30.5B, 3.3B activated
+    (3.35B here: the card rounds down)."""
+    params = models.resolve(name=name).params
+    assert round(params.total / 1e9, 1) == total_billions
+    assert params.active / 1e9 == pytest.approx(active_billions, rel=0.02)
 
 
 def _tiny_by_hand(*, vocab, hidden, inter, layers, heads, kv, head_dim, tied, qkv_bias):
@@ -286,3 +298,33 @@ def test_a_671b_mixture_of_experts_is_built_on_the_meta_device(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(AutoConfig.for_model("deepseek_v3").to_dict()))
     assert models.format_params(models.resolve(path=path).params.total) == "671.03B"
+
+
+@pytest.mark.parametrize("model", ["mixtral-tiny", "llama-tiny", "qwen2_moe", "deepseek_v3", "gpt_oss", "llama4_text"])
+def test_flops_per_token_are_what_torch_counts_in_a_training_step(model, tmp_path):
+    """The FLOPs behind TFLOPS and MFU against torch's own FLOP counter over a real forward and backward, with
+    eager attention and eager experts (each expert a plain matmul over the tokens routed to it, which the counter
+    sees). A mixture of experts counts the top-k experts a token is routed to: counting every expert made
+    Mixtral's MFU 3.6× too high, DeepSeek-V3's 18×. Llama 4's transformers code runs every expert on every token
+    (routing weights zero the others), so the counter sees the unrouted experts' work too; MFU counts the model's."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model in MOE:
+        size = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1024}
+        size |= {"intermediate_size": 256, "num_key_value_heads": 2, "head_dim": 32} | MOE[model]
+        config = AutoConfig.for_model(model, **size, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+        spec = models.resolve(path=tmp_path / "config.json")
+    else:
+        spec = models.resolve(name=model)
+    net = AutoModelForCausalLM.from_config(spec.config, attn_implementation="eager", experts_implementation="eager")
+    batch, seq = 2, 64
+    ids = torch.randint(0, spec.vocab, (batch, seq))
+    with FlopCounterMode(display=False) as counter:
+        net(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    counted = counter.get_total_flops() / (batch * seq)
+    unrouted = spec.params.total - spec.params.active
+    assert (unrouted > 0) == (model != "llama-tiny")
+    expected = spec.flops_per_token(seq) + (6 * unrouted if model == "llama4_text" else 0)
+    assert counted == pytest.approx(expected, rel=0.01)

@@ -266,6 +266,7 @@ def new_record(cfg: BenchmarkConfig, run: RunContext) -> dict[str, Any]:
                 "name": spec.name,
                 "architecture": spec.architecture,
                 "params": spec.params.total,
+                "params_active": spec.params.active,
                 "params_embedding": spec.params.embedding,
                 "layers": spec.layers,
                 "hidden": spec.hidden,

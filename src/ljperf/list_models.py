@@ -25,6 +25,7 @@ def catalog_rows() -> list[dict]:
                 "name": name,
                 "architecture": spec.architecture,
                 "params": spec.params.total,
+                "params_active": spec.params.active,
                 "layers": spec.layers,
                 "hidden": spec.hidden,
                 "heads": spec.heads,
@@ -42,20 +43,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     table = titled_table("ljperf model catalog (use as --model ENGINE/NAME)")
-    for col, justify in (
-        ("name", "left"),
-        ("architecture", "left"),
-        ("params", "right"),
-        ("layers", "right"),
-    ):
-        table.add_column(col, justify=justify)
-    for col in ("parameters", "hidden", "heads/kv", "vocab", "max positions"):
+    table.add_column("name")
+    table.add_column("architecture")
+    # a mixture of experts uses fewer parameters per token than it holds: its FLOPs and MFU count those
+    for col in ("params", "active", "layers", "parameters", "hidden", "heads/kv", "vocab", "max positions"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             r["name"],
             r["architecture"],
             models.format_params(r["params"]),
+            models.format_params(r["params_active"]),
             str(r["layers"]),
             f"{r['params']:,}",
             str(r["hidden"]),

@@ -246,14 +246,49 @@ class ModelSpec:
         tied_head = head is not None and head.weight is model.get_input_embeddings().weight
         # every lookup table, GPT-2's learned positions too, is a gather per token, not a matmul
         lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
-        matmul = total - lookups + (head.weight.numel() if tied_head else 0)
-        return ParamCounts(total=total, embedding=embedding, matmul=matmul)
+        unrouted = sum(bank.numel * (1 - bank.top_k / bank.experts) for bank in expert_banks(model))
+        matmul = total - lookups + (head.weight.numel() if tied_head else 0) - round(unrouted)
+        return ParamCounts(total=total, embedding=embedding, matmul=matmul, active=total - round(unrouted))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, PaLM/torchtitan definition (see docs/metrics.md)."""
         counts = self.params
         qk, v = self.attention_widths
         return 6 * counts.matmul + 6 * self.layers * self.heads * (qk + v) * seq_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertBank:
+    """The experts of one mixture-of-experts layer: parameters stacked by expert, of which a token uses top-k."""
+
+    numel: int
+    """Parameters of the bank's own stacked tensors (weights and biases with the experts as first dimension)."""
+    experts: int
+    top_k: int
+
+
+def expert_banks(model: torch.nn.Module) -> list[ExpertBank]:
+    """Every mixture-of-experts layer's expert bank, as transformers 5 builds them: a module with ``num_experts``
+    holding a 3-D parameter stacked by expert. Its top-k is the model code's own (an int ``top_k`` or
+    ``num_experts_per_tok`` in the layer that holds the bank: its router's), which covers configs that name it
+    otherwise (DBRX, Hunyuan); a bank with none found is counted whole, as a dense layer would be."""
+    banks = []
+    for parent in model.modules():
+        for bank in parent.children():
+            experts = getattr(bank, "num_experts", None)
+            own = [p for p in bank.parameters(recurse=False) if p.dim() and p.shape[0] == experts]
+            if not isinstance(experts, int) or not any(p.dim() == 3 for p in own):
+                continue
+            top_k = next((k for m in parent.modules() for k in _top_k(m) if 0 < k <= experts), experts)
+            banks.append(ExpertBank(numel=sum(p.numel() for p in own), experts=experts, top_k=top_k))
+    return banks
+
+
+def _top_k(module: torch.nn.Module) -> Iterator[int]:
+    for name in ("top_k", "num_experts_per_tok"):
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            yield value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,7 +301,10 @@ class ParamCounts:
     """Parameters of the input token embedding table."""
     matmul: int
     """Parameters that take part in a matmul per token: total - the embedding tables (token, and learned positions
-    where a model has them), plus the LM head when tied."""
+    where a model has them), plus the LM head when tied; of a mixture of experts, the top-k experts a token is
+    routed to (``expert_banks``), not all of them."""
+    active: int
+    """Parameters a token uses: total less the experts its routing skips (total for a dense model)."""
 
 
 FACTS_VERSION = 2
