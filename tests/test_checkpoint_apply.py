@@ -20,8 +20,8 @@ PLANS = [
 ]
 
 
-def tiny_llama(seed: int = 0, attn: str = "sdpa") -> torch.nn.Module:
-    spec = models.resolve(name="llama-tiny")
+def tiny_model(seed: int = 0, attn: str = "sdpa", name: str = "llama-tiny") -> torch.nn.Module:
+    spec = models.resolve(name=name)
     model = models.materialize(models.build_meta(spec, attn_implementation=attn), device=torch.device("cpu"), seed=seed)
     return model.train()
 
@@ -41,20 +41,24 @@ class CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.mm = 0
+        self.grouped = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
             self.mm += 1
+        if func.overloadpacket is torch.ops.aten._grouped_mm:  # a mixture of experts' gate-up and down projections
+            self.grouped += 1
         return func(*args, **(kwargs or {}))
 
 
-CASES = [("sdpa", plan) for plan in PLANS] + [("eager", PLANS[-1])]
+CASES = [("llama-tiny", "sdpa", plan) for plan in PLANS] + [("llama-tiny", "eager", PLANS[-1])]
+CASES += [("mixtral-tiny", "sdpa", PLANS[-1])]  # experts: the routing recomputed, their matmuls kept
 
 
-@pytest.mark.parametrize(("attn", "plan"), CASES, ids=[f"{a}-{'-'.join(p)}" for a, p in CASES])
-def test_gradients_bitwise_equal_under_any_plan(attn, plan):
-    reference = grads(tiny_llama(attn=attn))
-    model = tiny_llama(attn=attn)
+@pytest.mark.parametrize(("name", "attn", "plan"), CASES, ids=[f"{n}-{a}-{'-'.join(p)}" for n, a, p in CASES])
+def test_gradients_bitwise_equal_under_any_plan(name, attn, plan):
+    reference = grads(tiny_model(attn=attn, name=name))
+    model = tiny_model(attn=attn, name=name)
     apply_plan(model, plan)
     assert current_plan(model) == plan
     got = grads(model)
@@ -63,7 +67,7 @@ def test_gradients_bitwise_equal_under_any_plan(attn, plan):
 
 
 def test_chosen_layers_recompute_their_forward():
-    model = tiny_llama()
+    model = tiny_model()
     plan = ("full", "selective", "none", "full")
     apply_plan(model, plan)
     calls = [0] * 4
@@ -77,7 +81,7 @@ def test_chosen_layers_recompute_their_forward():
 def test_selective_recomputes_no_matmul_and_full_recomputes_all():
     counts = {}
     for mode in ("none", "selective", "full"):
-        model = tiny_llama()
+        model = tiny_model()
         apply_plan(model, (mode,) * 4)
         with CountOps() as counter:
             grads(model)
@@ -88,10 +92,25 @@ def test_selective_recomputes_no_matmul_and_full_recomputes_all():
     assert counts["full"] == counts["none"] + 4 * 6
 
 
+def test_selective_recomputes_no_expert_matmul():
+    """A mixture of experts' grouped matmuls are most of its layer's FLOPs: selective keeps them (it recomputed
+    them before, as full does)."""
+    counts = {}
+    for mode in ("none", "selective", "full"):
+        model = tiny_model(name="mixtral-tiny")
+        apply_plan(model, (mode,) * 4)
+        with CountOps() as counter:
+            grads(model)
+        counts[mode] = (counter.mm, counter.grouped)
+    assert counts["none"][1] > 0
+    assert counts["selective"] == counts["none"]
+    assert counts["full"][1] == counts["none"][1] + 4 * 2  # gate-up and down of each layer's experts again
+
+
 def test_activation_memory_ordered_none_selective_full():
     held = {}
     for mode in ("none", "selective", "full"):
-        model = tiny_llama()
+        model = tiny_model()
         apply_plan(model, (mode,) * 4)
         with memory.LiveTensorBytes(list(model.parameters())) as tracker:
             loss = model(input_ids=tokens(), labels=tokens(), use_cache=False).loss

@@ -22,6 +22,8 @@ from ljperf.forecast.recipe import ZeroSettings
 from ljperf.forecast.trace import LiveBytesTimeline, fake_model
 from ljperf.runtime import RunContext
 
+from conftest import MOE
+
 
 @pytest.fixture(autouse=True, scope="module")
 def cache_dir(tmp_path_factory):
@@ -165,36 +167,13 @@ def test_a_model_shallower_than_the_trace_is_forecast(tmp_path):
 LLAMA_LAYOUT = ["gemma2", "gemma3_text", "phi3", "gpt_neox", "olmo2", "starcoder2", "cohere", "opt"]
 # transformer.h; Falcon's and BLOOM's layers return tuples; GPT-2's SDPA has dropout (0.1), its CPU math path
 GPT2_LAYOUT = ["gpt2", "falcon", "bloom", "gptj", "gpt_bigcode"]
-MOE = {  # transformers' grouped_mm experts, fp32 (torch's fake grouped_mm takes bf16 only)
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
-    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
-    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2},
-    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64},
-    "llama4_text": {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 256},
-    "deepseek_v3": {  # layer 0 dense, layer 1 experts: -8.4% when every layer was counted as the first
-        "num_key_value_heads": 4,  # MLA has no GQA (fewer made transformers' selective recompute fail)
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 64,
-        "first_k_dense_replace": 1,
-        "kv_lora_rank": 32,
-        "q_lora_rank": 64,
-        "qk_rope_head_dim": 16,
-        "head_dim": 16,  # its rotary part
-        "qk_nope_head_dim": 16,
-        "v_head_dim": 32,
-        "n_group": 2,
-        "topk_group": 1,
-    },
-}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model_type", "recompute"),
     [(m, "none") for m in LLAMA_LAYOUT + GPT2_LAYOUT + list(MOE)]
-    + [("falcon", "full"), ("bloom", "selective"), ("gpt2", "1"), ("mixtral", "full")],
+    + [("falcon", "full"), ("bloom", "selective"), ("gpt2", "1"), ("mixtral", "full"), ("qwen2_moe", "selective")],
 )
 def test_forecast_of_other_architectures_within_5_percent(model_type, recompute, tmp_path):
     """Configs beyond the catalog's Llama, Qwen and Mistral, as a user's --model-config gives them: transformers'
@@ -226,11 +205,13 @@ def test_forecast_of_other_architectures_within_5_percent(model_type, recompute,
     assert abs(result.peak_allocated_bytes - measured) / measured < 0.05, (result.peak_allocated_bytes, measured)
 
 
-def test_the_older_transformers_experts_stand_in_traces_what_transformers_runs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_the_older_transformers_experts_stand_in_traces_what_transformers_runs(mode, tmp_path, monkeypatch):
     """transformers 5.17 (the GPU machine's) has no backward op for its fp32 grouped_mm fallback, and its Python
     backward reads the offsets' values, which fake tensors lack: every MoE forecast was analytic there. The
-    trace's stand-in, run here by hiding 5.24's backward op, keeps what transformers' own op keeps: the same
-    peak in every block of the timeline (the test above checks it against a real step under 5.17)."""
+    trace's stand-in, run here by hiding 5.24's backward op, keeps what transformers' own op keeps, with and
+    without selective recompute (which keeps the op's output): the same peak in every block of the timeline
+    (the test above checks it against a real step under 5.17)."""
     from transformers import AutoConfig
     from transformers.integrations import moe
 
@@ -242,13 +223,13 @@ def test_the_older_transformers_experts_stand_in_traces_what_transformers_runs(t
     path = tmp_path / "config.json"
     path.write_text(json.dumps(AutoConfig.for_model("mixtral", **size).to_dict()))
     spec = models.resolve(path=path)
-    shape = {"micro_batch": 2, "seq_len": 64, "precision": "fp32", "attn": "sdpa", "mode": "none", "layers": 3}
+    shape = {"micro_batch": 2, "seq_len": 64, "precision": "fp32", "attn": "sdpa", "mode": mode, "layers": 3}
     ops = trace_shape(spec, **shape)
     monkeypatch.delattr(moe, "_grouped_mm_fallback_bwd", raising=False)  # 5.17 has none
     calls, apply = [], trace._FallbackGroupedMM.apply
     monkeypatch.setattr(trace._FallbackGroupedMM, "apply", lambda *args: calls.append(1) or apply(*args))
     stand_in = trace_shape(spec, **shape)
-    assert len(calls) == 2 * 3 * 2  # the gate-up and down projections of 3 layers, 2 micro-steps
+    assert len(calls) == 2 * 3 * 2 * (2 if mode == "selective" else 1)  # gate-up and down, 3 layers, 2 micro-steps
 
     def block_peaks(trace: RawTrace) -> list[tuple[str, int]]:
         ends = [i for _, i in trace.marks[1:]] + [len(trace.points)]

@@ -24,32 +24,36 @@ if TYPE_CHECKING:
 from ljperf.checkpoint import MODES, Plan
 from ljperf.errors import UsageError
 
-_aten = torch.ops.aten
-# Outputs that cost FLOPs to recompute: matmuls and fused attention. Everything else (norms, rotary, activation
-# functions, residual adds, dtype casts) is memory-bound and recomputed.
+# Outputs that cost FLOPs to recompute: matmuls (a mixture of experts' grouped ones too: torch's, and the fallback
+# op transformers runs where torch's cannot) and fused attention. Everything else (norms, rotary, activation
+# functions, residual adds, dtype casts, routing) is memory-bound and recomputed.
 SAVE_OPS = frozenset(
-    op
-    for op in (
-        _aten.mm.default,
-        _aten.addmm.default,
-        _aten.bmm.default,
-        _aten.baddbmm.default,
-        getattr(_aten, "_scaled_dot_product_flash_attention", None),
-        getattr(_aten, "_scaled_dot_product_efficient_attention", None),
-        getattr(_aten, "_scaled_dot_product_cudnn_attention", None),
-        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
-        getattr(_aten, "_flash_attention_forward", None),
-        getattr(_aten, "_efficient_attention_forward", None),
-    )
-    if op is not None
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_grouped_mm",
+        "transformers::grouped_mm_fallback",
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_flash_attention_forward",
+        "aten::_efficient_attention_forward",
+    }
 )
+"""Operator names (``OpOverload.name()``), so that ops registered after import (transformers') match too."""
+
+
+def saves(op: object) -> bool:
+    """Whether selective recompute keeps ``op``'s output (``SAVE_OPS``)."""
+    name = getattr(op, "name", None)
+    return callable(name) and name() in SAVE_OPS
 
 
 def _selective_policy(ctx: SelectiveCheckpointContext, op: OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    packet = getattr(op, "overloadpacket", op)
-    if op in SAVE_OPS or packet in SAVE_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if saves(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def checkpoint_fn(mode: str) -> Callable[..., Any]:

@@ -24,7 +24,7 @@ import torch
 from ljperf import hardware, models
 from ljperf.cache import cached
 from ljperf.checkpoint import Plan, fixed_plan, parse_recompute, summary
-from ljperf.checkpoint.apply import SAVE_OPS
+from ljperf.checkpoint.apply import saves
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.units import format_bytes, format_part, parse_memory
@@ -224,9 +224,11 @@ def _traced_layer_cost(spec: models.ModelSpec, index: int, *, micro_batch: int, 
             if not inside[0]:
                 return out
             packet = func.overloadpacket
-            if func in SAVE_OPS or packet in SAVE_OPS:
+            if saves(func):
                 if packet in flop_registry:
                     totals["flops"] += flop_registry[packet](*args, **kwargs, out_val=out)
+                elif "grouped_mm" in func.name():  # experts: (tokens × top-k, in) by (experts, in, out)
+                    totals["flops"] += 2 * out.numel() * args[0].shape[-1]
                 else:  # an attention kernel torch's counter does not know (CPU flash): q·kᵀ and p·v
                     q, k = args[0], args[1]
                     totals["flops"] += 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]

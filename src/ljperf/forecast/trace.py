@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-TRACE_VERSION = 5
+TRACE_VERSION = 6
+"""Bump when what a trace keeps changes (6: selective recompute keeps the experts' grouped matmuls)."""
 TRACE_LAYERS = 3
 """Depth of the traced copy whose segments the composition uses."""
 SLOPE_LAYERS = TRACE_LAYERS + 1
@@ -318,13 +319,14 @@ def real_code_paths() -> Iterator[None]:
 class _FallbackGroupedMM(torch.autograd.Function):
     """transformers' ``grouped_mm_fallback`` op as fake tensors run it: output (tokens, out); keeps input,
     weight and the offsets; backward makes a gradient like each (transformers 5.24's backward op, faked, does
-    the same)."""
+    the same). The output is a matmul's, of the same shape and FLOPs, so selective recompute keeps it as it
+    keeps the op's."""
 
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(input, weight)
         ctx.offs = offs
-        return input.new_zeros(input.size(0), weight.size(2))
+        return input @ weight[0]
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
