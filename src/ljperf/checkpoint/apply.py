@@ -27,14 +27,14 @@ from ljperf.errors import UsageError
 # Outputs that cost FLOPs to recompute: matmuls (a mixture of experts' grouped ones too: torch's, and the fallback
 # op transformers runs where torch's cannot) and fused attention. Everything else (norms, rotary, activation
 # functions, residual adds, dtype casts, routing) is memory-bound and recomputed.
-SAVE_OPS = frozenset(
+GROUPED_MM_OPS = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback"})
+"""Experts' matmuls: (tokens × top-k, in) by (experts, in, out)."""
+SAVE_OPS = GROUPED_MM_OPS | frozenset(
     {
         "aten::mm",
         "aten::addmm",
         "aten::bmm",
         "aten::baddbmm",
-        "aten::_grouped_mm",
-        "transformers::grouped_mm_fallback",
         "aten::_scaled_dot_product_flash_attention",
         "aten::_scaled_dot_product_efficient_attention",
         "aten::_scaled_dot_product_cudnn_attention",

@@ -24,7 +24,7 @@ import torch
 from ljperf import hardware, models
 from ljperf.cache import cached
 from ljperf.checkpoint import Plan, fixed_plan, parse_recompute, summary
-from ljperf.checkpoint.apply import saves
+from ljperf.checkpoint.apply import GROUPED_MM_OPS, saves
 from ljperf.errors import UsageError
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.units import format_bytes, format_part, parse_memory
@@ -227,7 +227,7 @@ def _traced_layer_cost(spec: models.ModelSpec, index: int, *, micro_batch: int, 
             if saves(func):
                 if packet in flop_registry:
                     totals["flops"] += flop_registry[packet](*args, **kwargs, out_val=out)
-                elif "grouped_mm" in func.name():  # experts: (tokens × top-k, in) by (experts, in, out)
+                elif func.name() in GROUPED_MM_OPS:
                     totals["flops"] += 2 * out.numel() * args[0].shape[-1]
                 else:  # an attention kernel torch's counter does not know (CPU flash): q·kᵀ and p·v
                     q, k = args[0], args[1]
