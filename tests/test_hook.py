@@ -179,42 +179,30 @@ def test_budget_nothing_fits_recomputes_every_layer_and_warns(tmp_path, plain_tr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("script", "engine"), [("fsdp_train.py", "fsdp"), ("deepspeed_train.py", "deepspeed")])
-def test_distributed_script_gets_the_planned_layers(tmp_path, script, engine):
-    """An unchanged FSDP2 (``fully_shard``) or DeepSpeed ZeRO-3 script, 2 processes: both ranks apply rank 0's plan."""
+@pytest.mark.parametrize(
+    ("script", "engine", "uneven"), [("fsdp_train.py", "fsdp", False), ("deepspeed_train.py", "deepspeed", True)]
+)
+def test_distributed_script_gets_the_planned_layers(tmp_path, script, engine, uneven):
+    """An unchanged FSDP2 (``fully_shard``) or DeepSpeed ZeRO-3 script, 2 processes: both ranks run one plan.
+
+    The ZeRO-3 ranks' batches differ in length (128 and 256, as per-batch padding gives) and both run the plan for
+    the longest, which rank 0's own batches do not need: a rank recomputing layers the others do not would issue
+    other parameter gathers (gloo aborts with a collective mismatch)."""
+    from scripts.tiny_llama import SEQ_LEN
+
+    lengths = {"SEQ_LEN_BY_RANK": f"{SEQ_LEN // 2},{SEQ_LEN}"} if uneven else {}
     budget = budget_between_none_and_full(engine, world=2)
-    plain, _ = run_script(tmp_path, script, nproc=2)
+    plain, _ = run_script(tmp_path, script, nproc=2, **lengths)
     hooked, stderr = run_script(
-        tmp_path, script, nproc=2, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET=str(budget)
+        tmp_path, script, nproc=2, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET=str(budget), **lengths
     )
     assert hooked["ljperf_imported"] and not plain["ljperf_imported"]
     assert_partial(*assert_planned(hooked, plain, stderr))
+    assert hooked["checkpointed_by_rank"] == [hooked["checkpointed"]] * 2
     # The closed loop's CPU measurement of step 2 (live tensors, DeepSpeed's flat partitions included) matches
     # the forecast, so the plan stands (measured: FSDP2 25.00 vs 25.00 MiB, ZeRO-3 25.08 vs 25.08 MiB)
     loop = re.search(r"\[ljperf\] closed loop: measured ([\d.]+) MiB vs forecast ([\d.]+) MiB; the plan stands", stderr)
     assert loop and abs(float(loop[1]) / float(loop[2]) - 1) < 0.01, stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_zero3_ranks_with_different_lengths_run_one_plan(tmp_path):
-    """ZeRO-3 ranks whose batches differ in length (128 and 256, as per-batch padding gives) all run the plan for
-    the longest: a rank recomputing layers the others do not would issue other parameter gathers (gloo aborts
-    with a collective mismatch)."""
-    from scripts.tiny_llama import SEQ_LEN
-
-    lengths = {"SEQ_LEN_BY_RANK": f"{SEQ_LEN // 2},{SEQ_LEN}"}
-    budget = budget_between_none_and_full("deepspeed", world=2)  # rank 0's shorter batches need no recompute
-    plain, _ = run_script(tmp_path, "deepspeed_train.py", nproc=2, **lengths)
-    hooked, stderr = run_script(
-        tmp_path,
-        "deepspeed_train.py",
-        nproc=2,
-        CHECKPOINT_OPTIMIZATION="true",
-        LJPERF_MEMORY_BUDGET=str(budget),
-        **lengths,
-    )
-    assert_partial(*assert_planned(hooked, plain, stderr))
-    assert hooked["checkpointed_by_rank"] == [hooked["checkpointed"]] * 2
 
 
 @pytest.mark.slow
