@@ -63,12 +63,31 @@ def read_record(path: str | Path) -> dict:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def fresh_forecast_cache(tmp_path_factory):
-    """Traced forecast coefficients from an empty cache (inherited by CLI subprocesses): no stale entries
-    from development runs on this machine."""
+def fresh_forecast_cache(tmp_path_factory, worker_id):
+    """Traced forecast coefficients from an empty cache, inherited by CLI subprocesses: no stale entries from
+    development runs on this machine. pytest-xdist's workers share one per test run, so each architecture and
+    shape family is traced once, not once per worker. A test that saves a calibration saves it in a cache of its
+    own (``own_calibration``): the other worker's runs would read it."""
+    if worker_id == "master":
+        cache = tmp_path_factory.mktemp("ljperf-cache")
+    else:  # the run's folder, above each worker's
+        cache = tmp_path_factory.getbasetemp().parent / "ljperf-cache"
+        cache.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LJPERF_CACHE_DIR", str(tmp_path_factory.mktemp("ljperf-cache")))
+        mp.setenv("LJPERF_CACHE_DIR", str(cache))
         yield
+
+
+@pytest.fixture
+def own_calibration(tmp_path, monkeypatch) -> Path:
+    """The calibration file of a cache folder of this test's own that shares the run's traced coefficients."""
+    shared, own = Path(os.environ["LJPERF_CACHE_DIR"]), tmp_path / "cache"
+    own.mkdir()
+    for part in ("forecast", "models"):
+        (shared / part).mkdir(exist_ok=True)
+        (own / part).symlink_to(shared / part)
+    monkeypatch.setenv("LJPERF_CACHE_DIR", str(own))
+    return own / "calibration.json"
 
 
 def stale_calibration_cache(tmp_path: Path, *, scale: float) -> Path:

@@ -25,13 +25,6 @@ from ljperf.runtime import RunContext
 from conftest import MOE
 
 
-@pytest.fixture(autouse=True, scope="module")
-def cache_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LJPERF_CACHE_DIR", str(tmp_path_factory.mktemp("ljperf-cache")))
-        yield
-
-
 def measured_peak(
     name: str | models.ModelSpec,
     *,
@@ -532,45 +525,34 @@ def test_plan_json_fits_and_max_micro_batch(capsys):
     assert forecast(spec, recipe.with_(micro_batch=best + 1)).device_bytes > 40 * 1024**2
 
 
-def test_plan_with_gpu_memory_applies_the_saved_calibration(tmp_path, capsys):
+def test_plan_with_gpu_memory_applies_the_saved_calibration(own_calibration, capsys):
     """``--gpu-memory`` sizes the device; the overheads are still this machine's calibration (``cpu`` here)."""
     argv = ["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--seq-len", "64", "--json"]
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out)["peak_allocated_bytes"]
-    saved = calibrate.calibration_path()
-    saved.write_text(json.dumps({"version": 1, "devices": {"cpu": {"scale": 1.25, "samples": 3}}}))
-    try:
-        for memory in ([], ["--gpu-memory", "1GiB"]):
-            assert main([*argv, *memory]) == 0
-            assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] == round(1.25 * plain)
-    finally:
-        saved.unlink()
+    own_calibration.write_text(json.dumps({"version": 1, "devices": {"cpu": {"scale": 1.25, "samples": 3}}}))
+    for memory in ([], ["--gpu-memory", "1GiB"]):
+        assert main([*argv, *memory]) == 0
+        assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] == round(1.25 * plain)
 
 
-def test_a_calibration_applies_to_its_gpu_model_only():
+def test_a_calibration_applies_to_its_gpu_model_only(own_calibration):
     """Matched by whole words: H100 is "NVIDIA H100 80GB HBM3"; H20 is not H200, nor L4 L40S."""
-    saved = calibrate.calibration_path()
     devices = {name: {"scale": scale, "samples": 1} for name, scale in (("NVIDIA H200", 1.5), ("NVIDIA L40S", 1.25))}
-    saved.write_text(json.dumps({"version": 1, "devices": devices | {"NVIDIA H100 80GB HBM3": {"scale": 1.125}}}))
-    try:
-        scales = {name: calibrate.overheads_for("cuda", name).scale for name in ("H20", "L4", "H200", "H100")}
-    finally:
-        saved.unlink()
+    devices |= {"NVIDIA H100 80GB HBM3": {"scale": 1.125}}
+    own_calibration.write_text(json.dumps({"version": 1, "devices": devices}))
+    scales = {name: calibrate.overheads_for("cuda", name).scale for name in ("H20", "L4", "H200", "H100")}
     default = calibrate.DEFAULTS["cuda"].scale
     assert scales == {"H20": default, "L4": default, "H200": 1.5, "H100": 1.125}
 
 
-def test_a_damaged_calibration_entry_counts_as_none_saved(capsys):
+def test_a_damaged_calibration_entry_counts_as_none_saved(own_calibration, capsys):
     argv = ["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--seq-len", "64", "--json"]
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out)["peak_allocated_bytes"]
-    saved = calibrate.calibration_path()
-    saved.write_text(json.dumps({"version": 1, "devices": {"cpu": {"scale": "x"}}}))
-    try:
-        assert main(argv) == 0  # it crashed with a TypeError in every plan
-        assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] == plain
-    finally:
-        saved.unlink()
+    own_calibration.write_text(json.dumps({"version": 1, "devices": {"cpu": {"scale": "x"}}}))
+    assert main(argv) == 0  # it crashed with a TypeError in every plan
+    assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] == plain
 
 
 def test_plan_table_for_a_gpu_recipe(capsys):
