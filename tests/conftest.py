@@ -78,23 +78,29 @@ def fresh_forecast_cache(tmp_path_factory, worker_id):
         yield
 
 
-@pytest.fixture
-def own_calibration(tmp_path, monkeypatch) -> Path:
-    """The calibration file of a cache folder of this test's own that shares the run's traced coefficients."""
+def own_cache(tmp_path: Path) -> Path:
+    """A cache folder of a test's own whose traced coefficients are the run's (linked): a calibration saved there
+    reaches no other test."""
     shared, own = Path(os.environ["LJPERF_CACHE_DIR"]), tmp_path / "cache"
     own.mkdir()
     for part in ("forecast", "models"):
         (shared / part).mkdir(exist_ok=True)
         (own / part).symlink_to(shared / part)
+    return own
+
+
+@pytest.fixture
+def own_calibration(tmp_path, monkeypatch) -> Path:
+    """The calibration file of this test's ``own_cache``, which is ``LJPERF_CACHE_DIR`` while it runs."""
+    own = own_cache(tmp_path)
     monkeypatch.setenv("LJPERF_CACHE_DIR", str(own))
     return own / "calibration.json"
 
 
 def stale_calibration_cache(tmp_path: Path, *, scale: float) -> Path:
-    """A forecast cache folder whose saved CPU calibration multiplies every forecast by ``scale`` (a calibration
-    gone stale): ``LJPERF_CACHE_DIR`` for a run whose first plan the closed loop must correct."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
+    """An ``own_cache`` whose saved CPU calibration multiplies every forecast by ``scale`` (a calibration gone
+    stale): ``LJPERF_CACHE_DIR`` for a run whose first plan the closed loop must correct."""
+    cache = own_cache(tmp_path)
     stale = {"cpu": {"scale": scale, "offset": 0, "reserved_scale": None, "context": 0, "samples": 3}}
     (cache / "calibration.json").write_text(json.dumps({"version": 1, "devices": stale}))
     return cache
