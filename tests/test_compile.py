@@ -240,20 +240,6 @@ def test_deepspeed_engine_compile_trains_like_eager(tmp_path, eager_zero3):
     assert record["regions"] == 1 and record["time_s"] > 0
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--compile-mode", "fast"], "--compile-mode 'fast': choose one of regional, whole, deepspeed, off"),
-        (["--compile-mode", "deepspeed"], "--compile-mode deepspeed is DeepSpeed's engine.compile()"),
-        (["--compile", "--warmup", "0"], "--compile needs --warmup 1 or more"),
-    ],
-)
-def test_bad_compile_flags_exit_2(args, message):
-    proc = run_ljperf("benchmark", "--model", "torch/llama-tiny", "--steps", "1", *args)
-    assert proc.returncode == 2
-    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-
-
 @pytest.mark.slow
 def test_compile_report_explains_times_and_names_the_recompile(tmp_path):
     config = tmp_path / "tiny2.json"
