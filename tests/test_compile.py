@@ -16,6 +16,7 @@ from ljperf import memory, models
 from ljperf.checkpoint.apply import apply_plan
 from ljperf.compile import compile_model
 from ljperf.errors import Interrupted
+from ljperf.report import compile_line
 
 from conftest import read_record, run_ljperf
 
@@ -185,7 +186,11 @@ def benchmark_record(tmp_path, name: str, *args: str) -> dict:
     common = ["--model-config", str(config), "--seq-len", str(SEQ_LENS[0]), "--steps", "5", "--warmup", "2"]
     proc = run_ljperf("benchmark", *common, *args, "--output", str(out), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return read_record(out)
+    record = read_record(out)
+    # what compiling cost is printed under the result table, as recorded
+    compiled = record["results"].get("compile")
+    assert (compile_line(compiled) in proc.stdout) if compiled else (" compile: " not in proc.stdout), proc.stdout
+    return record
 
 
 ZERO3 = ("--engine", "deepspeed", "--zero-stage", "3", "--nproc-per-node", "2")

@@ -107,7 +107,7 @@ def titled_table(title: str, **options: Any) -> Table:
 
 
 def print_result_table(record: dict) -> None:
-    """The result of a benchmark run as a table (metric, value, unit), then its memory forecast line."""
+    """The result of a benchmark run as a table (metric, value, unit), then its memory forecast and compile lines."""
     res = record["results"]
     table = titled_table(run_title(record["config"]))
     table.add_column("metric")
@@ -132,6 +132,21 @@ def print_result_table(record: dict) -> None:
     console.print(table)
     if line := forecast_line(res):
         print(line)
+    if res.get("compile"):
+        print(compile_line(res["compile"]))
+
+
+def compile_line(compiled: dict[str, Any]) -> str:
+    """``regional compile: 5 regions, 1 graph breaks, 0 recompiles, 6.1 s compiling, 0 fallbacks``: a result's
+    ``compile`` part in one line (the startup hook's Trainer summary too)."""
+    mode = compiled["mode"]
+    if "deepcompile" in compiled:
+        mode += f" (DeepCompile {'on' if compiled['deepcompile'] else 'off'})"
+    return (
+        f"{mode} compile: {compiled['regions']} regions, {compiled['graph_breaks']} graph breaks, "
+        f"{compiled['recompiles']} recompiles, {compiled['time_s']:.1f} s compiling, "
+        f"{len(compiled['fallbacks'])} fallbacks"
+    )
 
 
 def _loss_range(losses: list[float]) -> str:

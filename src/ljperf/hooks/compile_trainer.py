@@ -52,6 +52,7 @@ def regional_compile(trainer: Trainer) -> None:
     from transformers import TrainerCallback
 
     from ljperf.compile import compile_model, zero3_gather_per_block
+    from ljperf.report import compile_line
 
     args = trainer.args
     ds = getattr(args, "hf_deepspeed_config", None)
@@ -68,12 +69,7 @@ def regional_compile(trainer: Trainer) -> None:
             self, targs: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
         ) -> None:
             if state.is_world_process_zero:
-                r = session.results()
-                print(
-                    f"{PREFIX} regional compile: {r['regions']} regions, {r['graph_breaks']} graph breaks, "
-                    f"{r['recompiles']} recompiles, {r['time_s']:.1f} s compiling, {len(r['fallbacks'])} fallbacks",
-                    flush=True,
-                )
+                print(f"{PREFIX} {compile_line(session.results())}", flush=True)
 
     trainer.add_callback(CompileSummary)
     if args.process_index == 0:
