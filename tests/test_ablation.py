@@ -152,6 +152,21 @@ def test_a_file_that_is_not_a_run_record_is_skipped_with_a_warning(tmp_path, cap
     assert "| base | (none) | error |" in (tmp_path / "report.md").read_text()
 
 
+def test_the_report_says_what_each_variant_applied(tmp_path):
+    """An optimization that changed nothing shows: compile+ckpt's auto plan recomputes no layer, which its row
+    alone (slower than compile, the same peak) does not say. A variant that applied neither has no line."""
+    base = _record(status="ok", tokens_per_s=100.0, losses=[1.0])
+    compiled = {"mode": "regional", "regions": 5, "graph_breaks": 1, "recompiles": 0, "time_s": 24.8, "fallbacks": []}
+    plan = {"summary": "0/4 layers (selective 0, full 0)", "budget_bytes": 2**30}
+    ckpt = _record(status="ok", tokens_per_s=90.0, losses=[1.0], compile=compiled, recompute=plan)
+    ckpt["ablation"] |= {"variant": "compile+ckpt", "variant_index": 1}
+    line = "recompute 0/4 layers (selective 0, full 0), budget 1.00 GiB; regional compile: 5 regions, 1 graph breaks, "
+    line += "0 recompiles, 24.8 s compiling, 0 fallbacks"
+    assert report.applied([base, ckpt], summarize([base, ckpt])) == [("compile+ckpt", line)]
+    report.render(tmp_path, [base, ckpt], command=None)
+    assert f"## What each variant applied\n\n- `compile+ckpt`: {line}\n" in (tmp_path / "report.md").read_text()
+
+
 def test_the_title_counts_the_repeats_in_the_table():
     """base's second record was damaged (skipped): the table holds 1 run of base and 2 of compile, not 2 each."""
     runs = [_record(), _record(), _record()]

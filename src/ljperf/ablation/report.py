@@ -18,7 +18,7 @@ from ljperf import __version__
 from ljperf.ablation import runner
 from ljperf.ablation.stats import Ratio, Spread, VariantStats, summarize
 from ljperf.errors import EXIT_OK, UsageError
-from ljperf.report import console, run_title, titled_table, warn
+from ljperf.report import compile_line, console, run_title, titled_table, warn
 from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_atomic, write_json
 from ljperf.units import format_bytes
 
@@ -202,9 +202,36 @@ def print_table(records: list[dict], stats: list[VariantStats]) -> None:
     revisions = _revisions(records)
     if len(revisions) > 1:
         warn(f"the runs span git revisions {', '.join(revisions)}")
+    for label, text in applied(records, stats):
+        console.print(f"{escape(label)}: {escape(text)}")
     for s in stats:
         if s.reason:
             console.print(f"[red]{escape(s.label)}[/red]: {escape(_status(s))}: {escape(s.reason)}")
+
+
+def applied(records: list[dict], stats: list[VariantStats]) -> list[tuple[str, str]]:
+    """(variant, what its first successful run recomputed and what compiling cost) for each variant that did
+    either: an optimization that changed nothing (``--recompute auto`` whose plan recomputes no layer) shows."""
+    out = []
+    for s in stats:
+        runs = [
+            r
+            for r in records
+            if (r["ablation"]["environment"]["name"], r["ablation"]["variant"]) == (s.environment, s.variant)
+            and r["results"]["status"] == "ok"
+        ]
+        if not runs:
+            continue
+        res = min(runs, key=_order)["results"]
+        parts = []
+        if (plan := res.get("recompute") or {}).get("summary"):
+            budget = plan.get("budget_bytes")
+            parts.append(f"recompute {plan['summary']}" + (f", budget {format_bytes(budget)}" if budget else ""))
+        if res.get("compile"):
+            parts.append(compile_line(res["compile"]))
+        if parts:
+            out.append((s.label, "; ".join(parts)))
+    return out
 
 
 def markdown(records: list[dict], stats: list[VariantStats], *, command: list[str] | None) -> str:
@@ -234,6 +261,8 @@ def markdown(records: list[dict], stats: list[VariantStats], *, command: list[st
         f"![throughput and memory per variant]({CHART})",
         "",
     ]
+    if done := applied(records, stats):
+        lines += ["## What each variant applied", "", *(f"- `{label}`: {text}" for label, text in done), ""]
     failures = [r for r in records if r["results"]["status"] != "ok"]
     if failures:
         lines += ["## Failed runs", ""]
