@@ -355,6 +355,16 @@ def test_a_table_title_prints_on_one_line():
     assert title in console.export_text()
 
 
+def test_a_title_names_a_catalog_model_as_engine_slash_name_and_a_config_path_as_itself():
+    from ljperf.report import shape_title
+
+    shape = {"micro_batch": 2, "seq_len": 64, "grad_accum": 1, "precision": "fp32"}
+    title = "torch/llama-tiny · 1 process(es) · mb 2 × seq 64 × accum 1 · fp32"
+    assert shape_title("torch", "llama-tiny", where="1 process(es)", shape=shape) == title
+    title = "fsdp · /data/config.json · 2 process(es) · mb 2 × seq 64 × accum 1 · fp32"
+    assert shape_title("fsdp", "/data/config.json", where="2 process(es)", shape=shape) == title
+
+
 @pytest.mark.parametrize(
     ("name", "tflops"),
     [

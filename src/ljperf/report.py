@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ljperf.forecast.bench import forecast_line
 from ljperf.launch import RunFolder
+from ljperf.models import catalog_names
 from ljperf.units import format_bytes
 
 
@@ -89,9 +90,11 @@ def _fmt(value: Any, spec: str) -> str:
 
 def shape_title(engine: str, model: str, *, where: str, shape: dict) -> str:
     """``engine/model · where · mb × seq × accum · precision``, the title of a run's or a forecast's table, from
-    ``shape``'s ``micro_batch``, ``seq_len``, ``grad_accum`` and ``precision`` (a record's train or a recipe)."""
+    ``shape``'s ``micro_batch``, ``seq_len``, ``grad_accum`` and ``precision`` (a record's train or a recipe).
+    A ``--model-config`` path is ``engine · path`` (``torch//abs/config.json`` read as neither)."""
+    subject = f"{engine}/{model}" if model in catalog_names() else f"{engine} · {model}"
     sizes = f"mb {shape['micro_batch']} × seq {shape['seq_len']} × accum {shape['grad_accum']}"
-    return f"{engine}/{model} · {where} · {sizes} · {shape['precision']}"
+    return f"{subject} · {where} · {sizes} · {shape['precision']}"
 
 
 def run_title(cfg: dict) -> str:
