@@ -4,6 +4,10 @@
 #   here:   bash benchmarks/gpu_wheels.sh
 #   device: run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
 # Smoke test of the script on this CPU machine (tiny models): LJPERF_GPU_SMOKE=1 bash benchmarks/gpu_session.sh
+# With the device's versions (PyPI's CUDA build of torch runs on a CPU; about 2 min and 5 GB to install):
+#   python3 -m venv /tmp/v211 && /tmp/v211/bin/pip install torch==2.11.0 transformers==5.17.0 accelerate rich \
+#       matplotlib && DS_BUILD_OPS=0 /tmp/v211/bin/pip install deepspeed==0.19.8
+#   LJPERF_GPU_SMOKE=1 PY=/tmp/v211/bin/python bash benchmarks/gpu_session.sh
 #
 # Steps, most wanted first (a step that would start with under 20 s left is skipped, and says so):
 # (1) forecast vs torch.cuda.max_memory_allocated for llama3.2-1b/3b (benchmarks/forecast_gpu.py) and the
