@@ -355,6 +355,20 @@ def test_a_table_title_prints_on_one_line():
     assert title in console.export_text()
 
 
+def test_a_record_names_the_ljperf_version_also_when_run_from_a_source_tree():
+    """The GPU session runs ljperf from ``src`` on PYTHONPATH, with no distribution installed: its tables read
+    ``ljperf None``. Here ``-S`` leaves out site-packages, where this checkout's editable install is."""
+    import ljperf
+
+    src = str(resources.files("ljperf").joinpath(".."))
+    code = "import json; from ljperf.result import versions; print(json.dumps(versions()))"
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code], env={**cli_env(), "PYTHONPATH": src}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ljperf"] == ljperf.__version__
+
+
 def test_a_title_names_a_catalog_model_as_engine_slash_name_and_a_config_path_as_itself():
     from ljperf.report import shape_title
 

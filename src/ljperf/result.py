@@ -20,10 +20,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
+from ljperf import __version__
 from ljperf.errors import UsageError
 
 SCHEMA_VERSION = 1
-PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "triton", "ljperf")
+PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "triton")
 # Variables that shape a run's performance and carry no secrets.
 ENV_VARIABLES = re.compile(
     r"^(NCCL_(SOCKET_IFNAME|IB_HCA|DEBUG|ALGO|PROTO|P2P_LEVEL|NET_GDR_LEVEL|MIN_NCHANNELS|MAX_NCHANNELS|"
@@ -37,14 +38,20 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {"python": platform.python_version()}
-    for name in PACKAGES:
+def installed_versions(names: tuple[str, ...]) -> dict[str, str | None]:
+    """The installed version of each distribution, None where it is not installed."""
+    found: dict[str, str | None] = {}
+    for name in names:
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             found[name] = None
     return found
+
+
+def versions() -> dict[str, str | None]:
+    # ljperf's is the code that runs, also from a source tree on PYTHONPATH with no distribution installed
+    return {"python": platform.python_version(), **installed_versions(PACKAGES), "ljperf": __version__}
 
 
 def selected_env() -> dict[str, str]:

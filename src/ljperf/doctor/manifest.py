@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from ljperf import result
 from ljperf.result import now_iso, read_json, write_json
 
 MANIFEST_ENV = "LJPERF_MANIFEST"
@@ -35,14 +35,8 @@ WATCHED: tuple[str, ...] = (
 
 
 def installed_versions(names: tuple[str, ...] = WATCHED) -> dict[str, str | None]:
-    """The installed version of each package, None where it is not installed."""
-    found: dict[str, str | None] = {}
-    for name in names:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    """The installed version of each watched package, None where it is not installed."""
+    return result.installed_versions(names)
 
 
 def manifest_path() -> Path:
