@@ -41,6 +41,7 @@ else
         export PYTHONPATH="$PYTHONPATH:/tmp/site"
     fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$OUT/session.log"
+    echo "ljperf at $(cat .whl/REVISION 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)" >>"$OUT/session.log"
     "$PY" -c "import deepspeed, torch, transformers; print('deepspeed', deepspeed.__version__, 'torch', \
 torch.__version__, 'transformers', transformers.__version__)" >>"$OUT/session.log" 2>&1
 fi

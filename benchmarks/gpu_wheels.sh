@@ -14,4 +14,6 @@ for spec in hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types=
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$spec"
 done
+# The commit the device runs (its copy of the tree has no .git): gpu_session.sh logs it
+echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' with uncommitted changes')" >.whl/REVISION
 ls -l .whl
