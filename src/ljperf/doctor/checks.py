@@ -25,7 +25,7 @@ from ljperf.doctor.tables import (
     IFNAME_BY_GPU_COUNT,
 )
 from ljperf.errors import describe
-from ljperf.result import read_json
+from ljperf.result import installed_versions, read_json
 
 if TYPE_CHECKING:
     import torch
@@ -311,7 +311,7 @@ def compare_versions(
 def check_versions() -> CheckResult:
     path = manifest_mod.manifest_path()
     if not path.exists():
-        return compare_versions(manifest_mod.installed_versions(), None, where=str(path))
+        return compare_versions(installed_versions(manifest_mod.WATCHED), None, where=str(path))
     try:
         built = read_json(path)["packages"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -322,7 +322,7 @@ def check_versions() -> CheckResult:
             fix=f"rebuild the image, or point {manifest_mod.MANIFEST_ENV} at a manifest written by "
             "`python -m ljperf.doctor.manifest write`",
         )
-    return compare_versions(manifest_mod.installed_versions(), built, where=str(path))
+    return compare_versions(installed_versions(manifest_mod.WATCHED), built, where=str(path))
 
 
 # --- torch.compile and NCCL -----------------------------------------------------------------------------

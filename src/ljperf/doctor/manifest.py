@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ljperf import result
-from ljperf.result import now_iso, read_json, write_json
+from ljperf.result import installed_versions, now_iso, read_json, write_json
 
 MANIFEST_ENV = "LJPERF_MANIFEST"
 DEFAULT_MANIFEST = "/etc/ljperf/manifest.json"
@@ -34,11 +33,6 @@ WATCHED: tuple[str, ...] = (
 )
 
 
-def installed_versions(names: tuple[str, ...] = WATCHED) -> dict[str, str | None]:
-    """The installed version of each watched package, None where it is not installed."""
-    return result.installed_versions(names)
-
-
 def manifest_path() -> Path:
     return Path(os.environ.get(MANIFEST_ENV) or DEFAULT_MANIFEST)
 
@@ -49,7 +43,7 @@ def new_manifest(*, base_image: str | None = None) -> dict[str, Any]:
         "kind": "manifest",
         "created": now_iso(),
         "base_image": base_image,
-        "packages": installed_versions(),
+        "packages": installed_versions(WATCHED),
     }
 
 
@@ -75,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--base-image", help="the image the build started from, recorded in the manifest")
     args = parser.parse_args(argv)
     if args.action == "constraints":
-        sys.stdout.write(constraints(installed_versions()))
+        sys.stdout.write(constraints(installed_versions(WATCHED)))
         return 0
     manifest = new_manifest(base_image=args.base_image)
     if args.base:
