@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from ljperf import models
 from ljperf.ablation import report
 from ljperf.ablation.cli import check_variant, split_argv
-from ljperf.ablation.runner import normalized
+from ljperf.ablation.runner import _signals_deferred, normalized
 from ljperf.ablation.stats import Spread, VariantStats, contributions, summarize
 from ljperf.ablation.variants import BUILTIN, parse_environments, parse_variants
 from ljperf.errors import UsageError
@@ -333,6 +334,25 @@ def test_timeout_force_and_sigterm(tmp_path):
     assert not Path(f"/proc/{child}").exists()  # ended and reaped by the ablation
     assert path.stat().st_mtime_ns == before
     assert sorted(p.name for p in path.parent.glob("*.json")) == ["base.r1.json"]  # no pending, no ckpt-full
+
+
+def test_a_signal_while_a_run_starts_is_handled_once_it_has_started():
+    # A SIGTERM raised inside Popen once the benchmark existed left it unstopped and unreaped: the ablation exited
+    # 143 with its benchmark alive (seen in CI). The signal now waits until Popen has returned.
+    handled = []
+
+    def handler(signum: int, _frame: object) -> None:
+        handled.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with _signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert not handled
+        assert handled == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _wait_for_child(pid: int, word: bytes, timeout: float = 120) -> int:

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_json
 # Seconds a timed-out run gets after SIGTERM to write its partial record before SIGKILL.
 STOP_GRACE_S = 15.0
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+DEFERRED = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,22 +279,27 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
         env.pop(RUN_DIR_ENV, None)
         for variable in startup.HOOKS:  # a variant is its flags: CHECKPOINT_OPTIMIZATION would make each auto
             env.pop(variable, None)
-        # A session of its own: a timeout or Ctrl-C stops the whole tree (torchrun and its ranks).
-        proc = subprocess.Popen(
-            argv,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_end_with_parent,
-        )
+        proc = None
         try:
+            # A signal raised inside Popen, once the child exists, would leave it unstopped and unreaped:
+            # deferred until ``proc`` is set. A session of its own: a timeout or Ctrl-C stops the whole tree (torchrun
+            # and its ranks).
+            with _signals_deferred():
+                proc = subprocess.Popen(
+                    argv,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_end_with_parent,
+                )
             exit_code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
             exit_code = _stop(proc)
         except BaseException:
-            _stop(proc)
+            if proc is not None:
+                _stop(proc)
             pending.unlink(missing_ok=True)
             raise
     wall_s = time.monotonic() - start
@@ -306,6 +313,21 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
     write_json(path, record)
     pending.unlink(missing_ok=True)
     return record
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGTERM and SIGINT that arrive meanwhile are handled on leaving. (Not a signal mask: that holds one
+    thread only, and the signal would reach another, such as the progress spinner's.)"""
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in DEFERRED}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if received:
+            signal.raise_signal(received[0])
 
 
 def _end_with_parent() -> None:
