@@ -19,6 +19,7 @@ import torch
 
 from ljperf import deepspeed_config, memory
 from ljperf.engines.common import adamw, causal_lm_loss, decoder_blocks, parameter_names
+from ljperf.errors import interruption, one_line
 from ljperf.models import init_value, materialize, replace_parameters
 from ljperf.optimize import apply_optimizations
 from ljperf.report import console, warn
@@ -56,6 +57,12 @@ class DeepSpeedEngine:
         else:
             model = materialize(model, device=run.device.torch_device, seed=run.train.seed)
             model = apply_optimizations(model, run)
+        if self.config.get("compile", {}).get("deepcompile") and (reason := _deepcompile_unavailable()):
+            # engine.compile() would find out after it had taken ZeRO's own gradient buckets away (DeepSpeed
+            # 0.19's init_z3 clears them, then builds the op): the eager fallback then fails on its first backward.
+            self.config["compile"]["deepcompile"] = False
+            if run.is_main:
+                warn(f"DeepCompile unavailable, engine.compile() runs without it: {reason}")
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.config
         )
@@ -158,6 +165,19 @@ def resolved_config(run: RunContext) -> tuple[dict, list[deepspeed_config.Findin
         # DeepCompile (CUDA only): ZeRO as graph passes instead of hooks; a user's "deepcompile": false stays
         config["compile"] = {"deepcompile": True, **config.get("compile", {})}
     return config, findings
+
+
+def _deepcompile_unavailable() -> str | None:
+    """Why DeepSpeed's DeepCompile op cannot be loaded (built on first use), or None once it is."""
+    from deepspeed.compile.util import get_deepcompile_handle
+
+    try:
+        get_deepcompile_handle()
+    except Exception as exc:
+        if (stop := interruption(exc)) is not None:
+            raise stop from None
+        return one_line(exc)
+    return None
 
 
 def _comm_op_built() -> bool:
