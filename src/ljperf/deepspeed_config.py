@@ -263,6 +263,7 @@ TYPED: dict[tuple[str, ...], str] = {
     ("zero_optimization", "allgather_bucket_size"): "number",
     ("zero_optimization", "stage3_max_live_parameters"): "number",
     ("zero_optimization", "stage3_max_reuse_distance"): "number",
+    ("zero_optimization", "sub_group_size"): "number",
     ("zero_optimization", "stage3_param_persistence_threshold"): "number",
     ("gradient_clipping",): "number",
     ("steps_per_print",): "int",

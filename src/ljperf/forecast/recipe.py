@@ -33,6 +33,9 @@ class ZeroSettings:
     """``stage3_max_live_parameters``: gathered elements before blocks are released."""
     max_reuse_distance: int = 1_000_000_000
     """``stage3_max_reuse_distance``: a block used again within this many elements stays gathered."""
+    sub_group_size: int = 1_000_000_000
+    """ZeRO-3's optimizer steps a rank's partition in sub-groups of parameters, each closed once it reaches this
+    many elements: the step's fp32 gradient and temporaries are one sub-group's at a time."""
     overlap_comm: bool = False
     """ZeRO-1/2: reduce one bucket while the next fills, so two IPG buffers (DeepSpeed's default for 1/2)."""
     contiguous_gradients: bool = True
@@ -60,6 +63,7 @@ class ZeroSettings:
             ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
             ("stage3_max_live_parameters", "max_live_parameters"),
             ("stage3_max_reuse_distance", "max_reuse_distance"),
+            ("sub_group_size", "sub_group_size"),
         ):
             value = zero.get(key)
             if value is None or value == "auto":

@@ -340,7 +340,9 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe, *, partition: ZeroPa
         )
     ipg = recipe.zero.reduce_bucket_elements(spec.hidden) * compute  # the IPG (gradient) bucket
     if recipe.zero_stage == 3:  # each parameter is partitioned on its own: the largest piece is its shard
-        sharding = zero3_sharding(blocks, zero=recipe.zero, compute=compute, shard=shard, moments=moments, ipg=ipg)
+        sharding = zero3_sharding(
+            blocks, zero=recipe.zero, world=w, compute=compute, shard=shard, moments=moments, ipg=ipg
+        )
         return replace(sharding, norm_copy=FP64 * -(-blocks.largest // w))
     # ZeRO-1/2 cut one flat buffer into partitions: a parameter larger than a partition fills one
     norm_copy = FP64 * min(blocks.largest, -(-blocks.total // w))
@@ -386,13 +388,26 @@ def engine_sharding(spec: models.ModelSpec, recipe: Recipe, *, partition: ZeroPa
     )
 
 
+def zero3_sub_group(blocks: BlockParams, *, world: int, size: int) -> int:
+    """Elements of a rank's largest ZeRO-3 optimizer sub-group (``_create_fp16_sub_groups``): its parameter
+    partitions in ``parameters()`` order, a sub-group closed once it reaches ``size`` elements."""
+    pieces = [-(-n // world) for _, n in blocks.order]
+    largest = current = 0
+    for n in pieces:
+        current += n
+        if current >= size:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
+
+
 def zero3_sharding(
-    blocks: BlockParams, *, zero: ZeroSettings, compute: int, shard: int, moments: int, ipg: int
+    blocks: BlockParams, *, zero: ZeroSettings, world: int, compute: int, shard: int, moments: int, ipg: int
 ) -> Sharding:
     """ZeRO-3 as ``stage3.py`` and ``partitioned_param_coordinator.py`` hold it, from step 2 (a recorded trace).
 
     Persistent: the compute-dtype partition, its fp32 master copy, the flat gradient partition (compute dtype:
-    DeepSpeed's default ``grad_accum_dtype``; the step flattens an fp32 copy of it) and the IPG bucket
+    DeepSpeed's default ``grad_accum_dtype``; the step flattens an fp32 copy of it, one optimizer sub-group at a
+    time, and steps that: ``zero3_sub_group``) and the IPG bucket
     (``ipg`` bytes, allocated whole). Gathering: each submodule's fetch prefetches up to
     ``stage3_prefetch_bucket_size`` elements in one all-gather whose flat buffer lives until its last parameter
     is fetched, while every parameter gets its own copy when the handle is waited; with about ten fetches per
@@ -434,15 +449,16 @@ def zero3_sharding(
     held = [kept(i) for i in range(n)]
     backward = [0 if held[i] == sizes[i] else sizes[i] - held[i] + in_flight(before[i] + pre) for i in range(n)]
     pre_held = 2 * ahead(0) < zero.max_reuse_distance
+    step = FP32 * zero3_sub_group(blocks, world=world, size=zero.sub_group_size) if blocks.order else shard
     return Sharding(
         params=shard * compute // FP32 + shard,
         grads=shard * compute // FP32,  # gradient_accumulation_dtype: the model's dtype unless configured
         optimizer=moments,
         grads_persistent=True,
-        step_grads=shard,
+        step_grads=step,
         comm_buffers=ipg,
         grad_keep=0.0,
-        optimizer_flat=shard,
+        optimizer_flat=step,
         resident=pre * compute if pre_held else 0,
         gather_edges={
             # the embedding's own copy is in ``resident`` when it stays gathered

@@ -120,6 +120,7 @@ def _deepspeed_setup(engine: DeepSpeedEngine) -> dict[str, Any]:
             prefetch_bucket_size=engine.zero_prefetch_bucket_size(),
             max_live_parameters=engine.zero_max_live_parameters(),
             max_reuse_distance=engine.zero_max_reuse_distance(),
+            sub_group_size=engine.zero_sub_group_size(),
             overlap_comm=bool(engine.zero_overlap_comm()),
             contiguous_gradients=bool(engine.zero_contiguous_gradients()),
         ),
