@@ -22,11 +22,13 @@ integer coefficients are cached per architecture family, precision, attention an
 Recompute modes (full, selective) are applied with ``ljperf.checkpoint.apply.apply_plan``, the code the
 engines run, so the traced layers save exactly what training saves.
 
-SDPA runs its math path on CPU, which keeps the b·h·s² probabilities (and a dropout mask) for backward, where
-the call has attention dropout (GPT-2) or a value head narrower than the query's (DeepSeek-V3's MLA); CUDA's
-memory-efficient kernel fuses both and keeps its output and log-sum-exp, as CPU's flash kernel does otherwise.
-So a trace notes whether an SDPA call took the math path, and for a CUDA forecast of such a model a second
-family is traced with those calls as a fused kernel keeps them (``fused_attention``).
+Two things run otherwise on CUDA, and a trace notes whether it met either (``cuda_differs``); for a CUDA
+forecast of such a model a second family is traced as CUDA runs them (``as_cuda``). SDPA runs its math path on
+CPU, which keeps the b·h·s² probabilities (and a dropout mask) for backward, where the call has attention
+dropout (GPT-2) or a value head narrower than the query's (DeepSeek-V3's MLA); CUDA's memory-efficient kernel
+fuses both and keeps its output and log-sum-exp, as CPU's flash kernel does otherwise. And CUDA's autocast
+runs some ops in fp32 that CPU's runs in the input's precision (``CUDA_FP32``): GPT-2's tanh GELU cubes its
+bf16 input in fp32, so it keeps an fp32 copy of it and the rest of the GELU runs in fp32.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ljperf import models
 from ljperf.cache import cache_root, cached
@@ -57,8 +60,8 @@ if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-TRACE_VERSION = 6
-"""Bump when what a trace keeps changes (6: selective recompute keeps the experts' grouped matmuls)."""
+TRACE_VERSION = 7
+"""Bump when what a trace keeps changes (7: CUDA traces run CUDA autocast's fp32 ops in fp32)."""
 TRACE_LAYERS = 3
 """Depth of the traced copy whose segments the composition uses."""
 SLOPE_LAYERS = TRACE_LAYERS + 1
@@ -173,8 +176,9 @@ class RawTrace:
 
     points: list[int]
     marks: list[tuple[str, int]]
-    sdpa_math: bool = False
-    """An SDPA call took the math path (which CUDA's fused kernels do not: see the module docstring)."""
+    cuda_differs: bool = False
+    """An SDPA call took the math path, or an op of ``CUDA_FP32`` ran on a bf16 input under autocast: CUDA runs
+    either otherwise (see the module docstring)."""
 
 
 def block_marks(layers: int) -> list[str]:
@@ -193,11 +197,12 @@ def trace_shape(
     attn: str,
     mode: str,
     layers: int,
-    fused_attention: bool = False,
+    as_cuda: bool = False,
     pick: tuple[int, ...] | None = None,
 ) -> RawTrace:
     """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline;
-    ``fused_attention``: SDPA calls CPU runs on its math path as CUDA's fused kernel runs them; ``pick``: the
+    ``as_cuda``: SDPA calls CPU runs on its math path as CUDA's fused kernel runs them, and the ops of
+    ``CUDA_FP32`` in fp32 as CUDA's autocast does; ``pick``: the
     full model's (first, middle, last) layers the copy is made of, the middle one repeated (``layer_picks``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -229,22 +234,23 @@ def trace_shape(
         process=Process(device=DeviceInfo(type="cpu", index=None, name="fake")),
     )
     timeline = LiveBytesTimeline()
-    state = {"backward": False, "sdpa_math": False}
+    state = {"backward": False, "cuda_differs": False}
     _install_marks(model, timeline, state)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def traced_sdpa(
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, dropout_p: float = 0.0, **kwargs: Any
     ) -> torch.Tensor:
-        if fused_attention and (dropout_p > 0 or value.shape[-1] != query.shape[-1]):
+        if as_cuda and (dropout_p > 0 or value.shape[-1] != query.shape[-1]):
             return _FusedAttention.apply(query, key, value)
         out = sdpa(query, key, value, *args, dropout_p=dropout_p, **kwargs)
-        state["sdpa_math"] |= out.grad_fn is not None and "ScaledDotProduct" not in type(out.grad_fn).__name__
+        state["cuda_differs"] |= out.grad_fn is not None and "ScaledDotProduct" not in type(out.grad_fn).__name__
         return out
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", traced_sdpa))
         stack.enter_context(real_code_paths())
+        stack.enter_context(CudaAutocastFp32(state, cast=as_cuda))
         stack.enter_context(fake_mode)
         # A fake kernel that refuses its inputs logs its traceback before raising: the error says it once.
         stack.enter_context(_quiet("torch._subclasses.fake_tensor"))
@@ -256,7 +262,46 @@ def trace_shape(
             accumulate(model, batches, run=run)
         except (RuntimeError, NotImplementedError) as exc:  # e.g. a kernel whose fake version refuses fp32
             raise TraceError(f"its training step does not run on fake tensors: {one_line(exc)}") from exc
-    return RawTrace(points=timeline.points, marks=timeline.marks, sdpa_math=state["sdpa_math"])
+    return RawTrace(points=timeline.points, marks=timeline.marks, cuda_differs=state["cuda_differs"])
+
+
+def _cuda_fp32() -> tuple[frozenset[Any], frozenset[Any]]:
+    f, t = torch.nn.functional, torch.Tensor
+    always = (torch.pow, t.pow, t.__pow__, t.__rpow__, torch.exp, t.exp, torch.log, t.log, torch.rsqrt, t.rsqrt)
+    always += (torch.reciprocal, t.reciprocal, f.layer_norm, f.group_norm, f.softplus)
+    unless_dtype = (torch.softmax, t.softmax, f.softmax, torch.log_softmax, t.log_softmax, f.log_softmax)
+    unless_dtype += (torch.sum, t.sum, torch.cumsum, t.cumsum)
+    return frozenset(always), frozenset(unless_dtype)
+
+
+CUDA_FP32, CUDA_FP32_UNLESS_DTYPE = _cuda_fp32()
+"""The ops of CUDA autocast's fp32 list (``autocast_mode.cpp``) that model code calls and CPU's autocast runs in
+the input's precision; the second set only when no ``dtype`` is given."""
+
+
+class CudaAutocastFp32(TorchFunctionMode):
+    """Under autocast, notes an op of ``CUDA_FP32`` called on a bf16 (or fp16) tensor in ``state["cuda_differs"]``
+    and, with ``cast``, casts its floating inputs to fp32 first, as CUDA's autocast does (the cast copies are
+    what the op saves for backward)."""
+
+    def __init__(self, state: dict[str, bool], *, cast: bool):
+        super().__init__()
+        self.state, self.cast = state, cast
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        listed = func in CUDA_FP32 or (func in CUDA_FP32_UNLESS_DTYPE and kwargs.get("dtype") is None)
+        if listed and torch.is_autocast_enabled("cpu"):
+            low = [t for t in tree_leaves((args, kwargs)) if _low_precision(t)]
+            if low:
+                self.state["cuda_differs"] = True
+                if self.cast:
+                    args, kwargs = tree_map(lambda t: t.float() if _low_precision(t) else t, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _low_precision(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -439,8 +484,8 @@ class Patterns:
     ``TRACE_LAYERS``-deep copy runs them."""
     per_layer: dict[str, list[list[int]]]
     """Edge segment → what each layer adds to its points (rows as in ``segments``); absent where nothing."""
-    sdpa_math: bool = False
-    """A traced SDPA call took the math path."""
+    cuda_differs: bool = False
+    """The traces met something CUDA runs otherwise (``RawTrace.cuda_differs``)."""
 
     def points(self, name: str, b: int, s: int, *, per_layer: bool = False) -> list[int]:
         """The points of segment ``name`` at micro batch ``b`` and sequence ``s`` (of its per-layer share)."""
@@ -474,7 +519,7 @@ def fit_patterns(traces: dict[tuple[int, int], RawTrace], *, layers: int) -> dic
 
 
 def with_per_layer(
-    reference: dict[str, list[list[int]]], deeper: dict[str, list[list[int]]], *, sdpa_math: bool = False
+    reference: dict[str, list[list[int]]], deeper: dict[str, list[list[int]]], *, cuda_differs: bool = False
 ) -> Patterns:
     """Patterns from the fits of the ``TRACE_LAYERS``- and ``SLOPE_LAYERS``-deep copies: the layers' segments
     must agree (the composition repeats them), and an edge segment's difference is its per-layer share."""
@@ -489,7 +534,7 @@ def with_per_layer(
         if name.split("@")[0] not in EDGES:
             raise TraceError(f"decoder layer segment {name} depends on the model's depth")
         per_layer[name] = slope
-    return Patterns(segments=reference, per_layer=per_layer, sdpa_math=sdpa_math)
+    return Patterns(segments=reference, per_layer=per_layer, cuda_differs=cuda_differs)
 
 
 def _exact_fit(x: torch.Tensor, y: torch.Tensor, name: str) -> list[list[int]]:
@@ -559,12 +604,12 @@ def traced_patterns(
     pick: tuple[int, ...] | None = None,
 ) -> Patterns:
     """The fitted patterns of one architecture and shape family on ``device``, from the cache or traced now (and
-    cached): CPU's, and for CUDA those with fused attention where CPU's SDPA took its math path. ``pick``: a
+    cached): CPU's, and for CUDA those traced as CUDA runs them where CPU's differ (``cuda_differs``). ``pick``: a
     copy of those layers of the full model (``layer_picks``)."""
     kwargs = {"precision": precision, "attn": attn, "mode": mode, "micro_batch": micro_batch, "pick": pick}
     patterns = _traced_patterns(spec, **kwargs)
-    if device == "cuda" and patterns.sdpa_math:
-        return _traced_patterns(spec, **kwargs, fused_attention=True)
+    if device == "cuda" and patterns.cuda_differs:
+        return _traced_patterns(spec, **kwargs, as_cuda=True)
     return patterns
 
 
@@ -575,11 +620,11 @@ def _traced_patterns(
     attn: str,
     mode: str,
     micro_batch: int,
-    fused_attention: bool = False,
+    as_cuda: bool = False,
     pick: tuple[int, ...] | None = None,
 ) -> Patterns:
     fam = family(micro_batch)
-    variant = mode + ("-fused-attention" if fused_attention else "")
+    variant = mode + ("-cuda" if as_cuda else "")
     if pick is not None:  # its layers, of this depth
         variant += f"-layers-{'-'.join(map(str, pick))}-of-{spec.layers}"
     key = family_key(spec, precision=precision, attn=attn, mode=variant)
@@ -587,7 +632,7 @@ def _traced_patterns(
     if path in _FAILED:
         raise _FAILED[path]
     if path not in _PATTERNS:
-        options = {"precision": precision, "attn": attn, "mode": mode, "fused_attention": fused_attention, "pick": pick}
+        options = {"precision": precision, "attn": attn, "mode": mode, "as_cuda": as_cuda, "pick": pick}
 
         def trace(shape: tuple[int, int], layers: int) -> RawTrace:
             return trace_shape(spec, micro_batch=shape[0], seq_len=shape[1], layers=layers, **options)
@@ -595,7 +640,7 @@ def _traced_patterns(
         def make() -> Patterns:
             shapes = FAMILIES[fam]
             reference = {shape: trace(shape, TRACE_LAYERS) for shape in shapes}
-            math = any(raw.sdpa_math for raw in reference.values())
+            differs = any(raw.cuda_differs for raw in reference.values())
             patterns = fit_patterns(reference, layers=TRACE_LAYERS)
             # The deeper copy at one shape first: where its segments equal the reference's, no layer leaves anything
             # to the edges (the usual case), and the other shapes need not be traced again.
@@ -604,22 +649,22 @@ def _traced_patterns(
             if split_segments(deeper[probe], layers=SLOPE_LAYERS) == split_segments(
                 reference[probe], layers=TRACE_LAYERS
             ):
-                return Patterns(segments=patterns, per_layer={}, sdpa_math=math)
+                return Patterns(segments=patterns, per_layer={}, cuda_differs=differs)
             deeper |= {shape: trace(shape, SLOPE_LAYERS) for shape in shapes[:-1]}
-            return with_per_layer(patterns, fit_patterns(deeper, layers=SLOPE_LAYERS), sdpa_math=math)
+            return with_per_layer(patterns, fit_patterns(deeper, layers=SLOPE_LAYERS), cuda_differs=differs)
 
         try:
             _PATTERNS[path] = cached(
                 path,
                 load=lambda data: Patterns(
-                    segments=data["segments"], per_layer=data["per_layer"], sdpa_math=data["sdpa_math"]
+                    segments=data["segments"], per_layer=data["per_layer"], cuda_differs=data["cuda_differs"]
                 ),
                 make=make,
                 dump=lambda p: {
                     "trace_version": TRACE_VERSION,
                     "segments": p.segments,
                     "per_layer": p.per_layer,
-                    "sdpa_math": p.sdpa_math,
+                    "cuda_differs": p.cuda_differs,
                 },
             )
         except TraceError as exc:
