@@ -299,6 +299,25 @@ def test_a_cuda_forecast_keeps_the_fp32_copies_of_gpt2s_gelu(tmp_path):
     assert extra == {"gelu_new": GPT2_TINY["n_layer"] * tokens * 24 * GPT2_TINY["n_embd"], "gelu": 0}
 
 
+def test_a_cuda_forecast_of_fp32_grouped_query_attention_keeps_the_math_paths_probabilities():
+    """CUDA's flash kernel takes bf16 only and its memory-efficient one no grouped K/V heads, so fp32 training of a
+    GQA model runs SDPA's math path on CUDA (b·h·s² fp32 probabilities kept), while CPU's flash kernel takes it.
+    On the H200 (2026-12-04) the startup hook's HF Trainer script (a 6-layer GQA Llama, fp32, 64 × 256 tokens)
+    measured 624.71 MiB against 395.14 forecast (-36.7%, which its closed loop corrected); this forecasts 594.39
+    (-4.9%). Under bf16 autocast SDPA gets bf16 inputs on CUDA too, flash runs, and CUDA's forecast is CPU's."""
+    spec = models.resolve(name="llama-tiny")
+    assert spec.config.num_key_value_heads < spec.config.num_attention_heads
+    b, s, heads = 2, 128, spec.config.num_attention_heads
+    activations = {}
+    for precision in ("fp32", "bf16-mixed"):
+        for device in ("cpu", "cuda"):
+            recipe = Recipe(device=device, precision=precision, micro_batch=b, seq_len=s)
+            activations[precision, device] = forecast(spec, recipe).breakdown["activations"]
+    probabilities = spec.layers * b * heads * s * s * 4
+    assert activations["fp32", "cuda"] - activations["fp32", "cpu"] >= probabilities, activations
+    assert activations["bf16-mixed", "cuda"] == activations["bf16-mixed", "cpu"]
+
+
 def test_a_cuda_forecast_keeps_what_fused_attention_dropout_keeps(tmp_path):
     """CPU SDPA with dropout keeps the b·h·s² probabilities and mask (its math path: the CPU test above measures
     it); CUDA's flash/efficient kernels fuse the dropout, so GPT-2 on CUDA keeps what it keeps without attention

@@ -22,11 +22,13 @@ integer coefficients are cached per architecture family, precision, attention an
 Recompute modes (full, selective) are applied with ``ljperf.checkpoint.apply.apply_plan``, the code the
 engines run, so the traced layers save exactly what training saves.
 
-Two things run otherwise on CUDA, and a trace notes whether it met either (``cuda_differs``); for a CUDA
+Some things run otherwise on CUDA, and a trace notes whether it met one (``cuda_differs``); for a CUDA
 forecast of such a model a second family is traced as CUDA runs them (``as_cuda``). SDPA runs its math path on
 CPU, which keeps the b·h·s² probabilities (and a dropout mask) for backward, where the call has attention
 dropout (GPT-2) or a value head narrower than the query's (DeepSeek-V3's MLA); CUDA's memory-efficient kernel
-fuses both and keeps its output and log-sum-exp, as CPU's flash kernel does otherwise. And CUDA's autocast
+fuses both and keeps its output and log-sum-exp, as CPU's flash kernel does otherwise. Conversely CUDA runs the
+math path where neither of its fused kernels takes the call (``cuda_runs_math``: fp32 with grouped K/V heads),
+which CPU's flash kernel takes. And CUDA's autocast
 runs some ops in fp32 that CPU's runs in the input's precision (``CUDA_FP32``): GPT-2's tanh GELU cubes its
 bf16 input in fp32, so it keeps an fp32 copy of it and the rest of the GELU runs in fp32.
 """
@@ -47,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -61,7 +64,7 @@ if TYPE_CHECKING:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
 TRACE_VERSION = 7
-"""Bump when what a trace keeps changes (7: CUDA traces run CUDA autocast's fp32 ops in fp32)."""
+"""Bump when what a trace keeps changes (7: CUDA traces run autocast's fp32 ops in fp32, fp32 GQA on math)."""
 TRACE_LAYERS = 3
 """Depth of the traced copy whose segments the composition uses."""
 SLOPE_LAYERS = TRACE_LAYERS + 1
@@ -241,10 +244,15 @@ def trace_shape(
     def traced_sdpa(
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, dropout_p: float = 0.0, **kwargs: Any
     ) -> torch.Tensor:
+        cuda_math = cuda_runs_math(query, key, value, attn_mask=kwargs.get("attn_mask"))
+        if as_cuda and cuda_math:
+            with sdpa_kernel(SDPBackend.MATH):
+                return sdpa(query, key, value, *args, dropout_p=dropout_p, **kwargs)
         if as_cuda and (dropout_p > 0 or value.shape[-1] != query.shape[-1]):
             return _FusedAttention.apply(query, key, value)
         out = sdpa(query, key, value, *args, dropout_p=dropout_p, **kwargs)
-        state["cuda_differs"] |= out.grad_fn is not None and "ScaledDotProduct" not in type(out.grad_fn).__name__
+        cpu_math = out.grad_fn is not None and "ScaledDotProduct" not in type(out.grad_fn).__name__
+        state["cuda_differs"] |= cpu_math or cuda_math
         return out
 
     with contextlib.ExitStack() as stack:
@@ -302,6 +310,23 @@ class CudaAutocastFp32(TorchFunctionMode):
 
 def _low_precision(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16)
+
+
+def cuda_runs_math(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, attn_mask: torch.Tensor | None
+) -> bool:
+    """Whether CUDA's SDPA runs this call on its math path (which keeps the b·h·s² probabilities), as torch
+    (2.11–2.13, sm80+) picks its kernel: flash takes fp16/bf16 only, equal head sizes up to 256 and no mask;
+    memory-efficient takes no grouped K/V heads (``enable_gqa``) and head sizes aligned to 4 (fp32) or 8
+    elements. So fp32 training of a GQA model (Llama 3, Qwen, Mistral) runs math, where CPU's flash kernel
+    (which takes GQA in fp32) does not."""
+    # SDPA is on both autocasts' lower-precision lists: under the trace's CPU autocast, CUDA's casts as CPU's does
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    heads = query.shape[-1], value.shape[-1]
+    flash = dtype in (torch.float16, torch.bfloat16) and attn_mask is None and heads[0] == heads[1] <= 256
+    align = 4 if dtype == torch.float32 else 8
+    efficient = query.shape[-3] == key.shape[-3] and all(h % align == 0 for h in heads)
+    return not (flash or efficient)
 
 
 class _FusedAttention(torch.autograd.Function):
