@@ -28,9 +28,9 @@ CPU, which keeps the b·h·s² probabilities (and a dropout mask) for backward, 
 dropout (GPT-2) or a value head narrower than the query's (DeepSeek-V3's MLA); CUDA's memory-efficient kernel
 fuses both and keeps its output and log-sum-exp, as CPU's flash kernel does otherwise. Conversely CUDA runs the
 math path where neither of its fused kernels takes the call (``cuda_runs_math``: fp32 with grouped K/V heads),
-which CPU's flash kernel takes. And CUDA's autocast
-runs some ops in fp32 that CPU's runs in the input's precision (``CUDA_FP32``): GPT-2's tanh GELU cubes its
-bf16 input in fp32, so it keeps an fp32 copy of it and the rest of the GELU runs in fp32.
+which CPU's flash kernel takes. And CUDA's autocast runs some ops in fp32 that CPU's runs in the input's
+precision (``CUDA_FP32``): GPT-2's tanh GELU cubes its bf16 input in fp32, so it keeps an fp32 copy of it and
+the rest of the GELU runs in fp32.
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ class RawTrace:
     points: list[int]
     marks: list[tuple[str, int]]
     cuda_differs: bool = False
-    """An SDPA call took the math path, or an op of ``CUDA_FP32`` ran on a bf16 input under autocast: CUDA runs
-    either otherwise (see the module docstring)."""
+    """An SDPA call took the math path or would take it on CUDA (``cuda_runs_math``), or an op of ``CUDA_FP32``
+    ran on a bf16 input under autocast: CUDA runs each otherwise (see the module docstring)."""
 
 
 def block_marks(layers: int) -> list[str]:
@@ -204,9 +204,9 @@ def trace_shape(
     pick: tuple[int, ...] | None = None,
 ) -> RawTrace:
     """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline;
-    ``as_cuda``: SDPA calls CPU runs on its math path as CUDA's fused kernel runs them, and the ops of
-    ``CUDA_FP32`` in fp32 as CUDA's autocast does; ``pick``: the
-    full model's (first, middle, last) layers the copy is made of, the middle one repeated (``layer_picks``)."""
+    ``as_cuda``: SDPA calls as CUDA runs them (its fused kernel where CPU runs math, math where it does), and the
+    ops of ``CUDA_FP32`` in fp32 as CUDA's autocast does; ``pick``: the full model's (first, middle, last) layers
+    the copy is made of, the middle one repeated (``layer_picks``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ljperf.config import LaunchConfig, TrainConfig
@@ -300,8 +300,7 @@ class CudaAutocastFp32(TorchFunctionMode):
         kwargs = kwargs or {}
         listed = func in CUDA_FP32 or (func in CUDA_FP32_UNLESS_DTYPE and kwargs.get("dtype") is None)
         if listed and torch.is_autocast_enabled("cpu"):
-            low = [t for t in tree_leaves((args, kwargs)) if _low_precision(t)]
-            if low:
+            if any(_low_precision(t) for t in tree_leaves((args, kwargs))):
                 self.state["cuda_differs"] = True
                 if self.cast:
                     args, kwargs = tree_map(lambda t: t.float() if _low_precision(t) else t, (args, kwargs))
