@@ -16,10 +16,10 @@ import pytest
 from ljperf import models
 from ljperf.ablation import report
 from ljperf.ablation.cli import check_variant, split_argv
-from ljperf.ablation.runner import _signals_deferred, normalized
+from ljperf.ablation.runner import normalized
 from ljperf.ablation.stats import Spread, VariantStats, contributions, summarize
 from ljperf.ablation.variants import BUILTIN, parse_environments, parse_variants
-from ljperf.errors import UsageError
+from ljperf.errors import Interrupted, UsageError, interrupt_on_signals, interrupts_held, restore_signals
 
 from conftest import cli_env, read_record, run_ljperf
 
@@ -336,23 +336,19 @@ def test_timeout_force_and_sigterm(tmp_path):
     assert sorted(p.name for p in path.parent.glob("*.json")) == ["base.r1.json"]  # no pending, no ckpt-full
 
 
-def test_a_signal_while_a_run_starts_is_handled_once_it_has_started():
+def test_a_signal_while_a_run_starts_is_raised_once_it_has_started():
     # A SIGTERM raised inside Popen once the benchmark existed left it unstopped and unreaped: the ablation exited
-    # 143 with its benchmark alive (seen in CI). The signal now waits until Popen has returned.
-    handled = []
-
-    def handler(signum: int, _frame: object) -> None:
-        handled.append(signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
+    # 143 with its benchmark alive (seen in CI). The runner holds signals until Popen has returned.
+    previous = interrupt_on_signals()
+    reached = []
     try:
-        with _signals_deferred():
+        with pytest.raises(Interrupted) as raised, interrupts_held():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.05)
-            assert not handled
-        assert handled == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is handler
+            reached.append("after the signal")  # not cut short: the signal is raised on leaving
+        assert reached and raised.value.exit_code == 143
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        restore_signals(previous)
 
 
 def _wait_for_child(pid: int, word: bytes, timeout: float = 120) -> int:

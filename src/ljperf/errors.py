@@ -1,5 +1,6 @@
 """Errors that ljperf turns into exit codes and one-line messages (see ``ljperf.cli.main``)."""
 
+import contextlib
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -109,6 +110,22 @@ def hold_interrupts() -> None:
     and it lands while the others handle their own error)."""
     global _held
     _held = True
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Inside, a signal ``raise_interrupted`` takes is noted, not raised; leaving raises it: a step that must not
+    be cut in two (starting a process: a signal raised inside ``Popen`` once the child exists leaves no handle
+    to stop it with)."""
+    global _held
+    outer = _held
+    _held = True
+    try:
+        yield
+    finally:
+        _held = outer
+    if not outer:
+        raise_if_interrupted()
 
 
 def raise_if_interrupted() -> None:

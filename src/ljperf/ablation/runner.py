@@ -16,7 +16,6 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 from rich.markup import escape
 
 from ljperf.ablation.variants import Environment, Variant
-from ljperf.errors import UsageError, raise_interrupted
+from ljperf.errors import UsageError, interrupt_on_signals, interrupts_held, restore_signals
 from ljperf.hooks import startup
 from ljperf.launch import RUN_DIR_ENV
 from ljperf.report import console, warn
@@ -33,7 +32,6 @@ from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_json
 # Seconds a timed-out run gets after SIGTERM to write its partial record before SIGKILL.
 STOP_GRACE_S = 15.0
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-DEFERRED = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,8 +112,8 @@ def run_all(runs: list[PlannedRun], *, out: Path, timeout: float, force: bool) -
         console.print(f"resuming {out}: {len(runs) - len(todo)} of {len(runs)} runs already finished")
     records = []
     # SIGTERM (a scheduler ending the job) unwinds like Ctrl-C: the running benchmark is stopped, not orphaned,
-    # and ljperf exits 143.
-    previous = signal.signal(signal.SIGTERM, raise_interrupted)
+    # and ljperf exits 143 (130).
+    previous = interrupt_on_signals()
     try:
         for i, run in enumerate(runs):
             record = done[i]
@@ -126,7 +124,7 @@ def run_all(runs: list[PlannedRun], *, out: Path, timeout: float, force: bool) -
                 console.print(f"{escape(step)}: {_one_line(record)}")
             records.append(record)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        restore_signals(previous)
     return records
 
 
@@ -281,10 +279,8 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
             env.pop(variable, None)
         proc = None
         try:
-            # A signal raised inside Popen, once the child exists, would leave it unstopped and unreaped:
-            # deferred until ``proc`` is set. A session of its own: a timeout or Ctrl-C stops the whole tree (torchrun
-            # and its ranks).
-            with _signals_deferred():
+            # A session of its own: a timeout or Ctrl-C stops the whole tree (torchrun and its ranks).
+            with interrupts_held():
                 proc = subprocess.Popen(
                     argv,
                     stdout=log_file,
@@ -313,21 +309,6 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
     write_json(path, record)
     pending.unlink(missing_ok=True)
     return record
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """SIGTERM and SIGINT that arrive meanwhile are handled on leaving. (Not a signal mask: that holds one
-    thread only, and the signal would reach another, such as the progress spinner's.)"""
-    received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in DEFERRED}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if received:
-            signal.raise_signal(received[0])
 
 
 def _end_with_parent() -> None:
