@@ -449,7 +449,7 @@ def zero3_sharding(
     held = [kept(i) for i in range(n)]
     backward = [0 if held[i] == sizes[i] else sizes[i] - held[i] + in_flight(before[i] + pre) for i in range(n)]
     pre_held = 2 * ahead(0) < zero.max_reuse_distance
-    step = FP32 * zero3_sub_group(blocks, world=world, size=zero.sub_group_size) if blocks.order else shard
+    step = FP32 * zero3_sub_group(blocks, world=world, size=zero.sub_group_size)
     return Sharding(
         params=shard * compute // FP32 + shard,
         grads=shard * compute // FP32,  # gradient_accumulation_dtype: the model's dtype unless configured

@@ -273,16 +273,15 @@ def trace_shape(
     return RawTrace(points=timeline.points, marks=timeline.marks, cuda_differs=state["cuda_differs"])
 
 
-def _cuda_fp32() -> tuple[frozenset[Any], frozenset[Any]]:
-    f, t = torch.nn.functional, torch.Tensor
-    always = (torch.pow, t.pow, t.__pow__, t.__rpow__, torch.exp, t.exp, torch.log, t.log, torch.rsqrt, t.rsqrt)
-    always += (torch.reciprocal, t.reciprocal, f.layer_norm, f.group_norm, f.softplus)
-    unless_dtype = (torch.softmax, t.softmax, f.softmax, torch.log_softmax, t.log_softmax, f.log_softmax)
-    unless_dtype += (torch.sum, t.sum, torch.cumsum, t.cumsum)
-    return frozenset(always), frozenset(unless_dtype)
-
-
-CUDA_FP32, CUDA_FP32_UNLESS_DTYPE = _cuda_fp32()
+CUDA_FP32 = frozenset({
+    torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.exp, torch.Tensor.exp,
+    torch.log, torch.Tensor.log, torch.rsqrt, torch.Tensor.rsqrt, torch.reciprocal, torch.Tensor.reciprocal,
+    torch.nn.functional.layer_norm, torch.nn.functional.group_norm, torch.nn.functional.softplus,
+})  # fmt: skip
+CUDA_FP32_UNLESS_DTYPE = frozenset({
+    torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax, torch.log_softmax, torch.Tensor.log_softmax,
+    torch.nn.functional.log_softmax, torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum,
+})  # fmt: skip
 """The ops of CUDA autocast's fp32 list (``autocast_mode.cpp``) that model code calls and CPU's autocast runs in
 the input's precision; the second set only when no ``dtype`` is given."""
 
