@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ljperf.result import read_json, versions, write_atomic
+from ljperf.core.records import read_json, versions, write_atomic
 
 MODES = ("off", "regional", "whole")
 DEEPSPEED_MODES = ("off", "regional", "deepspeed")

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ljperf.report import console
-from ljperf.result import read_json
-from ljperf.units import format_bytes
+from ljperf.core.console import console
+from ljperf.core.records import read_json
+from ljperf.core.units import format_bytes
 
 ENGINES = {
     "torch/DDP": ["--model", "torch/{model}"],

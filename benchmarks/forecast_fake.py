@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from ljperf import models
+from ljperf.benchmark.fakestep import fake_step_peak
+from ljperf.core.records import write_atomic
 from ljperf.forecast import Recipe, forecast
-from ljperf.forecast.fakestep import fake_step_peak
-from ljperf.result import write_atomic
+from ljperf.models.spec import resolve
 
 MODELS = "llama3.2-1b,mistral-7b,qwen3-8b"
 SHAPES = ((1, 2048), (2, 4096))
@@ -44,7 +44,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for name in args.models.split(","):
-        spec = models.resolve(name=name)
+        spec = resolve(name=name)
         for (micro_batch, seq_len), (recompute, precision) in ((shape, run) for shape in SHAPES for run in RUNS):
             recipe = Recipe(
                 engine=args.engine,

@@ -30,13 +30,18 @@ from pathlib import Path
 
 import torch
 
-from ljperf import benchmark, hardware, models
-from ljperf.config import LaunchConfig, OptimConfig, TrainConfig
+from ljperf.benchmark.loop import measured_memory_step
+from ljperf.benchmark.record import LoopState
+from ljperf.core import hardware
+from ljperf.core.errors import describe
+from ljperf.core.options import OptimConfig, TrainConfig
+from ljperf.core.records import environment, write_atomic, write_json
+from ljperf.dist.runtime import Process
 from ljperf.engines.torch_engine import TorchEngine
-from ljperf.errors import describe
 from ljperf.forecast import Recipe, forecast
-from ljperf.result import environment, write_atomic, write_json
-from ljperf.runtime import Process, RunContext
+from ljperf.models.spec import build_meta, resolve
+from ljperf.run.config import RunConfig, fixed_recompute
+from ljperf.run.context import RunContext
 
 SHAPES = {"cuda": ((1, 2048), (2, 2048), (1, 4096)), "cpu": ((1, 128), (2, 256))}
 MODELS = {"cuda": "llama3.2-1b,llama3.2-3b", "cpu": "llama-tiny,qwen3-tiny"}
@@ -49,12 +54,12 @@ def measure(run: RunContext) -> tuple[int, int | None] | None:
     device = run.device.torch_device
     engine = TorchEngine(run)
     try:
-        engine.setup(models.build_meta(spec, attn_implementation=train.attn_implementation))
+        engine.setup(build_meta(spec, attn_implementation=train.attn_implementation))
         tokens = [torch.randint(0, spec.vocab, (train.micro_batch, train.seq_len), device=device)]
         for _ in range(2):
             engine.train_step(tokens)
-        state = benchmark.LoopState()
-        benchmark.measured_memory_step(run, engine, tokens, state=state)
+        state = LoopState()
+        measured_memory_step(run, engine, tokens, state=state)
         if device.type == "cuda":
             return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
         return state.peak_allocated, None
@@ -98,7 +103,7 @@ def main() -> None:
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES[args.device]
     specs = {  # all resolved before the first run: a misspelt one stops the script at once
         Path(entry).stem if entry.endswith(".json") else entry: (
-            models.resolve(path=entry) if entry.endswith(".json") else models.resolve(name=entry)
+            resolve(path=entry) if entry.endswith(".json") else resolve(name=entry)
         )
         for entry in (args.models or MODELS[args.device]).split(",")
     }
@@ -116,14 +121,8 @@ def main() -> None:
                 predicted = forecast(spec, recipe, device_name=info.name)
                 seconds = time.perf_counter() - start
                 train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device=args.device)
-                run = RunContext(
-                    engine="torch",
-                    model=spec,
-                    train=train,
-                    launch=LaunchConfig(),
-                    optim=OptimConfig(recompute=args.recompute),
-                    process=Process(device=info),
-                )
+                cfg = RunConfig(engine="torch", model=spec, train=train, optim=OptimConfig(recompute=args.recompute))
+                run = RunContext(config=cfg, process=Process(device=info), plan=fixed_recompute(cfg))
                 measured = measure(run)
             except Exception as exc:  # one model's failure (a kernel, a trace) is a row; the others still run
                 failures.append(f"{name} {micro_batch}x{seq_len}: {describe(exc)}")

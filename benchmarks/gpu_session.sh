@@ -83,8 +83,8 @@ sys.path.insert(0, "tests/scripts")
 import torch
 from tiny_llama import CONFIG, MICRO_BATCH, SEQ_LEN
 from ljperf.forecast import Recipe, forecast
-from ljperf.hardware import calibration_name
-from ljperf.models import ModelSpec, hf_config
+from ljperf.core.hardware import calibration_name
+from ljperf.models.spec import ModelSpec, hf_config
 device = sys.argv[1]
 spec = ModelSpec.of(hf_config(CONFIG, source="gpu_session"), name="script")
 recipe = Recipe(device=device, precision="fp32", micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, optimizer="fused")

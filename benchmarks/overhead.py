@@ -20,14 +20,16 @@ from pathlib import Path
 
 import torch
 
-from ljperf import cli, models
-from ljperf.result import read_json
+from ljperf import cli
+from ljperf.core.records import read_json
+from ljperf.models.build import materialize
+from ljperf.models.spec import build_meta, resolve
 
 
 def bare_loop(name: str, *, micro_batch: int, seq_len: int, warmup: int, steps: int) -> list[float]:
     """Step times (s) of the plainest training loop over the same model and token shape."""
-    spec = models.resolve(name=name)
-    model = models.materialize(models.build_meta(spec), device=torch.device("cpu"), seed=0)
+    spec = resolve(name=name)
+    model = materialize(build_meta(spec), device=torch.device("cpu"), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(0)
     times = []

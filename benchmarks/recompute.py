@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from ljperf import hardware, models
-from ljperf.checkpoint import summary
-from ljperf.checkpoint.solver import Rates, allocated_budget, solve_recipe
+from ljperf.core import hardware
+from ljperf.core.plans import summary
+from ljperf.core.records import write_atomic
+from ljperf.core.units import format_bytes, parse_size
 from ljperf.forecast import Forecast, Recipe, forecast
-from ljperf.result import write_atomic
-from ljperf.units import format_bytes, parse_size
+from ljperf.models.spec import resolve
+from ljperf.recompute.solver import Rates, allocated_budget, solve_recipe
 
 
 def main() -> int:
@@ -47,7 +48,7 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    spec = models.resolve(name=args.model)
+    spec = resolve(name=args.model)
     layers = spec.layers
     precision = "bf16-mixed" if args.device == "cuda" else "fp32"
     recipe = Recipe(device=args.device, precision=precision, micro_batch=args.micro_batch, seq_len=args.seq_len)

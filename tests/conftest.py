@@ -52,7 +52,7 @@ def run_ljperf(
 def imported_address_space() -> int:
     """Bytes of address space a process maps once torch and ljperf's commands are imported: about 0.7 GB with
     the CPU build of torch, 3.2 GB with a CUDA build (its libraries are mapped even without a GPU)."""
-    code = "import ljperf.benchmark, ljperf.comm; print(open('/proc/self/status').read())"
+    code = "import ljperf.benchmark.loop, ljperf.comm.bench; print(open('/proc/self/status').read())"
     status = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     (peak,) = (line.split()[1] for line in status.splitlines() if line.startswith("VmPeak:"))
     return int(peak) * 1024

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from ljperf import models
+import ljperf.models
 from ljperf.ablation import report
-from ljperf.ablation.cli import check_variant, split_argv
 from ljperf.ablation.runner import normalized
 from ljperf.ablation.stats import Spread, VariantStats, contributions, summarize
 from ljperf.ablation.variants import BUILTIN, parse_environments, parse_variants
-from ljperf.errors import Interrupted, UsageError, interrupt_on_signals, interrupts_held, restore_signals
+from ljperf.commands.ablation import check_variant, split_argv
+from ljperf.core.errors import Interrupted, UsageError, interrupt_on_signals, interrupts_held, restore_signals
 
 from conftest import cli_env, read_record, run_ljperf
 
@@ -214,7 +214,9 @@ def test_default_out_of_a_model_config_is_one_folder_named_after_it(tmp_path):
     (a file of that name is refused before any run, which shows the folder chosen)."""
     configs = tmp_path / "configs"
     configs.mkdir()
-    (configs / "my-model.json").write_text((Path(models.__file__).parent / "catalog" / "llama-tiny.json").read_text())
+    (configs / "my-model.json").write_text(
+        (Path(ljperf.models.__file__).parent / "catalog" / "llama-tiny.json").read_text()
+    )
     (tmp_path / "ablation-fsdp-my-model").write_text("")
     args = ["--model-config", "configs/my-model.json", "--engine", "fsdp", "--variants", "base", "--steps", "1"]
     proc = run_ljperf("ablation", *args, cwd=tmp_path, timeout=60)

@@ -16,9 +16,15 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ljperf import benchmark, benchmark_flags, memory, models
-from ljperf.data import SyntheticTokens
-from ljperf.engines.common import causal_lm_loss
+from ljperf.benchmark.config import config_from_args
+from ljperf.benchmark.data import SyntheticTokens
+from ljperf.benchmark.loop import run_worker
+from ljperf.commands import benchmark as benchmark_command
+from ljperf.dist import memory
+from ljperf.models.build import materialize
+from ljperf.models.spec import build_meta, resolve
+from ljperf.models.step import causal_lm_loss
+from ljperf.run.context import unjoined
 
 from conftest import cli_env, read_record, run_ljperf
 
@@ -65,7 +71,7 @@ def test_throughput_arithmetic(twenty_steps):
     res, cfg = record["results"], record["config"]
     assert cfg["tokens_per_step"] == 2 * 128 * 1 * 1
     assert res["tokens_per_s"] == pytest.approx(cfg["tokens_per_step"] / res["step_time_s_p50"])
-    flops = models.resolve(name="llama-tiny").flops_per_token(128)
+    flops = resolve(name="llama-tiny").flops_per_token(128)
     assert res["tflops_per_device"] == pytest.approx(res["tokens_per_s_per_device"] * flops / 1e12)
     assert res["step_time_s_p50"] <= res["step_time_s_p90"]
 
@@ -89,8 +95,8 @@ def test_peak_memory_at_least_the_training_state(twenty_steps):
 
 
 def test_cpu_memory_measurement_agrees_with_torch_memtracker():
-    spec = models.resolve(name="llama-tiny")
-    model = models.materialize(models.build_meta(spec), device=torch.device("cpu"), seed=0)
+    spec = resolve(name="llama-tiny")
+    model = materialize(build_meta(spec), device=torch.device("cpu"), seed=0)
     opt = torch.optim.AdamW(model.parameters())
     tokens = torch.randint(0, spec.vocab, (2, 128))
 
@@ -177,14 +183,14 @@ def test_a_cpu_run_beyond_the_ram_is_refused_as_oom_with_its_record(tmp_path):
 )
 def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypatch):
     """The fix named is checked against the forecast: RAM set between two plans' forecast peaks."""
-    from ljperf import hardware
+    from ljperf.benchmark.forecast import check_memory
+    from ljperf.core import hardware
     from ljperf.forecast import Recipe, forecast
-    from ljperf.forecast.bench import check_memory
 
     parser = argparse.ArgumentParser()
-    benchmark_flags.add_arguments(parser)
+    benchmark_command.add_arguments(parser)
     argv = [*TINY, "--device", "cpu", "--micro-batch", "4"]
-    run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
+    run = unjoined(config_from_args(parser.parse_args(argv), argv))
     recipe = Recipe.from_run(run)
     full = ("full",) * run.model.layers
     peaks = {
@@ -212,16 +218,16 @@ def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypat
 def test_the_memory_check_uses_the_devices_calibration(tmp_path, monkeypatch):
     """The check forecasts as the record does, with this device's saved calibration: a calibration that doubles
     the forecast refuses a run that the uncalibrated forecast would have let start."""
-    from ljperf import hardware
+    from ljperf.benchmark.forecast import check_memory
+    from ljperf.core import hardware
     from ljperf.forecast import Recipe, forecast
-    from ljperf.forecast.bench import check_memory
 
     from conftest import stale_calibration_cache
 
     parser = argparse.ArgumentParser()
-    benchmark_flags.add_arguments(parser)
+    benchmark_command.add_arguments(parser)
     argv = [*TINY, "--device", "cpu"]
-    run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
+    run = unjoined(config_from_args(parser.parse_args(argv), argv))
     uncalibrated = forecast(run.model, Recipe.from_run(run)).peak_allocated_bytes
     monkeypatch.setattr(hardware, "available_ram", lambda: hardware.host_ram_needed(uncalibrated * 3 // 2, processes=1))
     check_memory(run, None)
@@ -235,14 +241,14 @@ def test_a_gpu_run_over_its_memory_is_told_what_would_fit():
     forecast runs here: an 8B recipe on one 80 GB GPU."""
     import dataclasses
 
-    from ljperf.forecast.bench import shortfall
-    from ljperf.hardware import DeviceInfo
-    from ljperf.runtime import Process
+    from ljperf.benchmark.forecast import shortfall
+    from ljperf.core.hardware import DeviceInfo
+    from ljperf.dist.runtime import Process
 
     parser = argparse.ArgumentParser()
-    benchmark_flags.add_arguments(parser)
+    benchmark_command.add_arguments(parser)
     argv = ["--model", "torch/llama3-8b", "--device", "cpu", "--precision", "bf16-mixed", "--seq-len", "4096"]
-    run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
+    run = unjoined(config_from_args(parser.parse_args(argv), argv))
     run = dataclasses.replace(run, process=Process(device=DeviceInfo(type="cuda", index=None, name="NVIDIA H100")))
     head, fix = shortfall(run, None, memory=80 * 10**9, processes=1, device_name="NVIDIA H100")
     assert head.startswith("forecast ") and head.endswith(" per process × 1 > 74.51 GiB")
@@ -253,14 +259,14 @@ def test_a_gpu_run_over_its_memory_is_told_what_would_fit():
 def test_a_forecast_that_fails_is_one_warning_line_and_no_figure(capsys):
     """A recipe the forecast refuses (here no precision): the run goes on without ``results.forecast``; the
     warning is one ``warning:`` line on stderr (it was a UserWarning naming benchmark.py, as long as the error)."""
-    from ljperf.config import TrainConfig
-    from ljperf.forecast.bench import benchmark_forecast
+    from ljperf.benchmark.forecast import benchmark_forecast
+    from ljperf.core.options import TrainConfig
 
     parser = argparse.ArgumentParser()
-    benchmark_flags.add_arguments(parser)
+    benchmark_command.add_arguments(parser)
     argv = [*TINY, "--device", "cpu"]
-    run = benchmark.run_context(benchmark.config_from_args(parser.parse_args(argv), argv))
-    run.train = TrainConfig(device="cpu")
+    run = unjoined(config_from_args(parser.parse_args(argv), argv))
+    run.config.train = TrainConfig(device="cpu")
     assert benchmark_forecast(run, {}, None) is None
     assert capsys.readouterr().err.splitlines() == [
         "warning: no memory forecast for this run (UsageError: --precision None: choose one of fp32, bf16-mixed, bf16)"
@@ -329,11 +335,11 @@ def test_a_record_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, capsys
     folder = tmp_path / "gone"
     folder.mkdir()
     parser = argparse.ArgumentParser()
-    benchmark_flags.add_arguments(parser)
+    benchmark_command.add_arguments(parser)
     argv = [*TINY, "--device", "cpu", "--steps", "1", "--warmup", "0", "--output", str(folder / "r.json")]
-    cfg = benchmark.config_from_args(parser.parse_args(argv), argv)
+    cfg = config_from_args(parser.parse_args(argv), argv)
     folder.rmdir()
-    assert benchmark.run_worker(cfg) == 1
+    assert run_worker(cfg) == 1
     err = capsys.readouterr().err
     assert f"ljperf benchmark: the record could not be written to {folder / 'r.json'}: " in err
     assert "Traceback" not in err
@@ -344,7 +350,7 @@ def test_a_table_title_prints_on_one_line():
     between 'seq' and '8192')."""
     from rich.console import Console
 
-    from ljperf.report import titled_table
+    from ljperf.core.console import titled_table
 
     title = "deepspeed/llama3-8b · 8 × cuda · mb 1 × seq 8192 × accum 1 · bf16-mixed"
     table = titled_table(title)
@@ -361,7 +367,7 @@ def test_a_record_names_the_ljperf_version_also_when_run_from_a_source_tree():
     import ljperf
 
     src = str(resources.files("ljperf").joinpath(".."))
-    code = "import json; from ljperf.result import versions; print(json.dumps(versions()))"
+    code = "import json; from ljperf.core.records import versions; print(json.dumps(versions()))"
     out = subprocess.run(
         [sys.executable, "-S", "-c", code], env={**cli_env(), "PYTHONPATH": src}, capture_output=True, text=True
     )
@@ -370,7 +376,7 @@ def test_a_record_names_the_ljperf_version_also_when_run_from_a_source_tree():
 
 
 def test_a_title_names_a_catalog_model_as_engine_slash_name_and_a_config_path_as_itself():
-    from ljperf.report import shape_title
+    from ljperf.run.titles import shape_title
 
     shape = {"micro_batch": 2, "seq_len": 64, "grad_accum": 1, "precision": "fp32"}
     title = "torch/llama-tiny · 1 process(es) · mb 2 × seq 64 × accum 1 · fp32"
@@ -391,6 +397,6 @@ def test_a_title_names_a_catalog_model_as_engine_slash_name_and_a_config_path_as
     ],
 )
 def test_peak_bf16_tflops_of_a_device_name(name, tflops):
-    from ljperf.hardware import peak_tflops
+    from ljperf.core.hardware import peak_tflops
 
     assert peak_tflops(name) == tflops

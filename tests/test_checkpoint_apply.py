@@ -6,10 +6,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ljperf import memory, models
-from ljperf.checkpoint import fixed_plan, parse_recompute, summary
 from ljperf.checkpoint.apply import apply_plan, current_plan, find_blocks
-from ljperf.errors import UsageError
+from ljperf.core.errors import UsageError
+from ljperf.core.plans import fixed_plan, parse_recompute, summary
+from ljperf.dist import memory
+from ljperf.models.build import materialize
+from ljperf.models.spec import build_meta, resolve
 
 PLANS = [
     ("none",) * 4,
@@ -21,8 +23,8 @@ PLANS = [
 
 
 def tiny_model(seed: int = 0, attn: str = "sdpa", name: str = "llama-tiny") -> torch.nn.Module:
-    spec = models.resolve(name=name)
-    model = models.materialize(models.build_meta(spec, attn_implementation=attn), device=torch.device("cpu"), seed=seed)
+    spec = resolve(name=name)
+    model = materialize(build_meta(spec, attn_implementation=attn), device=torch.device("cpu"), seed=seed)
     return model.train()
 
 

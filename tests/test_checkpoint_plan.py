@@ -10,23 +10,16 @@ import time
 
 import pytest
 
-from ljperf import models
-from ljperf.checkpoint.solver import (
-    LayerCost,
-    Rates,
-    activation_bytes,
-    advice,
-    corrected_scale,
-    ordered_plan,
-    solve,
-    solve_recipe,
-)
 from ljperf.cli import main
+from ljperf.core.units import format_bytes
 from ljperf.forecast import Recipe, forecast
-from ljperf.units import format_bytes
+from ljperf.models.spec import resolve
+from ljperf.recompute.closed_loop import corrected_scale
+from ljperf.recompute.cost import Rates, RecomputeCost
+from ljperf.recompute.solver import activation_bytes, advice, ordered_plan, solve, solve_recipe
 
 RATES = Rates(flops_per_s=1e12, bytes_per_s=1e11)
-COST = LayerCost(tokens=1, saved_flops=3e9, pointwise_bytes=1e9)  # full 13 ms, selective 10 ms per layer
+COST = RecomputeCost(tokens=1, saved_flops=3e9, pointwise_bytes=1e9)  # full 13 ms, selective 10 ms per layer
 
 
 def synthetic_peak(saved: dict[str, int], base: int):
@@ -76,7 +69,7 @@ TINY = ("--model", "torch/llama-tiny", "--device", "cpu", "--micro-batch", "2", 
 
 
 def test_plan_auto_prints_the_cheapest_plan_that_fits(capsys):
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=512)
     none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
     budget = (none + full) // 2
@@ -110,7 +103,7 @@ def test_plan_auto_prints_the_cheapest_plan_that_fits(capsys):
 
 
 def test_a_plan_that_does_not_fit_says_what_full_recompute_would_peak_at(capsys):
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=512)
     none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
     for memory, note in (
@@ -126,7 +119,7 @@ def test_a_plan_that_does_not_fit_says_what_full_recompute_would_peak_at(capsys)
 
 
 def test_plan_auto_nothing_fits_exits_2_with_what_would(capsys):
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     half = Recipe(device="cpu", precision="fp32", micro_batch=1, seq_len=512, recompute=("full",) * spec.layers)
     rc, out, err = plan_json(capsys, *TINY, "--gpu-memory", str(forecast(spec, half).device_bytes))
     assert rc == 2
@@ -186,7 +179,7 @@ def test_closed_loop_correction_from_the_measured_peak():
 
 
 def test_replan_with_a_larger_activation_coefficient_recomputes_more():
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=512)
     none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
     budget = (none + full) // 2
@@ -201,7 +194,7 @@ def test_replan_with_a_larger_activation_coefficient_recomputes_more():
 def test_advice_names_the_least_change_of_each_kind():
     """The largest micro batch that fits (it said half of it), and on one GPU FSDP2 over the fewest GPUs that fit
     (it said only a larger budget would fit); in words for a user's script."""
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     recipe = Recipe(device="cuda", precision="bf16-mixed", micro_batch=8, seq_len=1024)
 
     def full(r: Recipe) -> int:

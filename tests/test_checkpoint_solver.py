@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ljperf import models
-from ljperf.checkpoint.solver import Decision
 from ljperf.forecast import Recipe, forecast
+from ljperf.models.spec import resolve
+from ljperf.recompute.solver import Decision
 
 from conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
 
@@ -14,7 +14,7 @@ SHAPE = ("--seq-len", "512", "--micro-batch", "2")
 
 
 def forecasts() -> tuple[int, int]:
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=512)
     return tuple(forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
 

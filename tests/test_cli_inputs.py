@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ljperf import cli, models
+from ljperf import cli
+from ljperf.models.catalog import read_config_dict
 
 BAD_JSON = "{not: json"
 WRONG_BATCH = json.dumps({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
@@ -169,7 +170,7 @@ def files(tmp_path):
         "damaged_runs": tmp_path / "ablation",
         "kv3": tmp_path / "kv3.json",
     }
-    paths["kv3"].write_text(json.dumps({**models.read_config_dict(name="llama-tiny"), "num_key_value_heads": 3}))
+    paths["kv3"].write_text(json.dumps({**read_config_dict(name="llama-tiny"), "num_key_value_heads": 3}))
     paths["bad"].write_text(BAD_JSON)
     paths["wrong_batch"].write_text(WRONG_BATCH)
     paths["missing"].write_text(MISSING_FIELDS)

@@ -10,10 +10,12 @@ import signal
 import pytest
 import torch
 
-from ljperf import comm, comm_flags, hardware
-from ljperf import config as cfgmod
 from ljperf.cli import main
-from ljperf.errors import UsageError
+from ljperf.comm import bench as comm
+from ljperf.comm.config import OPS
+from ljperf.core import hardware
+from ljperf.core import options as cfgmod
+from ljperf.core.errors import UsageError
 
 from conftest import run_ljperf
 
@@ -40,7 +42,7 @@ def test_sizes_and_counts():
     cfg = comm.CommConfig(ops="all_reduce, broadcast", min_bytes="1K", max_bytes="1M", step_factor=4)
     assert cfg.op_list == ["all_reduce", "broadcast"]
     assert cfg.sizes == [1024, 4096, 16384, 65536, 262144, 1048576]
-    assert comm.CommConfig(ops="all").op_list == list(comm_flags.OPS)
+    assert comm.CommConfig(ops="all").op_list == list(OPS)
     assert comm.CommConfig(min_bytes="1M", max_bytes="3M").sizes == [2**20, 2**21]
     assert comm.CommConfig(max_bytes="4K").sizes == [1024, 2048, 4096]  # --min-bytes defaults to 1K
     # --max-bytes below that default alone is one size, not exit 2 (as on the command line: the flag left out)
@@ -87,7 +89,7 @@ def simulate(op: str, world: int, count: int) -> list[torch.Tensor]:
     return [torch.cat([inputs[p][r * chunk : (r + 1) * chunk] for p in range(world)]) for r in range(world)]
 
 
-@pytest.mark.parametrize("op", comm_flags.OPS)
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 def test_check_agrees_with_a_hand_simulation(op, world):
     count = 6 * world
@@ -131,7 +133,7 @@ def test_two_process_gloo_run(tmp_path):
     results = record["results"]
     assert results["status"] == "ok" and results["wrong"] == 0
     rows = results["rows"]
-    assert [r["op"] for r in rows] == [op for op in comm_flags.OPS for _ in range(4)]
+    assert [r["op"] for r in rows] == [op for op in OPS for _ in range(4)]
     assert [r["size_bytes"] for r in rows[:4]] == [1024, 4096, 16384, 65536]
     for r in rows:
         assert r["wrong"] == 0 and r["time_us"] > 0 and r["count"] * 4 == r["size_bytes"]

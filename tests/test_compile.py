@@ -12,11 +12,15 @@ import signal
 import pytest
 import torch
 
-from ljperf import memory, models
 from ljperf.checkpoint.apply import apply_plan
-from ljperf.compile import compile_model
-from ljperf.errors import Interrupted
-from ljperf.report import compile_line
+from ljperf.compile.line import compile_line
+from ljperf.compile.regional import compile_model
+from ljperf.core.errors import Interrupted
+from ljperf.dist import memory
+from ljperf.models.build import materialize
+from ljperf.models.catalog import read_config_dict
+from ljperf.models.spec import ModelSpec, build_meta, hf_config
+from ljperf.run.config import _warmup
 
 from conftest import read_record, run_ljperf
 
@@ -24,14 +28,14 @@ SEQ_LENS = (64, 96, 160)
 REL = 1e-5
 
 
-def tiny_spec(layers: int = 2) -> models.ModelSpec:
-    data = {**models.read_config_dict(name="llama-tiny"), "num_hidden_layers": layers}
-    return models.ModelSpec.of(models.hf_config(data, source="test"), name="llama-tiny-2l")
+def tiny_spec(layers: int = 2) -> ModelSpec:
+    data = {**read_config_dict(name="llama-tiny"), "num_hidden_layers": layers}
+    return ModelSpec.of(hf_config(data, source="test"), name="llama-tiny-2l")
 
 
 def tiny_model() -> torch.nn.Module:
-    meta = models.build_meta(tiny_spec(), attn_implementation="sdpa")
-    return models.materialize(meta, device=torch.device("cpu"), seed=0)
+    meta = build_meta(tiny_spec(), attn_implementation="sdpa")
+    return materialize(meta, device=torch.device("cpu"), seed=0)
 
 
 @torch.library.custom_op("ljperf_test::no_meta", mutates_args=())
@@ -181,7 +185,7 @@ def test_compile_with_checkpointing_gives_eager_gradients():
 
 def benchmark_record(tmp_path, name: str, *args: str, warns: str | None = None) -> dict:
     config = tmp_path / "tiny2.json"
-    config.write_text(json.dumps({**models.read_config_dict(name="llama-tiny"), "num_hidden_layers": 2}))
+    config.write_text(json.dumps({**read_config_dict(name="llama-tiny"), "num_hidden_layers": 2}))
     out = tmp_path / f"{name}.json"
     common = ["--model-config", str(config), "--seq-len", str(SEQ_LENS[0]), "--steps", "5", "--warmup", "2"]
     proc = run_ljperf("benchmark", *common, *args, "--output", str(out), timeout=900)
@@ -255,7 +259,7 @@ def test_deepspeed_engine_compile_trains_like_eager(tmp_path, eager_zero3):
 @pytest.mark.slow
 def test_compile_report_explains_times_and_names_the_recompile(tmp_path):
     config = tmp_path / "tiny2.json"
-    config.write_text(json.dumps({**models.read_config_dict(name="llama-tiny"), "num_hidden_layers": 2}))
+    config.write_text(json.dumps({**read_config_dict(name="llama-tiny"), "num_hidden_layers": 2}))
     out = tmp_path / "report.json"
     lens = f"{SEQ_LENS[0]},{SEQ_LENS[1]}"
     proc = run_ljperf("compile-report", "--model-config", str(config), "--seq-lens", lens, "--steps", "1",
@@ -276,13 +280,11 @@ def test_deepcompile_warms_up_past_deepspeeds_recompile_at_step_5(capsys):
     steps held that compile and two schedules. Its default warm-up is 6 (on CUDA, where DeepCompile runs)."""
     from argparse import Namespace
 
-    from ljperf import benchmark
-
     def args(**kw):
         return Namespace(**{"compile_mode": "deepspeed", "device": "auto", "warmup": None} | kw)
 
-    assert benchmark._warmup(args(), device_type="cuda") == 6
-    assert benchmark._warmup(args(compile_mode="regional"), device_type="cuda") == 3
-    assert benchmark._warmup(args(warmup=2), device_type="cuda") == 2
+    assert _warmup(args(), device_type="cuda") == 6
+    assert _warmup(args(compile_mode="regional"), device_type="cuda") == 3
+    assert _warmup(args(warmup=2), device_type="cuda") == 2
     assert "--warmup 6 keeps that out" in capsys.readouterr().out
-    assert benchmark._warmup(args(), device_type="cpu") == 3  # engine.compile() without DeepCompile
+    assert _warmup(args(), device_type="cpu") == 3  # engine.compile() without DeepCompile

@@ -18,8 +18,8 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 import ljperf
+from ljperf.commands.doctor import CHECKS, skipped
 from ljperf.doctor import manifest
-from ljperf.doctor.cli import CHECKS, skipped
 from ljperf.doctor.tables import DRIVER_RULES
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+

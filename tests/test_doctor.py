@@ -329,7 +329,7 @@ def test_compile_without_a_compiler_fails(tmp_path):
 
 
 def test_a_crashing_check_is_a_fail_row():
-    from ljperf.doctor.cli import guarded
+    from ljperf.commands.doctor import guarded
 
     row = guarded("nccl-ifname", lambda: checks.socket_ifname("eth0", gpus=8, names=None))
     assert row.status == FAIL and row.check == "nccl-ifname" and "TypeError" in row.finding

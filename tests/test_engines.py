@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from ljperf import benchmark, benchmark_flags
-from ljperf import deepspeed_config as dsc
-from ljperf.errors import UsageError
-from ljperf.models import read_config_dict
-from ljperf.runtime import free_port
+from ljperf.benchmark.config import config_from_args
+from ljperf.commands import benchmark as benchmark_command
+from ljperf.core import deepspeed as dsc
+from ljperf.core.errors import UsageError
+from ljperf.dist.runtime import free_port
+from ljperf.models.catalog import read_config_dict
 
 from conftest import cli_env, read_record, run_ljperf
 
@@ -180,9 +181,9 @@ def test_benchmark_takes_batch_and_stage_from_the_deepspeed_config_unless_a_flag
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 2}}
     path.write_text(json.dumps(config))
     parser = argparse.ArgumentParser()
-    benchmark_flags.add_arguments(parser)
+    benchmark_command.add_arguments(parser)
     argv = ["--model", "deepspeed/llama-tiny", "--device", "cpu", "--deepspeed-config", str(path)]
-    cfg = benchmark.config_from_args(parser.parse_args(argv), argv)
+    cfg = config_from_args(parser.parse_args(argv), argv)
     assert (cfg.train.micro_batch, cfg.train.grad_accum, cfg.engine_opts.zero_stage) == (4, 8, 2)
     proc = run_ljperf("benchmark", *argv, "--zero-stage", "3", timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -11,22 +11,29 @@ import time
 import pytest
 import torch
 
-from ljperf import benchmark, models
-from ljperf.checkpoint import fixed_plan, parse_recompute
+import ljperf.forecast.blocks
+from ljperf.benchmark import fakestep
+from ljperf.benchmark.fakestep import fake_step_peak
+from ljperf.benchmark.loop import measured_memory_step
+from ljperf.benchmark.record import LoopState
 from ljperf.cli import main
-from ljperf.config import LaunchConfig, OptimConfig, TrainConfig
+from ljperf.core.options import OptimConfig, TrainConfig
+from ljperf.core.plans import fixed_plan, parse_recompute
 from ljperf.engines.torch_engine import TorchEngine
-from ljperf.forecast import Recipe, analytic, calibrate, fakestep, forecast, layer_costs, timeline, trace
-from ljperf.forecast.fakestep import fake_step_peak
+from ljperf.forecast import Recipe, analytic, calibrate, forecast, layer_costs, patches, timeline, trace
+from ljperf.forecast.blocks import block_params
 from ljperf.forecast.recipe import ZeroSettings
 from ljperf.forecast.trace import LiveBytesTimeline, fake_model
-from ljperf.runtime import RunContext
+from ljperf.models.catalog import read_config_dict, split_model_arg
+from ljperf.models.spec import ModelSpec, build_meta, resolve, with_layers
+from ljperf.run.config import RunConfig, fixed_recompute
+from ljperf.run.context import RunContext
 
 from conftest import MOE
 
 
 def measured_peak(
-    name: str | models.ModelSpec,
+    name: str | ModelSpec,
     *,
     micro_batch: int,
     seq_len: int,
@@ -35,17 +42,16 @@ def measured_peak(
     attn: str = "sdpa",
 ) -> int:
     """Peak live bytes of step 2 of a real torch-engine run, measured as ``ljperf benchmark`` does."""
-    spec = models.resolve(name=name) if isinstance(name, str) else name
+    spec = resolve(name=name) if isinstance(name, str) else name
     train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device="cpu", warmup=1, steps=1)
-    run = RunContext(
-        engine="torch", model=spec, train=train, launch=LaunchConfig(), optim=OptimConfig(recompute=recompute)
-    )
+    cfg = RunConfig(engine="torch", model=spec, train=train, optim=OptimConfig(recompute=recompute))
+    run = RunContext(config=cfg, plan=fixed_recompute(cfg))
     engine = TorchEngine(run)
-    engine.setup(models.build_meta(spec, attn_implementation=attn))
+    engine.setup(build_meta(spec, attn_implementation=attn))
     tokens = [torch.randint(0, spec.vocab, (micro_batch, seq_len))]
     engine.train_step(tokens)
-    state = benchmark.LoopState()
-    benchmark.measured_memory_step(run, engine, tokens, state=state)
+    state = LoopState()
+    measured_memory_step(run, engine, tokens, state=state)
     return state.peak_allocated
 
 
@@ -64,7 +70,7 @@ CONFIGS = [
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "recompute", "micro_batch", "seq_len"), CONFIGS)
 def test_forecast_within_5_percent_of_a_real_step(name, recompute, micro_batch, seq_len):
-    spec = models.resolve(name=name)
+    spec = resolve(name=name)
     modes = tuple(recompute.split(",")) if "," in recompute else (recompute,) * spec.layers
     recipe = Recipe(device="cpu", precision="fp32", micro_batch=micro_batch, seq_len=seq_len, recompute=modes)
     predicted = forecast(spec, recipe).peak_allocated_bytes
@@ -78,7 +84,7 @@ def test_forecast_within_5_percent_of_a_real_step(name, recompute, micro_batch, 
 def test_bf16_weights_forecast_within_5_percent_of_a_real_step(name, recompute):
     """``--precision bf16``: bf16 weights, gradients and AdamW moments under autocast (a model loaded in bfloat16),
     half of bf16-mixed's model states. Measured: exact."""
-    spec = models.resolve(name=name)
+    spec = resolve(name=name)
     recipe = Recipe(device="cpu", precision="bf16", micro_batch=2, seq_len=128, recompute=(recompute,) * spec.layers)
     predicted = forecast(spec, recipe).peak_allocated_bytes
     measured = measured_peak(name, micro_batch=2, seq_len=128, recompute=recompute, precision="bf16")
@@ -112,8 +118,8 @@ def test_forecast_equals_memtracker_on_a_full_size_fake_step(model, world, recom
     MemTracker over the whole model's step (FSDP2: rank 0 on a fake process group). Deterministic, so 0.1%.
     Measured: exact (before: −12% with the config's bf16 weights traced, +7% with the autocast copies released
     once per trace, +2.4% with FSDP2's optimizer temporaries of the whole embedding)."""
-    engine, name = models.split_model_arg(model)
-    spec = models.resolve(name=name)
+    engine, name = split_model_arg(model)
+    spec = resolve(name=name)
     modes = recompute.split(",")
     plan = tuple(modes[i % len(modes)] for i in range(spec.layers))
     recipe = Recipe(
@@ -138,8 +144,8 @@ def test_fsdp2_root_regathered_in_backward_and_resharded_before_its_reduce(preci
     reduce-scattered, freeing the embedding's gradient before the output shard is made (bf16: the peak).
     Rank 0 of 2 on the fake process group. Measured: exact (before: +23% and +7.3%, the root held throughout)."""
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**models.read_config_dict(name="llama-tiny"), "vocab_size": 32768}))
-    spec = models.resolve(path=config)
+    config.write_text(json.dumps({**read_config_dict(name="llama-tiny"), "vocab_size": 32768}))
+    spec = resolve(path=config)
     recipe = Recipe(engine="fsdp", world=2, device="cpu", precision=precision, micro_batch=1, seq_len=32)
     assert forecast(spec, recipe).peak_allocated_bytes == pytest.approx(fake_step_peak(spec, recipe), rel=1e-3)
 
@@ -148,8 +154,8 @@ def test_a_model_shallower_than_the_trace_is_forecast(tmp_path):
     """The trace runs 3- and 4-layer copies. A 2-layer config (a user's CI model) whose per-layer
     ``layer_types`` list has 2 entries made transformers fail on the third layer (IndexError, a traceback)."""
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**models.read_config_dict(name="qwen3-tiny"), "num_hidden_layers": 2}))
-    spec = models.resolve(path=config)
+    config.write_text(json.dumps({**read_config_dict(name="qwen3-tiny"), "num_hidden_layers": 2}))
+    spec = resolve(path=config)
     assert len(spec.config.layer_types) == 2  # transformers fills it in from the layer count
     recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64)
     predicted = forecast(spec, recipe).peak_allocated_bytes
@@ -182,7 +188,7 @@ def test_forecast_of_other_architectures_within_5_percent(model_type, recompute,
     config = AutoConfig.for_model(model_type, **size, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config.to_dict()))
-    spec = models.resolve(path=path)
+    spec = resolve(path=path)
     attn = spec.attention(None)
     recipe = Recipe(
         device="cpu",
@@ -208,19 +214,18 @@ def test_the_older_transformers_experts_stand_in_traces_what_transformers_runs(m
     from transformers import AutoConfig
     from transformers.integrations import moe
 
-    from ljperf.forecast import trace
     from ljperf.forecast.trace import RawTrace, trace_shape
 
     size = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1024}
     size |= {"intermediate_size": 256, "num_key_value_heads": 2, "head_dim": 32} | MOE["mixtral"]
     path = tmp_path / "config.json"
     path.write_text(json.dumps(AutoConfig.for_model("mixtral", **size).to_dict()))
-    spec = models.resolve(path=path)
+    spec = resolve(path=path)
     shape = {"micro_batch": 2, "seq_len": 64, "precision": "fp32", "attn": "sdpa", "mode": mode, "layers": 3}
     ops = trace_shape(spec, **shape)
     monkeypatch.delattr(moe, "_grouped_mm_fallback_bwd", raising=False)  # 5.17 has none
-    calls, apply = [], trace._FallbackGroupedMM.apply
-    monkeypatch.setattr(trace._FallbackGroupedMM, "apply", lambda *args: calls.append(1) or apply(*args))
+    calls, apply = [], patches.FallbackGroupedMM.apply
+    monkeypatch.setattr(patches.FallbackGroupedMM, "apply", lambda *args: calls.append(1) or apply(*args))
     stand_in = trace_shape(spec, **shape)
     assert len(calls) == 2 * 3 * 2 * (2 if mode == "selective" else 1)  # gate-up and down, 3 layers, 2 micro-steps
 
@@ -293,7 +298,7 @@ def test_a_cuda_forecast_keeps_the_fp32_copies_of_gpt2s_gelu(tmp_path):
     for act in ("gelu_new", "gelu"):
         path = tmp_path / f"{act}.json"
         path.write_text(json.dumps(GPT2_TINY | {"attn_pdrop": 0.0, "activation_function": act}))
-        spec = models.resolve(path=path)
+        spec = resolve(path=path)
         acts = {d: forecast(spec, r).breakdown["activations"] for d, r in recipes.items()}
         extra[act] = acts["cuda"] - acts["cpu"]
     assert extra == {"gelu_new": GPT2_TINY["n_layer"] * tokens * 24 * GPT2_TINY["n_embd"], "gelu": 0}
@@ -305,7 +310,7 @@ def test_a_cuda_forecast_of_fp32_grouped_query_attention_keeps_the_math_paths_pr
     On the H200 (2026-12-04) the startup hook's HF Trainer script (a 6-layer GQA Llama, fp32, 64 × 256 tokens)
     measured 624.71 MiB against 395.14 forecast (-36.7%, which its closed loop corrected); this forecasts 594.39
     (-4.9%). Under bf16 autocast SDPA gets bf16 inputs on CUDA too, flash runs, and CUDA's forecast is CPU's."""
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     assert spec.config.num_key_value_heads < spec.config.num_attention_heads
     b, s, heads = 2, 128, spec.config.num_attention_heads
     activations = {}
@@ -329,7 +334,7 @@ def test_a_cuda_forecast_keeps_what_fused_attention_dropout_keeps(tmp_path):
         # erf GELU: GPT-2's own (tanh) runs otherwise on CUDA too (the test below)
         config = GPT2_TINY | {"activation_function": "gelu"}
         path.write_text(json.dumps(config | {"attn_pdrop": attn_pdrop}))
-        spec = models.resolve(path=path)
+        spec = resolve(path=path)
         out[attn_pdrop] = {d: forecast(spec, r) for d, r in recipes.items()}
     assert out[0.1]["cuda"].peak_allocated_bytes == out[0.0]["cuda"].peak_allocated_bytes
     activations = {key: {d: f.breakdown["activations"] for d, f in by.items()} for key, by in out.items()}
@@ -345,8 +350,8 @@ def test_layers_of_different_sizes_are_counted_each(tmp_path):
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(AutoConfig.for_model("deepseek_v3").to_dict()))
-    spec = models.resolve(path=path)
-    blocks = timeline.block_params(spec)
+    spec = resolve(path=path)
+    blocks = block_params(spec)
     assert blocks.total == spec.params.total and len(set(blocks.layer_sizes[:3])) == 1
     assert blocks.layer_sizes[3] > 10 * blocks.layer_sizes[0] and len(set(blocks.layer_sizes[3:])) == 1
     fsdp = timeline.engine_sharding(spec, Recipe(engine="fsdp", world=256, precision="bf16-mixed"))
@@ -367,8 +372,8 @@ def test_layers_of_different_kinds_are_traced_each(tmp_path):
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(AutoConfig.for_model("deepseek_v3", **DEEPSEEK_TINY).to_dict()))
-    spec = models.resolve(path=path)
-    assert timeline.block_params(spec).layer_kinds == (0, 0, 0, 1, 1)
+    spec = resolve(path=path)
+    assert block_params(spec).layer_kinds == (0, 0, 0, 1, 1)
     # the first two layers full, the rest none: both modes, both kinds (selective, none alone: exact by hand)
     plan = fixed_plan(parse_recompute("2"), spec.layers)
     result = forecast(spec, Recipe(device="cpu", precision="fp32", micro_batch=1, seq_len=64, recompute=plan))
@@ -391,14 +396,14 @@ def test_the_recompute_cost_per_layer_is_a_layer_of_the_most_frequent_kind(tmp_p
     grouped_mm takes bf16 only): ``--recompute auto`` of any mixture of experts ended in a traceback."""
     from transformers import AutoConfig
 
-    from ljperf.checkpoint.solver import LayerCost, layer_cost
+    from ljperf.recompute.cost import RecomputeCost, layer_cost
 
-    def cost(dense: int) -> LayerCost:
+    def cost(dense: int) -> RecomputeCost:
         path = tmp_path / f"dense{dense}.json"
         config = AutoConfig.for_model("deepseek_v3", **DEEPSEEK_TINY | {"num_hidden_layers": 4})
         config.first_k_dense_replace = dense
         path.write_text(json.dumps(config.to_dict()))
-        return layer_cost(models.resolve(path=path), micro_batch=1, seq_len=32, attn="sdpa")
+        return layer_cost(resolve(path=path), micro_batch=1, seq_len=32, attn="sdpa")
 
     one_dense, all_experts, all_dense = cost(1), cost(0), cost(4)
     assert one_dense == all_experts and all_experts.saved_flops != all_dense.saved_flops
@@ -414,7 +419,7 @@ def test_a_cuda_forecast_keeps_what_fused_attention_keeps_for_a_narrower_value_h
     config = AutoConfig.for_model("deepseek_v3", **DEEPSEEK_TINY | mla)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config.to_dict()))
-    spec = models.resolve(path=path)
+    spec = resolve(path=path)
 
     def activations(device: str, s: int) -> int:
         recipe = Recipe(device=device, precision="bf16-mixed", micro_batch=1, seq_len=s)
@@ -426,11 +431,11 @@ def test_a_cuda_forecast_keeps_what_fused_attention_keeps_for_a_narrower_value_h
 
 
 def test_per_layer_config_lists_follow_the_layer_count():
-    spec = models.resolve(name="qwen3-tiny")
+    spec = resolve(name="qwen3-tiny")
     spec.config.layer_types = ["sliding_attention", "full_attention"] * 2
     spec.config.mlp_only_layers = [1, 3]
     spec.config.moe_layers = [0, 2]  # Llama 4's list (a 2-layer Llama 4 traced its third layer dense: -15%)
-    deeper, shallower = models.with_layers(spec, 5).config, models.with_layers(spec, 2).config
+    deeper, shallower = with_layers(spec, 5).config, with_layers(spec, 2).config
     assert deeper.layer_types == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
     assert (shallower.layer_types, shallower.mlp_only_layers, deeper.mlp_only_layers) == (
         ["sliding_attention", "full_attention"],
@@ -441,16 +446,16 @@ def test_per_layer_config_lists_follow_the_layer_count():
     # DeepSeek's dense layers before its experts: an all-dense 3-layer model traced its 4-layer copy with a fourth
     # layer of experts (its trace failed, depth-dependent; analytic -12% on CPU)
     spec.config.first_k_dense_replace = 4  # all four layers dense
-    assert [models.with_layers(spec, n).config.first_k_dense_replace for n in (2, 3, 5)] == [2, 3, 5]
+    assert [with_layers(spec, n).config.first_k_dense_replace for n in (2, 3, 5)] == [2, 3, 5]
     spec.config.first_k_dense_replace = 3
-    five = models.with_layers(spec, 5)  # the full model's layers 0, 1, 2, 3, 0: three dense, then experts
+    five = with_layers(spec, 5)  # the full model's layers 0, 1, 2, 3, 0: three dense, then experts
     assert five.config.first_k_dense_replace == 3
-    assert models.with_layers(five, 3, pick=(0, 3, 4)).config.first_k_dense_replace == 1
+    assert with_layers(five, 3, pick=(0, 3, 4)).config.first_k_dense_replace == 1
 
 
 def test_a_sliding_window_the_trace_does_not_reach_gets_a_note(tmp_path, capsys):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**models.read_config_dict(name="mistral-tiny"), "sliding_window": 512}))
+    config.write_text(json.dumps({**read_config_dict(name="mistral-tiny"), "sliding_window": 512}))
     args = ["plan", "--model-config", str(config), "--device", "cpu", "--precision", "fp32", "--json"]
     assert main([*args, "--seq-len", "1024"]) == 0
     (note,) = [n for n in json.loads(capsys.readouterr().out)["notes"] if "sliding window" in n]
@@ -465,7 +470,7 @@ def test_a_model_whose_step_fails_on_fake_tensors_gets_the_analytic_forecast_and
     is traced (``test_forecast_of_other_architectures_within_5_percent``)."""
     config = tmp_path / "config.json"
     mixtral = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4}
-    tiny = {k: v for k, v in models.read_config_dict(name="llama-tiny").items() if k not in mixtral}
+    tiny = {k: v for k, v in read_config_dict(name="llama-tiny").items() if k not in mixtral}
     config.write_text(json.dumps(tiny | mixtral | {"num_experts_per_tok": 2, "experts_implementation": "eager"}))
     args = ["plan", "--model-config", str(config), "--device", "cpu", "--precision", "fp32", "--json"]
     assert main(args) == 0
@@ -477,7 +482,7 @@ def test_a_model_whose_step_fails_on_fake_tensors_gets_the_analytic_forecast_and
 
 
 def test_breakdown_adds_up_and_recompute_saves_activations():
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     none = forecast(spec, Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64))
     full = forecast(spec, Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64, recompute=("full",) * 4))
     assert sum(none.breakdown.values()) == none.peak_allocated_bytes
@@ -493,8 +498,8 @@ def test_breakdown_adds_up_and_recompute_saves_activations():
 )
 def test_what_a_sharded_engine_gathers_or_reduces_at_the_peak_is_named_not_temporaries(model, engine, recompute):
     """ZeRO-3's head gather at the LM head, and FSDP2's root reduce-scatter input, are in their own parts."""
-    spec = models.resolve(name=model)
-    blocks = timeline.block_params(spec)
+    spec = resolve(name=model)
+    blocks = block_params(spec)
     recipe = Recipe(engine=engine, world=8, precision="bf16-mixed", micro_batch=1, seq_len=2048)
     result = forecast(spec, recipe.with_(recompute=(recompute,) * spec.layers))
     assert sum(result.breakdown.values()) == result.peak_allocated_bytes
@@ -509,7 +514,7 @@ def test_what_a_sharded_engine_gathers_or_reduces_at_the_peak_is_named_not_tempo
 @pytest.mark.parametrize(("engine", "zero_stage"), [("torch", 1), ("fsdp", 1), ("deepspeed", 2), ("deepspeed", 3)])
 def test_many_micro_steps_cost_no_more_time_than_five(engine, zero_stage):
     """Micro-steps 2 .. G-1 repeat; the forecast must not walk each (G = 10⁶ once took minutes)."""
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     recipe = Recipe(engine=engine, zero_stage=zero_stage, world=2, device="cpu", micro_batch=2, seq_len=64)
     peaks = {g: forecast(spec, recipe.with_(grad_accum=g)).peak_allocated_bytes for g in (5, 6, 7)}
     started = time.perf_counter()
@@ -526,7 +531,7 @@ def test_analytic_formula_cross_checks_the_trace(engine, precision, name, attn):
     """DDP's bf16 runs fp32 parameters under autocast; FSDP2 and DeepSpeed compute with bf16 parameters; qwen3
     normalises Q and K. Measured: exact, except DDP bf16 (−2.0% to −3.1%: one bf16 hidden-wide tensor per token
     the formula does not name)."""
-    spec = models.resolve(name=name)
+    spec = resolve(name=name)
     recipe = Recipe(
         engine=engine, device="cpu", precision=precision, micro_batch=2, seq_len=128, attn_implementation=attn
     )
@@ -539,7 +544,7 @@ def test_analytic_formula_cross_checks_the_trace(engine, precision, name, attn):
 def test_optimizer_temporaries_match_a_traced_adamw_step(foreach):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     fake_mode = FakeTensorMode()
     model = fake_model(spec, attn="sdpa", fake_mode=fake_mode)
     tracker = LiveBytesTimeline()
@@ -556,7 +561,7 @@ def test_optimizer_temporaries_match_a_traced_adamw_step(foreach):
         before = tracker.current
         with tracker:
             opt.step()
-    blocks = timeline.block_params(spec)
+    blocks = block_params(spec)
     recipe = Recipe(device="cpu", optimizer="foreach" if foreach else "single")
     expected = timeline.optimizer_transient(blocks, recipe, local_params=blocks.total * 4)
     assert max(tracker.points) - before == pytest.approx(expected, rel=1e-3)
@@ -567,10 +572,10 @@ def test_a_damaged_cache_file_is_made_again(tmp_path, monkeypatch):
     from ljperf.forecast import trace
 
     monkeypatch.setenv("LJPERF_CACHE_DIR", str(tmp_path))
-    spec, recipe = models.resolve(name="llama-tiny"), Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64)
+    spec, recipe = resolve(name="llama-tiny"), Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64)
     peaks = []
     for _ in range(2):
-        monkeypatch.setattr(timeline, "_BLOCKS", {})
+        monkeypatch.setattr(ljperf.forecast.blocks, "_BLOCKS", {})
         monkeypatch.setattr(trace, "_PATTERNS", {})
         peaks.append(forecast(spec, recipe).peak_allocated_bytes)
         files = list((tmp_path / "forecast").glob("*.json"))
@@ -584,16 +589,17 @@ def test_cached_forecast_builds_no_model(monkeypatch):
     """Once traced, a forecast is config arithmetic over the cached coefficients (what keeps ljperf plan fast)."""
     from ljperf.forecast import trace
 
-    spec = models.resolve(name="qwen3-tiny")
+    spec = resolve(name="qwen3-tiny")
     recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64, recompute=("full",) * spec.layers)
     first = forecast(spec, recipe)
-    monkeypatch.setattr(timeline, "_BLOCKS", {})
+    monkeypatch.setattr(ljperf.forecast.blocks, "_BLOCKS", {})
     monkeypatch.setattr(trace, "_PATTERNS", {})
 
     def no_build(*args, **kwargs):
         raise AssertionError("a cached forecast built a model")
 
-    monkeypatch.setattr(models, "build_meta", no_build)
+    for module, name in ((ljperf.forecast.blocks, "build_meta"), (trace, "build_meta"), (trace, "build_picked")):
+        monkeypatch.setattr(module, name, no_build)
     assert forecast(spec, recipe.with_(seq_len=4096)).peak_allocated_bytes > first.peak_allocated_bytes
     assert forecast(spec, recipe) == first
 
@@ -605,7 +611,7 @@ def test_plan_json_fits_and_max_micro_batch(capsys):
     for key in ("peak_allocated_bytes", "peak_reserved_bytes", "breakdown", "fits", "max_micro_batch"):
         assert key in out
     assert out["fits"] is (out["peak_allocated_bytes"] <= 40 * 1024**2)
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     best = out["max_micro_batch"]
     assert best >= 1
     recipe = Recipe(device="cpu", precision="fp32", seq_len=64)
@@ -751,7 +757,7 @@ def test_plan_finds_the_largest_micro_batch_past_4096(capsys):
     best = out["max_micro_batch"]
     assert out["fits"] and best > 16384
     recipe = Recipe(device="cpu", precision="fp32", seq_len=64)
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     assert forecast(spec, recipe.with_(micro_batch=best)).device_bytes <= 80 * 1024**3
     assert forecast(spec, recipe.with_(micro_batch=best + 1)).device_bytes > 80 * 1024**3
 
@@ -907,8 +913,8 @@ def distributed_runs(tmp_path_factory):
     paths["subgroups"].write_text(json.dumps(FOREACH_CONFIG | {"zero_optimization": subgroups}))
     window12 = {"stage": 3, "stage3_prefetch_bucket_size": 46_000, "stage3_max_live_parameters": 600_000}
     paths["window12"].write_text(json.dumps({"zero_optimization": window12 | {"stage3_max_reuse_distance": 330_000}}))
-    paths["deep"].write_text(json.dumps({**models.read_config_dict(name="llama-tiny"), "num_hidden_layers": 12}))
-    paths["vocab"].write_text(json.dumps({**models.read_config_dict(name="llama-tiny"), "vocab_size": 32768}))
+    paths["deep"].write_text(json.dumps({**read_config_dict(name="llama-tiny"), "num_hidden_layers": 12}))
+    paths["vocab"].write_text(json.dumps({**read_config_dict(name="llama-tiny"), "vocab_size": 32768}))
     for stage in (1, 2):
         bucket = {"stage": stage, "reduce_bucket_size": 2_000_000}
         paths[f"bucket{stage}"].write_text(json.dumps({"zero_optimization": bucket}))
@@ -1026,7 +1032,7 @@ def test_zero_settings_ipg_buffers_follow_overlap_comm_and_contiguous_gradients(
         (False, True): 1,
         (True, True): 2,
     }
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     recipe = Recipe(
         engine="deepspeed", zero_stage=2, world=2, device="cpu", precision="fp32", micro_batch=2, seq_len=128
     )

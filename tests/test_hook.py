@@ -95,7 +95,7 @@ def forecasts_none_and_full(engine: str = "torch", world: int = 1) -> tuple[int,
     """The forecasts of no and of full recompute for the scripts' model."""
     from ljperf.forecast import Recipe, forecast
     from ljperf.forecast.recipe import ZeroSettings
-    from ljperf.models import ModelSpec, hf_config
+    from ljperf.models.spec import ModelSpec, hf_config
     from scripts.tiny_llama import CONFIG, MICRO_BATCH, SEQ_LEN
 
     spec = ModelSpec.of(hf_config(CONFIG, source="test"), name="script")
@@ -158,7 +158,7 @@ def test_trainer_script_gets_the_planned_layers_and_logs_one_line(tmp_path, plai
 
 def test_the_scripts_own_gradient_checkpointing_is_told_apart_from_a_plan():
     from ljperf.checkpoint.apply import apply_plan
-    from ljperf.hooks.checkpoint import _script_checkpoints
+    from ljperf.hooks.planner import _script_checkpoints
     from scripts.tiny_llama import build
 
     model = build()
@@ -260,7 +260,7 @@ def test_ljperf_benchmark_plans_itself_under_the_variable(tmp_path):
     ``LJPERF_MEMORY_BUDGET``): the benchmark plans, records and forecasts the plan; the startup hook does not
     also plan inside its FSDP2 engine (it did: the record said no recompute, the forecast was +12% off)."""
     from ljperf.forecast import Recipe, forecast
-    from ljperf.models import resolve
+    from ljperf.models.spec import resolve
 
     spec = resolve(name="llama-tiny")
     recipe = Recipe(engine="fsdp", world=2, device="cpu", precision="fp32", micro_batch=2, seq_len=256)
@@ -287,11 +287,11 @@ def test_a_trainer_deepspeed_config_without_a_stage_is_planned_as_zero_1():
     from types import SimpleNamespace
 
     from ljperf.forecast import Recipe
-    from ljperf.hooks.checkpoint import _trainer_setup
+    from ljperf.hooks.planner import trainer_setup
 
     ds = SimpleNamespace(config={"zero_optimization": {}, "train_micro_batch_size_per_gpu": 1})
     args = SimpleNamespace(fsdp="", world_size=2, bf16=True, gradient_accumulation_steps=1, hf_deepspeed_config=ds)
-    setup = _trainer_setup(SimpleNamespace(args=args, model=torch.nn.Linear(2, 2)))
+    setup = trainer_setup(SimpleNamespace(args=args, model=torch.nn.Linear(2, 2)))
     assert setup["engine"] == "deepspeed" and setup["zero_stage"] == 1
     Recipe(**setup)  # what the plan is made from
 
@@ -314,12 +314,12 @@ def test_a_trainer_model_loaded_in_bf16_is_planned_with_bf16_weights(dtype, bf16
     from types import SimpleNamespace
 
     from ljperf.forecast import Recipe
-    from ljperf.hooks.checkpoint import _trainer_setup
+    from ljperf.hooks.planner import trainer_setup
 
     ds = SimpleNamespace(config={"zero_optimization": {"stage": 3}}) if engine == "deepspeed" else None
     fsdp = "full_shard auto_wrap" if engine == "fsdp" else ""
     args = SimpleNamespace(fsdp=fsdp, world_size=2, bf16=bf16, gradient_accumulation_steps=1, hf_deepspeed_config=ds)
-    setup = _trainer_setup(SimpleNamespace(args=args, model=torch.nn.Linear(2, 2, dtype=dtype)))
+    setup = trainer_setup(SimpleNamespace(args=args, model=torch.nn.Linear(2, 2, dtype=dtype)))
     assert (setup["engine"], setup["precision"]) == (engine, precision)
     Recipe(**setup)
 
@@ -335,18 +335,18 @@ def test_a_fully_shard_script_is_planned_in_its_models_dtype(dtype, param_dtype,
 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from ljperf.hooks.checkpoint import _fsdp_setup
+    from ljperf.hooks.planner import fsdp_setup
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype)
     kwargs = {"mesh": SimpleNamespace(size=lambda: 2), "mp_policy": policy}
-    setup = _fsdp_setup(torch.nn.Linear(2, 2, dtype=dtype), kwargs)
+    setup = fsdp_setup(torch.nn.Linear(2, 2, dtype=dtype), kwargs)
     assert (setup["world"], setup["precision"]) == (2, precision)
 
 
 def test_planning_leaves_the_global_random_state_alone(monkeypatch):
     """The plan (rates measured on this device, layers traced, the solver) draws nothing from torch's global
     generator: a model with dropout trained differently under the variable (the rates drew from it)."""
-    from ljperf.hooks.checkpoint import plan_model
+    from ljperf.hooks.planner import plan_model
     from scripts.tiny_llama import MICRO_BATCH, SEQ_LEN, build
 
     model = build()
@@ -362,8 +362,8 @@ def test_a_model_the_forecast_cannot_plan_is_named_in_the_warning():
     """Not ``'Tiny' object has no attribute 'config'`` or ``'XLNetModel' object has no attribute 'layers'``."""
     from transformers import XLNetConfig, XLNetLMHeadModel
 
-    from ljperf.errors import UsageError
-    from ljperf.hooks.checkpoint import model_recipe
+    from ljperf.core.errors import UsageError
+    from ljperf.hooks.planner import model_recipe
 
     xlnet = XLNetLMHeadModel(XLNetConfig(d_model=32, n_layer=2, n_head=2, d_inner=64, vocab_size=64))
     for model, message in (
@@ -377,7 +377,7 @@ def test_a_model_the_forecast_cannot_plan_is_named_in_the_warning():
 def test_no_fit_is_warned_once_and_a_replan_for_a_longer_batch_is_logged(monkeypatch, capsys):
     """Each longer batch re-plans; when nothing fits, only the first plan warns (a warning per re-plan was noise
     in every longer batch's log), the later ones print their line."""
-    from ljperf.hooks.checkpoint import PREFIX, attach
+    from ljperf.hooks.planner import PREFIX, attach
     from scripts.tiny_llama import build
 
     model = build().train()
@@ -398,7 +398,7 @@ def test_the_scripts_adamw_implementation_is_planned():
     the optimizer step (llama3.2-1b fp32: 4.6 GiB). Read through accelerate's and ZeRO's ``.optimizer`` wrappers."""
     from types import SimpleNamespace
 
-    from ljperf.hooks.checkpoint import _trainer_setup, optimizer_impl
+    from ljperf.hooks.planner import optimizer_impl, trainer_setup
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     for kwargs, impl in (({"fused": True}, "fused"), ({"foreach": True}, "foreach"), ({"foreach": False}, "single")):
@@ -408,4 +408,4 @@ def test_the_scripts_adamw_implementation_is_planned():
     assert optimizer_impl(torch.optim.SGD(params)) is None
     args = SimpleNamespace(fsdp="", world_size=1, bf16=False, gradient_accumulation_steps=1, hf_deepspeed_config=None)
     trainer = SimpleNamespace(args=args, model=torch.nn.Linear(2, 2), optimizer=torch.optim.AdamW(params, fused=True))
-    assert _trainer_setup(trainer)["optimizer"] == "fused"
+    assert trainer_setup(trainer)["optimizer"] == "fused"

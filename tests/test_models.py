@@ -10,8 +10,11 @@ import time
 import pytest
 import torch
 
-from ljperf import models
-from ljperf.errors import UsageError
+from ljperf.core.errors import UsageError
+from ljperf.models.build import materialize
+from ljperf.models.catalog import catalog_names, read_config_dict, split_model_arg
+from ljperf.models.layout import decoder_layers
+from ljperf.models.spec import build_meta, format_params, resolve
 
 from conftest import MOE, run_ljperf
 
@@ -32,7 +35,7 @@ REQUIRED = [
 
 
 def test_catalog_has_the_required_models():
-    assert set(REQUIRED) <= set(models.catalog_names())
+    assert set(REQUIRED) <= set(catalog_names())
 
 
 @pytest.mark.parametrize(
@@ -46,7 +49,7 @@ def test_catalog_has_the_required_models():
     ],
 )
 def test_parameter_counts_match_published(name, published_billions, digits):
-    assert round(models.resolve(name=name).params.total / 1e9, digits) == published_billions
+    assert round(resolve(name=name).params.total / 1e9, digits) == published_billions
 
 
 @pytest.mark.parametrize(
@@ -56,7 +59,7 @@ def test_parameter_counts_match_published(name, published_billions, digits):
 def test_mixture_of_experts_counts_match_published(name, total_billions, active_billions):
     """Mistral's and Qwen's model cards: 46.7B parameters of which 12.9B used per token; 30.5B, 3.3B activated
     (3.35B here: the card rounds down)."""
-    params = models.resolve(name=name).params
+    params = resolve(name=name).params
     assert round(params.total / 1e9, 1) == total_billions
     assert params.active / 1e9 == pytest.approx(active_billions, rel=0.02)
 
@@ -72,7 +75,7 @@ def _tiny_by_hand(*, vocab, hidden, inter, layers, heads, kv, head_dim, tied, qk
 
 
 def test_llama_tiny_counts_and_flops_by_hand():
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     total, emb = _tiny_by_hand(
         vocab=2048, hidden=128, inter=352, layers=4, heads=4, kv=2, head_dim=32, tied=False, qkv_bias=False
     )
@@ -98,14 +101,14 @@ def test_learned_positions_are_no_matmul(tmp_path):
             }
         )
     )
-    spec = models.resolve(path=path)
+    spec = resolve(path=path)
     per_layer = 12 * h * h + 13 * h  # qkv, out, 4h MLP in and out with biases; two layer norms
     assert spec.params.total == layers * per_layer + vocab * h + positions * h + 2 * h
     assert spec.params.matmul == layers * per_layer + 2 * h + vocab * h  # the tied head is a matmul
 
 
 def test_tied_head_is_still_a_matmul():
-    spec = models.resolve(name="qwen-tiny")
+    spec = resolve(name="qwen-tiny")
     total, _ = _tiny_by_hand(
         vocab=2048, hidden=128, inter=352, layers=4, heads=4, kv=2, head_dim=32, tied=True, qkv_bias=True
     )
@@ -115,7 +118,7 @@ def test_tied_head_is_still_a_matmul():
 
 
 def test_llama3_8b_flops_per_token():
-    spec = models.resolve(name="llama3-8b")
+    spec = resolve(name="llama3-8b")
     n_emb = 128256 * 4096
     assert spec.flops_per_token(8192) == 6 * (8_030_261_248 - n_emb) + 12 * 32 * 32 * 128 * 8192
 
@@ -128,23 +131,23 @@ def test_mla_attention_flops_count_its_query_key_and_value_widths(tmp_path):
     mla |= {"kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(mla | {"v_head_dim": 128}))
-    spec = models.resolve(path=path)
+    spec = resolve(path=path)
     assert spec.head_dim == 64 and spec.attention_widths == (192, 128)
     assert spec.flops_per_token(1024) == 6 * spec.params.matmul + 6 * 2 * 4 * (192 + 128) * 1024
 
 
 def test_70b_is_built_on_meta_without_allocating():
     start = time.perf_counter()
-    model = models.build_meta(models.resolve(name="llama3.1-70b"))
+    model = build_meta(resolve(name="llama3.1-70b"))
     assert time.perf_counter() - start < 20
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
 def test_materialize_is_seeded_and_keeps_ties():
-    spec = models.resolve(name="qwen-tiny")
-    a = models.materialize(models.build_meta(spec), device=torch.device("cpu"), seed=3)
-    b = models.materialize(models.build_meta(spec), device=torch.device("cpu"), seed=3)
-    c = models.materialize(models.build_meta(spec), device=torch.device("cpu"), seed=4)
+    spec = resolve(name="qwen-tiny")
+    a = materialize(build_meta(spec), device=torch.device("cpu"), seed=3)
+    b = materialize(build_meta(spec), device=torch.device("cpu"), seed=3)
+    c = materialize(build_meta(spec), device=torch.device("cpu"), seed=4)
     assert a.lm_head.weight is a.model.embed_tokens.weight
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(pa, pb), name
@@ -154,10 +157,10 @@ def test_materialize_is_seeded_and_keeps_ties():
 
 
 def test_model_config_path(tmp_path):
-    data = models.read_config_dict(name="llama-tiny")
+    data = read_config_dict(name="llama-tiny")
     (tmp_path / "config.json").write_text(json.dumps(data))
-    spec = models.resolve(path=tmp_path)
-    assert spec.params.total == models.resolve(name="llama-tiny").params.total
+    spec = resolve(path=tmp_path)
+    assert spec.params.total == resolve(name="llama-tiny").params.total
 
 
 @pytest.mark.parametrize(
@@ -182,7 +185,7 @@ def test_bad_model_configs_are_usage_errors(tmp_path, content, message):
     path = tmp_path / "config.json"
     path.write_text(content)
     with pytest.raises(UsageError, match=message):
-        models.resolve(path=path)
+        resolve(path=path)
 
 
 @pytest.mark.parametrize("refused", [True, False])
@@ -203,9 +206,9 @@ def test_building_a_model_leaves_the_specs_config_alone():
     forecast cache, so ``plan`` and ``benchmark`` (which builds first) would trace the same model twice."""
     from ljperf.forecast.trace import architecture_key
 
-    spec = models.resolve(name="llama-tiny")
+    spec = resolve(name="llama-tiny")
     before = architecture_key(spec)
-    model = models.build_meta(spec, attn_implementation="eager")
+    model = build_meta(spec, attn_implementation="eager")
     assert model.config.use_cache is False and model.config._attn_implementation == "eager"
     assert architecture_key(spec) == before
 
@@ -219,7 +222,7 @@ def test_a_config_seen_before_is_read_from_the_cache_and_built_when_first_asked_
     monkeypatch.setenv("LJPERF_CACHE_DIR", str(tmp_path / "cache"))
     config = tmp_path / "config.json"  # GPT-2's attribute map: its n_embd is the hidden_size
     config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 64, "n_embd": 16, "n_layer": 2, "n_head": 2}))
-    cold, warm = models.resolve(path=config), models.resolve(path=config)
+    cold, warm = resolve(path=config), resolve(path=config)
     assert "config" in cold.__dict__ and "config" not in warm.__dict__
     facts = ("layers", "hidden", "vocab", "heads", "kv_heads", "head_dim", "max_positions", "architecture")
     assert [getattr(warm, f) for f in facts] == [getattr(cold, f) for f in facts]
@@ -228,7 +231,7 @@ def test_a_config_seen_before_is_read_from_the_cache_and_built_when_first_asked_
     assert (warm.hidden, warm.layers, warm.heads) == (16, 2, 2)
     (saved,) = (tmp_path / "cache" / "models").iterdir()
     saved.write_text("{")  # damaged: built again
-    assert "config" in models.resolve(path=config).__dict__
+    assert "config" in resolve(path=config).__dict__
 
 
 def test_a_warm_plan_imports_no_transformers():
@@ -244,9 +247,9 @@ def test_a_warm_plan_imports_no_transformers():
 
 def test_unknown_model_names_the_closest():
     with pytest.raises(UsageError, match="closest: llama3-8b"):
-        models.split_model_arg("torch/llama3-8")
+        split_model_arg("torch/llama3-8")
     with pytest.raises(UsageError, match="unknown engine"):
-        models.split_model_arg("jax/llama-tiny")
+        split_model_arg("jax/llama-tiny")
 
 
 def test_a_model_without_sdpa_runs_eager_by_default_and_refuses_sdpa(tmp_path):
@@ -258,8 +261,8 @@ def test_a_model_without_sdpa_runs_eager_by_default_and_refuses_sdpa(tmp_path):
     bloom = AutoConfig.for_model("bloom", hidden_size=64, n_layer=2, n_head=4, vocab_size=1024).to_dict()
     config = tmp_path / "bloom.json"
     config.write_text(json.dumps(bloom | {"architectures": ["BloomForCausalLM"]}))
-    spec = models.resolve(path=config)
-    assert (spec.attention(None), spec.attention("eager"), models.resolve(name="llama-tiny").attention(None)) == (
+    spec = resolve(path=config)
+    assert (spec.attention(None), spec.attention("eager"), resolve(name="llama-tiny").attention(None)) == (
         "eager",
         "eager",
         "sdpa",
@@ -285,9 +288,9 @@ def test_llama4_text_decoder_layers_are_found(tmp_path):
     config = AutoConfig.for_model("llama4_text", **size, num_local_experts=2, pad_token_id=0, eos_token_id=1)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config.to_dict()))
-    spec = models.resolve(path=path)
-    model = models.build_meta(spec)
-    assert models.decoder_layers(model) is model.model.layers and len(model.model.layers) == 2
+    spec = resolve(path=path)
+    model = build_meta(spec)
+    assert decoder_layers(model) is model.model.layers and len(model.model.layers) == 2
 
 
 def test_a_671b_mixture_of_experts_is_built_on_the_meta_device(tmp_path):
@@ -297,7 +300,7 @@ def test_a_671b_mixture_of_experts_is_built_on_the_meta_device(tmp_path):
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(AutoConfig.for_model("deepseek_v3").to_dict()))
-    assert models.format_params(models.resolve(path=path).params.total) == "671.03B"
+    assert format_params(resolve(path=path).params.total) == "671.03B"
 
 
 @pytest.mark.parametrize("model", ["mixtral-tiny", "llama-tiny", "qwen2_moe", "deepseek_v3", "gpt_oss", "llama4_text"])
@@ -315,9 +318,9 @@ def test_flops_per_token_are_what_torch_counts_in_a_training_step(model, tmp_pat
         size |= {"intermediate_size": 256, "num_key_value_heads": 2, "head_dim": 32} | MOE[model]
         config = AutoConfig.for_model(model, **size, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
-        spec = models.resolve(path=tmp_path / "config.json")
+        spec = resolve(path=tmp_path / "config.json")
     else:
-        spec = models.resolve(name=model)
+        spec = resolve(name=model)
     net = AutoModelForCausalLM.from_config(spec.config, attn_implementation="eager", experts_implementation="eager")
     batch, seq = 2, 64
     ids = torch.randint(0, spec.vocab, (batch, seq))

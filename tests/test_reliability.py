@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from ljperf.memory import CPU_METHOD
-from ljperf.result import write_json
-from ljperf.runtime import free_port
+from ljperf.core.records import write_json
+from ljperf.dist.memory import CPU_METHOD
+from ljperf.dist.runtime import free_port
+from ljperf.models.catalog import read_config_dict
+from ljperf.models.spec import build_meta, resolve
 
 from conftest import cli_env, read_record, run_ljperf
 
@@ -144,7 +146,7 @@ def test_the_cause_is_named_before_a_rank_that_lost_its_peer_in_the_same_second(
     second earlier still comes first."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from ljperf.launch import failure_reason
+    from ljperf.dist.launch import failure_reason
 
     def failures(cause_code: int, *, lost_earlier_by: int = 0) -> ChildFailedError:
         cause = ProcessFailure(local_rank=1, pid=2, exitcode=cause_code, error_file="")
@@ -163,7 +165,7 @@ def test_the_ranks_own_failure_times_order_two_exits_with_code_1(tmp_path):
     microsecond) say which failed first, and its own reason is named; it named rank 0, which lost its peer."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from ljperf.launch import RunFolder, failure_reason
+    from ljperf.dist.launch import RunFolder, failure_reason
 
     lost, cause = (ProcessFailure(local_rank=r, pid=r + 1, exitcode=1, error_file="") for r in (0, 1))
     lost.timestamp = cause.timestamp
@@ -320,7 +322,8 @@ def test_a_signal_that_lands_inside_a_destructor_still_ends_the_run(tmp_path):
     out = tmp_path / "r.json"
     (tmp_path / "stand_in.py").write_text(
         "import os, signal, sys, time\n"
-        "from ljperf import benchmark, cli\n"
+        "from ljperf import cli\n"
+        "from ljperf.benchmark import loop as benchmark\n"
         "class SignalsWhenCollected:\n"
         "    def __del__(self):\n"
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -351,7 +354,8 @@ def test_a_signal_while_a_failure_is_handled_still_leaves_the_record(tmp_path):
     out = tmp_path / "r.json"
     (tmp_path / "stand_in.py").write_text(
         "import os, signal, sys, time\n"
-        "from ljperf import benchmark, cli\n"
+        "from ljperf import cli\n"
+        "from ljperf.benchmark import loop as benchmark\n"
         "handled = benchmark.failure\n"
         "def failure_then_signal(exc):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -450,7 +454,7 @@ def test_a_killed_writer_never_leaves_half_a_file(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys; from ljperf.result import write_json; "
+            "import sys; from ljperf.core.records import write_json; "
             "write_json(sys.argv[1], {'version': 'new', 'payload': list(range(8_000_000))})",
             str(target),
         ]
@@ -526,15 +530,13 @@ def test_no_remote_code_and_no_pickle_anywhere_in_ljperf():
     for path, text in sources.items():
         assert "import pickle" not in text and "torch.load(" not in text, path
         assert "trust_remote_code=True" not in text, path
-    assert "trust_remote_code=False" in sources[root / "models.py"]
+    assert "trust_remote_code=False" in sources[root / "models" / "spec.py"]
 
 
 def test_auto_map_in_a_config_is_ignored(tmp_path):
     """A config that asks for remote code still builds the stock transformers class."""
-    from ljperf import models
-
-    data = models.read_config_dict(name="llama-tiny")
+    data = read_config_dict(name="llama-tiny")
     data["auto_map"] = {"AutoModelForCausalLM": "evil.EvilModel"}
     (tmp_path / "config.json").write_text(json.dumps(data))
-    model = models.build_meta(models.resolve(path=tmp_path))
+    model = build_meta(resolve(path=tmp_path))
     assert type(model).__module__.startswith("transformers.models.llama")

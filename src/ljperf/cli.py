@@ -1,13 +1,13 @@
 """The ``ljperf`` command: one dispatch table of typed subcommands.
 
-Run ``ljperf --help``; each subcommand module has ``add_arguments(parser)`` and ``run(args, argv) -> int``.
+Run ``ljperf --help``; each subcommand's module in ``ljperf.commands`` has ``add_arguments(parser)`` and
+``run(args, argv) -> int``, and imports torch only inside ``run``.
 Bad input exits 2 with one line on stderr; a failed run exits non-zero with one line (no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import os
 import signal
@@ -17,9 +17,10 @@ from types import ModuleType
 from typing import NoReturn
 
 from ljperf import __version__
-from ljperf.errors import (
+from ljperf.core.errors import (
     EXIT_OK,
     EXIT_SIGINT,
+    EXIT_SIGPIPE,
     EXIT_SIGTERM,
     EXIT_USAGE,
     Interrupted,
@@ -27,69 +28,50 @@ from ljperf.errors import (
     UsageError,
     interruption,
 )
-
-EXIT_SIGPIPE = 141
-"""What a shell reports for a command whose reader closed the pipe (``ljperf models --json | head``)."""
+from ljperf.core.parser import Parser, unrecognized
+from ljperf.dist.launch import RunFolder
 
 
 @dataclass(frozen=True)
 class Command:
-    """A subcommand: its one-line help and the module that implements it."""
+    """A subcommand: its one-line help and the module (in ``ljperf.commands``) with its flags and ``run``."""
 
     help: str
     module: str
-    flags: str | None = None
-    """The module with its ``add_arguments``, where ``module`` imports torch: ``--help`` and a bad flag answer
-    without it (``module`` is imported once the flags parse, under the start-up signal handlers)."""
 
 
 COMMANDS: dict[str, Command] = {
     "benchmark": Command(
-        "train a model on synthetic tokens and measure throughput, MFU and memory",
-        "ljperf.benchmark",
-        flags="ljperf.benchmark_flags",
+        "train a model on synthetic tokens and measure throughput, MFU and memory", "ljperf.commands.benchmark"
     ),
-    "models": Command("list the model catalog with parameter counts", "ljperf.list_models"),
-    "plan": Command("forecast peak memory per GPU of a recipe before it runs; --calibrate", "ljperf.forecast.cli"),
-    "doctor": Command("check driver, NCCL, DeepSpeed config, versions, compile; each with a fix", "ljperf.doctor.cli"),
+    "models": Command("list the model catalog with parameter counts", "ljperf.commands.models"),
+    "plan": Command("forecast peak memory per GPU of a recipe before it runs; --calibrate", "ljperf.commands.plan"),
+    "doctor": Command(
+        "check driver, NCCL, DeepSpeed config, versions, compile; each with a fix", "ljperf.commands.doctor"
+    ),
     "comm": Command(
-        "measure collectives (all_reduce, all_gather, ...): time, algbw, busbw, #wrong",
-        "ljperf.comm",
-        flags="ljperf.comm_flags",
+        "measure collectives (all_reduce, all_gather, ...): time, algbw, busbw, #wrong", "ljperf.commands.comm"
     ),
     "ablation": Command(
-        "measure each optimization's contribution: variants × repeats, report",
-        "ljperf.ablation.cli",
-        flags="ljperf.ablation.flags",
+        "measure each optimization's contribution: variants × repeats, report", "ljperf.commands.ablation"
     ),
-    "report": Command("re-render an ablation's report (table, report.md, PNG) from its JSON", "ljperf.ablation.report"),
+    "report": Command("re-render an ablation's report (table, report.md, PNG) from its JSON", "ljperf.commands.report"),
     "compile-report": Command(
         "graph breaks, recompiles, compile time per region, eager vs compiled step time",
-        "ljperf.compile_report",
-        flags="ljperf.compile_report_flags",
+        "ljperf.commands.compile_report",
     ),
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (and exit 2) instead of the usage block."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        if message.endswith("expected one argument"):
-            # argparse reads a value that starts with "-" (``--memory-budget -5GiB``) as the next flag
-            message += "; a value that starts with '-' is written --flag=VALUE"
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (torch loads only when a command needs it)."""
-    parser = _Parser(prog="ljperf", description="Measure, fit and speed up LLM training on PyTorch.")
+    parser = Parser(prog="ljperf", description="Measure, fit and speed up LLM training on PyTorch.")
     parser.add_argument("--version", action="version", version=f"ljperf {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, cmd in COMMANDS.items():
         child = sub.add_parser(name, help=cmd.help, description=cmd.help)
         if name == command:
-            importlib.import_module(cmd.flags or cmd.module).add_arguments(child)
+            importlib.import_module(cmd.module).add_arguments(child)
     return parser
 
 
@@ -98,58 +80,6 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list
     (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     child = sub.choices[command]
     child.error(unrecognized(child, unknown))
-
-
-def unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
-    """The error for arguments ``parser`` does not know, with ljperf's flag for the first (``suggest_flag``)."""
-    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
-    flags = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
-    hint = suggest_flag(flags[0], known) if flags else None
-    return f"unrecognized arguments: {' '.join(unknown)}" + (f"; did you mean {hint}?" if hint else "")
-
-
-PEER_FLAGS: dict[str, tuple[str, ...]] = {
-    "--nproc-per-node": ("--gpus N (the world size: processes per node × nodes)",),
-    "--nnodes": ("--gpus N (the world size: processes per node × nodes)",),
-    "--world-size": ("--nproc-per-node N", "--gpus N"),
-    "--num-gpus": ("--nproc-per-node N", "--gpus N"),
-    "--gpus": ("--nproc-per-node N (and --nnodes for several machines)",),
-    "--batch-size": ("--micro-batch N (sequences per device per micro-step)",),
-    "--micro-batch-size": ("--micro-batch N",),
-    "--per-device-train-batch-size": ("--micro-batch N",),
-    "--train-micro-batch-size-per-gpu": ("--micro-batch N",),
-    "--gradient-accumulation-steps": ("--grad-accum N",),
-    "--max-steps": ("--steps N",),
-    "--train-iters": ("--steps N",),
-    "--seq-length": ("--seq-len N",),
-    "--max-seq-len": ("--seq-len N",),
-    "--max-length": ("--seq-len N",),
-    "--block-size": ("--seq-len N",),
-    "--bf16": ("--precision bf16-mixed",),
-    "--fp32": ("--precision fp32",),
-    "--gradient-checkpointing": ("--recompute full (or auto: the fastest plan that fits)",),
-    "--activation-checkpointing": ("--recompute full (or auto: the fastest plan that fits)",),
-    "--recompute-activations": ("--recompute full (or auto: the fastest plan that fits)",),
-    "--torch-compile": ("--compile",),
-    "--learning-rate": ("--lr",),
-    "--deepspeed": ("--engine deepspeed (and --deepspeed-config PATH)",),
-    "--fsdp": ("--engine fsdp",),
-}
-"""Flags of torchrun, the HF Trainer, DeepSpeed and Megatron-LM that users carry over, with ljperf's
-equivalents; a command gets the first whose flag it has (``plan --nproc-per-node`` is ``--gpus``)."""
-
-
-def suggest_flag(flag: str, known: list[str]) -> str | None:
-    """ljperf's flag for a flag a command does not know: the same with dashes for underscores, a peer tool's
-    equivalent (``PEER_FLAGS``; None if the command has none), or else the closest spelling."""
-    dashed = flag.replace("_", "-").lower()
-    if dashed in known:
-        return dashed
-    if dashed in PEER_FLAGS:  # a flag of another tool: its spelling says nothing of this command's flags
-        return next((hint for hint in PEER_FLAGS[dashed] if hint.split()[0] in known), None)
-    # Compared without the dashes, which every flag shares: with them "--help" came close to "--steps".
-    close = difflib.get_close_matches(dashed.lstrip("-"), [k.lstrip("-") for k in known], n=1)
-    return f"--{close[0]}" if close else None
 
 
 def _terminated(signum: int, _frame: object) -> None:
@@ -164,8 +94,6 @@ def _terminated(signum: int, _frame: object) -> None:
 def _hand_to_launcher(exc: UsageError) -> bool:
     """Under ljperf's launcher, leave a rank's usage error in the run folder: the ranks all find the same one,
     and whichever exits first, the launcher prints it once. False anywhere else."""
-    from ljperf.launch import RunFolder
-
     folder, rank = RunFolder.watching(), os.environ.get("RANK")
     return folder is not None and rank is not None and folder.leave_usage_error(str(exc), rank=rank)
 

@@ -11,7 +11,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from ljperf import benchmark
+from ljperf.benchmark import loop as benchmark
+from ljperf.benchmark.config import config_from_args
+from ljperf.benchmark.loop import run_worker
 from ljperf.cli import build_parser
 
 
@@ -23,7 +25,7 @@ def main() -> int:
         name, _, args = spec.partition("=")
         argv = ["benchmark", *shlex.split(args), "--output", str(out / f"{name}.json")]
         args_ns = build_parser("benchmark").parse_args(argv)
-        code = benchmark.run_worker(benchmark.config_from_args(args_ns, argv))
+        code = run_worker(config_from_args(args_ns, argv))
         if code:
             return code
     # Left to interpreter exit, the group's destructor can meet a live gloo thread: std::terminate, SIGABRT

@@ -1,12 +1,11 @@
-"""``ljperf report DIR``: the ablation report (terminal table, report.md, PNG chart) from the runs' JSON.
+"""The ablation report (terminal table, report.md, PNG chart) from the runs' JSON records.
 
 Run: ``ljperf report runs/llama3-8b``; ``ljperf ablation`` calls the same ``render`` when it finishes.
-Writes ``summary.json``, ``report.md`` and ``ablation.png`` into DIR.
+Writes ``summary.json``, ``report.md`` and ``ablation.png`` into the folder.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections import Counter
 from pathlib import Path
@@ -17,36 +16,16 @@ from rich.markup import escape
 from ljperf import __version__
 from ljperf.ablation import runner
 from ljperf.ablation.stats import Ratio, Spread, VariantStats, summarize
-from ljperf.errors import EXIT_OK, UsageError
-from ljperf.report import compile_line, console, run_title, titled_table, warn
-from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_atomic, write_json
-from ljperf.units import format_bytes
+from ljperf.compile.line import compile_line
+from ljperf.core.console import console, titled_table, warn
+from ljperf.core.errors import UsageError
+from ljperf.core.records import SCHEMA_VERSION, now_iso, write_atomic, write_json
+from ljperf.core.units import format_bytes
+from ljperf.run.titles import run_title
 
 SUMMARY, MARKDOWN, CHART = "summary.json", "report.md", "ablation.png"
 OVERLAP = "≈"
 OVERLAP_NOTE = f"{OVERLAP}: the min–max ranges of the two variants overlap; these repeats do not show a difference."
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``ljperf report``."""
-    parser.add_argument("dir", metavar="DIR", help="the --out folder of an ljperf ablation")
-
-
-def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """Entry point of ``ljperf report``."""
-    out = Path(args.dir)
-    if not out.is_dir():
-        raise UsageError(
-            f"{out}: {'not a folder' if out.exists() else 'no such folder'}; give the --out folder of ljperf ablation"
-        )
-    records = load_records(out)
-    previous = out / SUMMARY
-    try:
-        command = read_json(previous).get("args")
-    except (OSError, ValueError, AttributeError):  # none yet, or damaged: the report is written anew
-        command = None
-    render(out, records, command=command)
-    return EXIT_OK
 
 
 def load_records(out: Path) -> list[dict[str, Any]]:

@@ -23,11 +23,11 @@ from typing import Any
 from rich.markup import escape
 
 from ljperf.ablation.variants import Environment, Variant
-from ljperf.errors import UsageError, interrupt_on_signals, interrupts_held, restore_signals
-from ljperf.hooks import startup
-from ljperf.launch import RUN_DIR_ENV
-from ljperf.report import console, warn
-from ljperf.result import SCHEMA_VERSION, now_iso, read_json, write_json
+from ljperf.core.console import console, warn
+from ljperf.core.errors import UsageError, interrupt_on_signals, interrupts_held, restore_signals
+from ljperf.core.records import SCHEMA_VERSION, now_iso, read_json, write_json
+from ljperf.core.switches import HOOKS
+from ljperf.dist.launch import RUN_DIR_ENV
 
 # Seconds a timed-out run gets after SIGTERM to write its partial record before SIGKILL.
 STOP_GRACE_S = 15.0
@@ -275,7 +275,7 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ljperf-ablation-") as cache, open(log, "w") as log_file:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
         env.pop(RUN_DIR_ENV, None)
-        for variable in startup.HOOKS:  # a variant is its flags: CHECKPOINT_OPTIMIZATION would make each auto
+        for variable in HOOKS:  # a variant is its flags: CHECKPOINT_OPTIMIZATION would make each auto
             env.pop(variable, None)
         proc = None
         try:

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from ljperf.errors import UsageError
+from ljperf.core.errors import UsageError
 
 # The ladder the image is judged by: each variant adds one optimization to the previous one.
 BUILTIN: dict[str, str] = {
@@ -23,7 +23,7 @@ DEFAULT_VARIANTS = ("base", "compile", "compile+ckpt")
 LOCAL_ENV = "local"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 _PROBE = (
-    "import json, sys; from ljperf.result import versions; "
+    "import json, sys; from ljperf.core.records import versions; "
     "print(json.dumps({'python': sys.executable, 'prefix': sys.prefix, 'versions': versions()}))"
 )
 

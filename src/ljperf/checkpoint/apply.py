@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from torch._ops import OpOverload
     from torch.utils.checkpoint import SelectiveCheckpointContext
 
-from ljperf.checkpoint import MODES, Plan
-from ljperf.errors import UsageError
+from ljperf.core.plans import MODES, Plan
+from ljperf.models.layout import find_blocks
 
 # Outputs that cost FLOPs to recompute: matmuls (a mixture of experts' grouped ones too: torch's, and the fallback
 # op transformers runs where torch's cannot) and fused attention. Everything else (norms, rotary, activation
@@ -62,23 +62,6 @@ def checkpoint_fn(mode: str) -> Callable[..., Any]:
         context = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
         return functools.partial(checkpoint, use_reentrant=False, context_fn=context)
     return functools.partial(checkpoint, use_reentrant=False)
-
-
-def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks in order: HF decoder layers, else the longest ModuleList of one class."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    hf = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if hf:
-        return hf
-    best: list[torch.nn.Module] = []
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best):
-            if len({type(block) for block in module}) == 1:
-                best = list(module)
-    if not best:
-        raise UsageError(f"{type(model).__name__} has no repeated blocks (no ModuleList): cannot checkpoint it")
-    return best
 
 
 def apply_plan(model: torch.nn.Module, plan: Sequence[str]) -> list[torch.nn.Module]:

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ljperf import deepspeed_config
+from ljperf.core import deepspeed as deepspeed_config
+from ljperf.core.errors import describe
+from ljperf.core.records import installed_versions, read_json
 from ljperf.doctor import manifest as manifest_mod
 from ljperf.doctor.tables import (
     DATACENTER_GPU_PATTERNS,
@@ -24,8 +26,6 @@ from ljperf.doctor.tables import (
     DRIVER_RULES,
     IFNAME_BY_GPU_COUNT,
 )
-from ljperf.errors import describe
-from ljperf.result import installed_versions, read_json
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ljperf.result import installed_versions, now_iso, read_json, write_json
+from ljperf.core.records import installed_versions, now_iso, read_json, write_json
 
 MANIFEST_ENV = "LJPERF_MANIFEST"
 DEFAULT_MANIFEST = "/etc/ljperf/manifest.json"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from ljperf.runtime import RunContext
+    from ljperf.run.context import RunContext
 
 _MODULES = {
     "torch": "ljperf.engines.torch_engine",

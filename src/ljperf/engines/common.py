@@ -1,41 +1,14 @@
-"""Pieces the engines share: the micro-step loop and the AdamW they all use."""
+"""Pieces the engines share: the AdamW they all use, the blocks they shard by, parameter names for initial values."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
-from ljperf import models
-from ljperf.runtime import RunContext
-
-
-def causal_lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of an HF causal LM on ``tokens`` (labels are the inputs, shifted inside)."""
-    return model(input_ids=tokens, labels=tokens, use_cache=False).loss
-
-
-def accumulate(
-    model: torch.nn.Module,
-    micro_batches: list[torch.Tensor],
-    *,
-    run: RunContext,
-    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
-) -> torch.Tensor:
-    """Forward and backward over the micro-batches, gradients averaged; returns the mean loss (detached).
-
-    ``no_sync`` (DDP) skips the gradient all-reduce on all but the last micro-step.
-    """
-    total = torch.zeros((), device=run.device.torch_device)
-    n = len(micro_batches)
-    for i, tokens in enumerate(micro_batches):
-        sync = no_sync() if no_sync is not None and i < n - 1 else contextlib.nullcontext()
-        with sync, run.autocast():
-            loss = causal_lm_loss(model, tokens) / n
-        loss.backward()
-        total += loss.detach()
-    return total
+from ljperf.models.build import parameter_slots
+from ljperf.models.layout import decoder_layers
+from ljperf.run.context import RunContext
 
 
 def adamw(params: Iterable[torch.Tensor], *, run: RunContext) -> torch.optim.AdamW:
@@ -46,7 +19,7 @@ def adamw(params: Iterable[torch.Tensor], *, run: RunContext) -> torch.optim.Ada
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of an HF causal LM (``model.model.layers`` or ``transformer.h``): the unit engines shard
     by."""
-    return list(models.decoder_layers(model))
+    return list(decoder_layers(model))
 
 
 def parameter_names(model: torch.nn.Module) -> dict[tuple[int, str], str]:
@@ -56,4 +29,4 @@ def parameter_names(model: torch.nn.Module) -> dict[tuple[int, str], str]:
     objects), so engines that materialise after wrapping still find each parameter's ``init_value`` name.
     """
     first = {id(p): n for n, p in model.named_parameters()}
-    return {(id(module), key): first[id(param)] for module, key, param in models.parameter_slots(model)}
+    return {(id(module), key): first[id(param)] for module, key, param in parameter_slots(model)}

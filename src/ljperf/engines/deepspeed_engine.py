@@ -17,13 +17,16 @@ from typing import Any
 
 import torch
 
-from ljperf import deepspeed_config, memory
-from ljperf.engines.common import adamw, causal_lm_loss, decoder_blocks, parameter_names
-from ljperf.errors import interruption, one_line
-from ljperf.models import init_value, materialize, replace_parameters
-from ljperf.optimize import apply_optimizations
-from ljperf.report import console, warn
-from ljperf.runtime import RunContext
+from ljperf.compile.regional import compile_deepspeed_engine
+from ljperf.core import deepspeed as deepspeed_config
+from ljperf.core.console import console, warn
+from ljperf.core.errors import interruption, one_line
+from ljperf.dist import memory
+from ljperf.engines.common import adamw, decoder_blocks, parameter_names
+from ljperf.engines.parallelize import apply_optimizations
+from ljperf.models.build import init_value, materialize, replace_parameters
+from ljperf.models.step import causal_lm_loss
+from ljperf.run.context import RunContext
 
 
 class DeepSpeedEngine:
@@ -67,8 +70,6 @@ class DeepSpeedEngine:
             model=model, model_parameters=model.parameters(), config=self.config
         )
         if run.optim.compile_mode == "deepspeed":
-            from ljperf.compile import compile_deepspeed_engine
-
             compile_deepspeed_engine(engine, verbose=run.is_main)
         self.model = engine
         self.optimizer = optimizer

@@ -10,21 +10,24 @@ equal the torch engine's.
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ljperf.engines.common import accumulate, adamw, decoder_blocks, parameter_names
-from ljperf.models import cast_parameters, init_value, parameter_slots
-from ljperf.optimize import apply_optimizations
-from ljperf.runtime import RunContext
+from ljperf.engines.common import adamw, decoder_blocks, parameter_names
+from ljperf.engines.parallelize import apply_optimizations
+from ljperf.models.build import cast_parameters, init_value, parameter_slots
+from ljperf.models.step import accumulate
+from ljperf.run.context import RunContext
 
 
 class FSDPEngine:
     """FSDP2 over all ranks of the run: parameters, gradients and optimizer states sharded 1/world."""
 
-    def __init__(self, run: RunContext):
+    def __init__(self, run: RunContext, *, mesh: DeviceMesh | None = None):
         self.run = run
+        self.mesh = mesh
+        """The device mesh to shard over (default: one dimension of every rank, made in ``setup``)."""
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -33,7 +36,7 @@ class FSDPEngine:
         device = run.device.torch_device
         names = parameter_names(model)
         model = apply_optimizations(model, run)
-        mesh = init_device_mesh(device.type, (run.world,))
+        mesh = self.mesh or init_device_mesh(device.type, (run.world,))
         options = {"mesh": mesh, "reshard_after_forward": run.engine_opts.reshard_after_forward}
         if run.weight_dtype != torch.float32:  # bf16 weights: gathered, computed and reduced in bf16
             model = cast_parameters(model, run.weight_dtype)
@@ -47,7 +50,7 @@ class FSDPEngine:
         self.optimizer = adamw(model.parameters(), run=run)
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        loss = accumulate(self.model, micro_batches, run=self.run)
+        loss = accumulate(self.model, micro_batches, autocast=self.run.autocast)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss

@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ljperf.engines.common import accumulate, adamw
-from ljperf.models import materialize
-from ljperf.optimize import apply_optimizations
-from ljperf.runtime import RunContext
+from ljperf.engines.common import adamw
+from ljperf.engines.parallelize import apply_optimizations
+from ljperf.models.build import materialize
+from ljperf.models.step import accumulate
+from ljperf.run.context import RunContext
 
 
 class TorchEngine:
@@ -34,7 +35,7 @@ class TorchEngine:
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) else None
-        loss = accumulate(self.model, micro_batches, run=self.run, no_sync=no_sync)
+        loss = accumulate(self.model, micro_batches, autocast=self.run.autocast, no_sync=no_sync)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss

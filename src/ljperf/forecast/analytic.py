@@ -18,7 +18,7 @@ query·key width for Q and K and the value width for V and the output, where the
 from __future__ import annotations
 
 from ljperf.forecast.recipe import Recipe
-from ljperf.models import ModelSpec
+from ljperf.models.spec import ModelSpec
 
 QK_NORM = ("qwen3",)
 """Architectures whose attention normalises Q and K per head (HF ``q_norm``/``k_norm``)."""

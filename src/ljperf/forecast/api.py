@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ljperf import models
-from ljperf.config import LARGEST
-from ljperf.errors import UsageError
+from ljperf.core.errors import UsageError
+from ljperf.core.options import LARGEST
 from ljperf.forecast import analytic, timeline
+from ljperf.forecast.blocks import block_params
 from ljperf.forecast.calibrate import overheads_for
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.forecast.trace import FAMILIES, Patterns, TraceError, layer_picks, reference_kind, traced_patterns
+from ljperf.models.spec import ModelSpec
 
 TRACED_TOKENS = max(seq for shapes in FAMILIES.values() for _, seq in shapes)
 
 
-def _patterns(spec: models.ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[int, ...] | None) -> Patterns:
+def _patterns(spec: ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[int, ...] | None) -> Patterns:
     """The traced patterns of ``recipe``'s code path in recompute ``mode`` (of a copy of layers ``pick``)."""
     return traced_patterns(
         spec,
@@ -28,10 +29,10 @@ def _patterns(spec: models.ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[
     )
 
 
-def forecast(spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None = None) -> Forecast:
+def forecast(spec: ModelSpec, recipe: Recipe, *, device_name: str | None = None) -> Forecast:
     """Peak memory of one rank running ``recipe``; overheads: calibrated for ``device_name``, else defaults."""
     try:
-        picks = layer_picks(timeline.block_params(spec).layer_kinds)
+        picks = layer_picks(block_params(spec).layer_kinds)
         patterns = {
             (mode, kind): _patterns(spec, recipe, mode=mode, pick=pick)
             for mode in dict.fromkeys(recipe.layer_modes(spec.layers))
@@ -80,7 +81,7 @@ def forecast(spec: models.ModelSpec, recipe: Recipe, *, device_name: str | None 
     )
 
 
-def max_micro_batch(spec: models.ModelSpec, recipe: Recipe, memory: int, *, device_name: str | None) -> int:
+def max_micro_batch(spec: ModelSpec, recipe: Recipe, memory: int, *, device_name: str | None) -> int:
     """The largest micro batch whose forecast fits ``memory`` (0 when even 1 does not)."""
 
     def fits(b: int) -> bool:
@@ -98,9 +99,9 @@ def max_micro_batch(spec: models.ModelSpec, recipe: Recipe, memory: int, *, devi
     return lo
 
 
-def analytic_forecast(spec: models.ModelSpec, recipe: Recipe, *, reason: str) -> Forecast:
+def analytic_forecast(spec: ModelSpec, recipe: Recipe, *, reason: str) -> Forecast:
     """The closed-form fallback: model states plus the end-of-forward activations, or the optimizer step."""
-    blocks = timeline.block_params(spec)
+    blocks = block_params(spec)
     shard = timeline.engine_sharding(spec, recipe)
     batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * timeline.TOKEN_BYTES
     states = shard.params + shard.optimizer + shard.comm_buffers + blocks.buffer_bytes + batch
@@ -145,12 +146,10 @@ class LayerCost:
     """Bytes it keeps from its forward until its backward."""
 
 
-def layer_costs(
-    spec: models.ModelSpec, recipe: Recipe, *, modes: tuple[str, ...] = ("none", "full")
-) -> dict[str, LayerCost]:
+def layer_costs(spec: ModelSpec, recipe: Recipe, *, modes: tuple[str, ...] = ("none", "full")) -> dict[str, LayerCost]:
     """``{mode: LayerCost}`` for a solver: cheap once the patterns are cached."""
     out = {}
-    kinds = timeline.block_params(spec).layer_kinds
+    kinds = block_params(spec).layer_kinds
     pick = layer_picks(kinds)[reference_kind(kinds)]  # the most frequent kind of layer stands for all
     for mode in modes:
         try:

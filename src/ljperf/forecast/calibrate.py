@@ -14,9 +14,9 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ljperf.cache import cache_root
-from ljperf.errors import UsageError
-from ljperf.result import read_json, read_json_object, write_json
+from ljperf.core.cache import cache_root
+from ljperf.core.errors import UsageError
+from ljperf.core.records import read_json, read_json_object, write_json
 
 MiB = 1024**2
 CALIBRATION_VERSION = 1

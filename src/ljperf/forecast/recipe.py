@@ -9,13 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ljperf.checkpoint import MODES
-from ljperf.config import PRECISIONS, check_precision, check_zero_stage, positive
-from ljperf.errors import UsageError
-from ljperf.models import ENGINES
+from ljperf.core import deepspeed as deepspeed_config
+from ljperf.core.errors import UsageError
+from ljperf.core.options import PRECISIONS, check_precision, check_zero_stage, positive
+from ljperf.core.plans import MODES
+from ljperf.models.catalog import ENGINES
 
 if TYPE_CHECKING:
-    from ljperf.runtime import RunContext
+    from ljperf.run.config import RunConfig
+    from ljperf.run.context import RunContext
 
 OPTIMIZER_IMPLS = ("single", "foreach", "fused")
 """torch AdamW implementations; they differ in the optimizer step's temporaries."""
@@ -168,24 +170,39 @@ class Recipe:
         return replace(self, **changes)
 
     @classmethod
-    def from_run(cls, run: RunContext, *, recompute: tuple[str, ...] = ()) -> Recipe:
-        """The recipe a benchmark run (``RunContext``) executes, with ``recompute`` per layer."""
-        train = run.train
+    def of(
+        cls,
+        config: RunConfig,
+        *,
+        world: int,
+        device: str,
+        recompute: tuple[str, ...] = (),
+        optimizer: str | None = None,
+    ) -> Recipe:
+        """The recipe of a run's configuration on ``world`` ranks of ``device``, with ``recompute`` per layer; the
+        AdamW implementation is ``optimizer``, else what the ``--deepspeed-config`` asks for, else torch's pick."""
+        train, engine_opts = config.train, config.engine_opts
+        deepspeed = config.engine == "deepspeed"
         return cls(
-            engine=run.engine,
-            zero_stage=run.engine_opts.zero_stage,
-            world=run.world,
-            device=run.device.type,
+            engine=config.engine,
+            zero_stage=engine_opts.zero_stage,
+            world=world,
+            device=device,
             precision=train.precision,
             micro_batch=train.micro_batch,
             seq_len=train.seq_len,
             grad_accum=train.grad_accum,
-            attn_implementation=run.model.attention(train.attn_implementation),
-            reshard_after_forward=run.engine_opts.reshard_after_forward,
+            attn_implementation=config.model.attention(train.attn_implementation),
+            reshard_after_forward=engine_opts.reshard_after_forward,
             recompute=recompute,
-            zero=_zero_settings(run),
-            optimizer=deepspeed_adamw(run.deepspeed_user) if run.engine == "deepspeed" else None,
+            zero=_zero_settings(config.deepspeed_user) if deepspeed else ZeroSettings(),
+            optimizer=optimizer or (deepspeed_adamw(config.deepspeed_user) if deepspeed else None),
         )
+
+    @classmethod
+    def from_run(cls, run: RunContext, *, recompute: tuple[str, ...] = ()) -> Recipe:
+        """The recipe a benchmark rank (``RunContext``) executes, with ``recompute`` per layer."""
+        return cls.of(run.config, world=run.world, device=run.device.type, recompute=recompute)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,10 +240,6 @@ def deepspeed_adamw(user: dict | None) -> str | None:
     return None if not isinstance(foreach, bool) else "foreach" if foreach else "single"
 
 
-def _zero_settings(run: RunContext) -> ZeroSettings:
-    """The ZeRO settings of ``--deepspeed-config`` (merged over ljperf's), or the defaults."""
-    if run.engine != "deepspeed" or not run.deepspeed_user:
-        return ZeroSettings()
-    from ljperf import deepspeed_config
-
-    return ZeroSettings.from_config(deepspeed_config.merge(run.deepspeed_user))
+def _zero_settings(user: dict) -> ZeroSettings:
+    """The ZeRO settings of a ``--deepspeed-config`` (merged over ljperf's), or the defaults without one."""
+    return ZeroSettings.from_config(deepspeed_config.merge(user)) if user else ZeroSettings()

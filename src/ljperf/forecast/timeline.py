@@ -11,114 +11,16 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
-from ljperf import models
-from ljperf.cache import cached
+from ljperf.forecast.blocks import BlockParams, block_params
 from ljperf.forecast.recipe import Forecast, Recipe, ZeroSettings
-from ljperf.forecast.trace import (
-    EDGES,
-    TRACE_LAYERS,
-    Patterns,
-    TraceError,
-    architecture_key,
-    cache_dir,
-    peak_and_net,
-    reference_kind,
-)
+from ljperf.forecast.trace import EDGES, TRACE_LAYERS, Patterns, TraceError, peak_and_net, reference_kind
+from ljperf.models.spec import ModelSpec
 
 FP32 = 4
 FP64 = 8
 TOKEN_BYTES = 8  # int64 token ids
-
-
-@dataclass(frozen=True, kw_only=True)
-class BlockParams:
-    """Parameter numbers of the blocks the timeline composes (a tied LM head counts in ``pre``)."""
-
-    pre: int
-    """Input embedding."""
-    layer_sizes: tuple[int, ...]
-    """Each decoder layer of the full model (they differ where some are mixtures of experts and some dense:
-    DeepSeek-V3's first three, Qwen MoE's ``mlp_only_layers``, Llama 4's interleaving)."""
-    post: int
-    """Final norm and (untied) LM head."""
-    tensors: int
-    """Parameter tensors of the full model (optimizer ``step`` scalars)."""
-    largest: int
-    """Elements of the largest parameter tensor."""
-    largest_rows: int
-    """Its first dimension (FSDP2 shards every parameter on it)."""
-    buffer_bytes: int
-    """Model buffers (RoPE frequencies)."""
-    layer_kinds: tuple[int, ...]
-    """Each decoder layer's kind: layers with the same parameters (names, shapes) and modules are one kind,
-    numbered in order (DeepSeek-V3: 0, 0, 0, 1, ..., 1); the trace copies one layer of each."""
-    order: tuple[tuple[str, int], ...] = ()
-    """Each parameter tensor of the full model in ``parameters()`` order (DeepSpeed's flat order), as (backward
-    block: ``pre``, ``layer i`` or ``post``, elements): ZeRO-1/2 cut that order into partitions."""
-
-    @property
-    def layers(self) -> int:
-        return len(self.layer_sizes)
-
-    @property
-    def layer(self) -> int:
-        """The largest decoder layer: what a gather, prefetch or reduce of one layer holds at most."""
-        return max(self.layer_sizes)
-
-    @property
-    def total(self) -> int:
-        return self.pre + sum(self.layer_sizes) + self.post
-
-
-_BLOCKS: dict[str, BlockParams] = {}
-
-
-def block_params(spec: models.ModelSpec) -> BlockParams:
-    """Parameter numbers per block: from a full-depth meta build, cached per architecture and depth on disk."""
-    key = architecture_key(spec, f"{spec.layers} layers")
-    if key not in _BLOCKS:
-        path = cache_dir() / f"{spec.architecture}-blocks-{key}.json"
-        _BLOCKS[key] = cached(path, load=_load_blocks, make=lambda: _block_counts(spec), dump=asdict)
-    return _BLOCKS[key]
-
-
-def _load_blocks(data: dict) -> BlockParams:
-    ints = {k: int(data[k]) for k in ("pre", "post", "tensors", "largest", "largest_rows", "buffer_bytes")}
-    order = tuple((str(tag), int(n)) for tag, n in data["order"])
-    sizes, kinds = (tuple(int(n) for n in data[k]) for k in ("layer_sizes", "layer_kinds"))
-    return BlockParams(**ints, layer_sizes=sizes, layer_kinds=kinds, order=order)
-
-
-def _block_counts(spec: models.ModelSpec) -> BlockParams:
-    """``BlockParams`` of a full-depth build on the meta device (about 1 s at 70B–671B: nothing allocated)."""
-    model = models.build_meta(spec)
-    layers = models.decoder_layers(model)
-    embed = model.get_input_embeddings().weight
-    owner = {id(p): f"layer {i}" for i, layer in enumerate(layers) for p in layer.parameters()}
-    unique = list({id(p): p for p in model.parameters()}.values())
-    order = [(owner.get(id(p), "pre" if p is embed else "post"), p.numel()) for p in unique]
-    largest = max(unique, key=lambda p: p.numel())
-    signatures = [
-        (
-            tuple((name, tuple(p.shape)) for name, p in layer.named_parameters()),
-            tuple(type(m).__name__ for m in layer.modules()),
-        )
-        for layer in layers
-    ]
-    kinds = {signature: None for signature in signatures}
-    return BlockParams(
-        pre=embed.numel(),
-        layer_sizes=tuple(sum(p.numel() for p in layer.parameters()) for layer in layers),
-        post=sum(n for tag, n in order if tag == "post"),
-        tensors=len(unique),
-        largest=largest.numel(),
-        largest_rows=largest.shape[0],
-        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-        layer_kinds=tuple(list(kinds).index(signature) for signature in signatures),
-        order=tuple(order),
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,7 +168,7 @@ def zero_partitions(
     return partitions, tuple(copies.items())
 
 
-def rank_shardings(spec: models.ModelSpec, recipe: Recipe) -> list[Sharding]:
+def rank_shardings(spec: ModelSpec, recipe: Recipe) -> list[Sharding]:
     """The engine's sharding as each kind of rank holds it: ZeRO-2's gradient partitions differ by rank (their
     size, their largest piece, when backward makes them), so one per backward block that makes one, with the
     largest of each; other engines hold the same on every rank."""
@@ -285,7 +187,7 @@ def rank_shardings(spec: models.ModelSpec, recipe: Recipe) -> list[Sharding]:
     return [engine_sharding(spec, recipe, partition=p) for p in kinds.values()]
 
 
-def engine_sharding(spec: models.ModelSpec, recipe: Recipe, *, partition: ZeroPartition | None = None) -> Sharding:
+def engine_sharding(spec: ModelSpec, recipe: Recipe, *, partition: ZeroPartition | None = None) -> Sharding:
     """Model states per rank as each engine holds them (fp32 master weights, AdamW's two fp32 moments).
 
     torch: replicated, plus DDP's gradient buckets (one gradient-sized buffer, alive from construction).
@@ -592,7 +494,7 @@ def edge_values(patterns: dict[str, Patterns], modes: tuple[str, ...], b: int, s
     return out
 
 
-def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[tuple[str, int], Patterns]) -> Forecast:
+def compose(spec: ModelSpec, recipe: Recipe, patterns: dict[tuple[str, int], Patterns]) -> Forecast:
     """The forecast of ``recipe`` from the traced patterns of each recompute mode it uses and each kind of layer
     (``(mode, kind)``; see ``trace.layer_picks``): the highest rank's."""
     modes = recipe.layer_modes(spec.layers)
@@ -616,7 +518,7 @@ def compose(spec: models.ModelSpec, recipe: Recipe, patterns: dict[tuple[str, in
 
 
 def _walk_step(
-    spec: models.ModelSpec,
+    spec: ModelSpec,
     recipe: Recipe,
     shard: Sharding,
     *,

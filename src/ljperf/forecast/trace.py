@@ -3,8 +3,8 @@
 Run (normally through ``forecast``): ``traced_patterns(spec, precision="fp32", attn="sdpa", mode="full")``.
 
 A 3-layer copy of the model (real hidden size, vocabulary and code) runs two micro-steps of
-``engines.common.accumulate`` under ``FakeTensorMode``: nothing is allocated. ``LiveBytesTimeline`` counts
-tensor storages exactly as ``memory.LiveTensorBytes`` does on a real CPU step, and module/tensor hooks mark
+``models.step.accumulate`` under ``FakeTensorMode``: nothing is allocated. ``LiveBytesTimeline`` counts
+tensor storages exactly as ``dist.memory.LiveTensorBytes`` does on a real CPU step, and module/tensor hooks mark
 block boundaries: forward and backward of the embedding part ("pre"), of each decoder layer and of the
 norm/LM-head/loss part ("post"). The layer 0 / layer 1 / layer 2 segments stand for the first, middle and
 last layer of the full-depth model, which ``timeline`` composes. A 4-layer copy is traced too (at one shape,
@@ -41,12 +41,11 @@ import hashlib
 import json
 import logging
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -54,9 +53,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ljperf import models
-from ljperf.cache import cache_root, cached
-from ljperf.errors import one_line
+from ljperf.checkpoint.apply import apply_plan
+from ljperf.core.cache import cache_root, cached
+from ljperf.core.errors import one_line
+from ljperf.forecast.patches import real_code_paths, swapped
+from ljperf.models.build import build_picked, replace_parameters
+from ljperf.models.layout import decoder_layers
+from ljperf.models.spec import ModelSpec, build_meta, with_layers
+from ljperf.models.step import accumulate
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -129,7 +133,7 @@ class LiveBytesTimeline(TorchDispatchMode):
 
 
 def fake_model(
-    spec: models.ModelSpec,
+    spec: ModelSpec,
     *,
     attn: str,
     fake_mode: FakeTensorMode,
@@ -137,13 +141,13 @@ def fake_model(
     pick: Sequence[int] | None = None,
 ) -> torch.nn.Module:
     """``spec``'s model with fake CPU parameters (in ``dtype`` if given) and buffers (tied weights stay tied);
-    with ``pick``, a copy of those of its layers (``models.build_picked``)."""
+    with ``pick``, a copy of those of its layers (``models.build.build_picked``)."""
     if pick is None:
-        model = models.build_meta(spec, attn_implementation=attn)
+        model = build_meta(spec, attn_implementation=attn)
     else:
-        model = models.build_picked(spec, pick, attn_implementation=attn)
+        model = build_picked(spec, pick, attn_implementation=attn)
     with fake_mode:
-        models.replace_parameters(
+        replace_parameters(
             model, lambda _m, _k, param: torch.nn.Parameter(torch.empty(param.shape, dtype=dtype or param.dtype))
         )
     for module in model.modules():
@@ -192,7 +196,7 @@ def block_marks(layers: int) -> list[str]:
 
 
 def trace_shape(
-    spec: models.ModelSpec,
+    spec: ModelSpec,
     *,
     micro_batch: int,
     seq_len: int,
@@ -209,33 +213,14 @@ def trace_shape(
     the copy is made of, the middle one repeated (``layer_picks``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ljperf.config import LaunchConfig, TrainConfig
-    from ljperf.engines.common import accumulate
-    from ljperf.hardware import DeviceInfo
-    from ljperf.runtime import Process, RunContext
-
     fake_mode = FakeTensorMode()
     dtype = torch.bfloat16 if precision == "bf16-params" else None
     picked = None if pick is None else (pick[0], *[pick[1]] * (layers - 2), pick[-1])
-    shallow = models.with_layers(spec, layers, pick=picked)
+    shallow = with_layers(spec, layers, pick=picked)
     # picked layers are copied from the full model; otherwise the shallow config builds its own
     model = fake_model(shallow if picked is None else spec, attn=attn, fake_mode=fake_mode, dtype=dtype, pick=picked)
     if mode != "none":
-        from ljperf.checkpoint.apply import apply_plan
-
         apply_plan(model, (mode,) * layers)
-    run = RunContext(
-        engine="torch",
-        model=shallow,
-        train=TrainConfig(
-            micro_batch=micro_batch,
-            seq_len=seq_len,
-            precision="bf16-mixed" if precision == "bf16-params" else precision,
-            device="cpu",
-        ),
-        launch=LaunchConfig(),
-        process=Process(device=DeviceInfo(type="cpu", index=None, name="fake")),
-    )
     timeline = LiveBytesTimeline()
     state = {"backward": False, "cuda_differs": False}
     _install_marks(model, timeline, state)
@@ -256,7 +241,7 @@ def trace_shape(
         return out
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", traced_sdpa))
+        stack.enter_context(swapped(torch.nn.functional, "scaled_dot_product_attention", traced_sdpa))
         stack.enter_context(real_code_paths())
         stack.enter_context(CudaAutocastFp32(state, cast=as_cuda))
         stack.enter_context(fake_mode)
@@ -267,10 +252,17 @@ def trace_shape(
             timeline.track(tensor)
         stack.enter_context(timeline)
         try:
-            accumulate(model, batches, run=run)
+            accumulate(model, batches, autocast=_autocast(precision))
         except (RuntimeError, NotImplementedError) as exc:  # e.g. a kernel whose fake version refuses fp32
             raise TraceError(f"its training step does not run on fake tensors: {one_line(exc)}") from exc
     return RawTrace(points=timeline.points, marks=timeline.marks, cuda_differs=state["cuda_differs"])
+
+
+def _autocast(precision: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """The autocast a run of the traced ``precision`` trains under: bf16 on the CPU unless fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type="cpu", dtype=torch.bfloat16)
 
 
 CUDA_FP32 = frozenset({
@@ -346,63 +338,6 @@ class _FusedAttention(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def real_code_paths() -> Iterator[None]:
-    """On fake tensors, the code path a real run takes (the trace and ``fakestep`` run under it):
-
-    - A real run passes no position ids, so transformers finds no packed sequences and lets SDPA skip the causal
-      mask; on fake tensors it cannot read the values and would build the mask (and repeat K/V).
-    - Mixture-of-experts layers (transformers' ``grouped_mm`` experts) on fp32 weights: torch's fake
-      ``grouped_mm`` takes bf16 only (it checks as the CUDA kernel does) while the CPU kernel runs fp32, so there
-      transformers' own fallback op runs instead: same output, same tensors saved for backward. Their rows are
-      tokens × top-k whatever the routing, so what they keep does not depend on the data. Before transformers
-      made that op's backward an op of its own (5.17 has none), its backward read the offsets' values, which
-      fake tensors do not have: ``_FallbackGroupedMM`` stands in, with the same tensors saved and allocated.
-    """
-    from transformers import masking_utils
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None))
-        with contextlib.suppress(ImportError):  # an older transformers: experts that fake tensors cannot run
-            from transformers.integrations import moe
-
-            can_use = getattr(moe, "_can_use_grouped_mm", None)
-
-            def bf16_only(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
-                return can_use(input, weight, offs) and input.dtype == weight.dtype == torch.bfloat16
-
-            if can_use is not None:
-                stack.enter_context(mock.patch.object(moe, "_can_use_grouped_mm", bf16_only))
-            grouped_mm = getattr(moe, "_grouped_mm", None)
-            if can_use is not None and grouped_mm is not None and not hasattr(moe, "_grouped_mm_fallback_bwd"):
-
-                def without_values(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-                    if bf16_only(input, weight, offs):
-                        return grouped_mm(input, weight, offs)
-                    return _FallbackGroupedMM.apply(input.to(weight.dtype), weight, offs)
-
-                stack.enter_context(mock.patch.object(moe, "_grouped_mm", without_values))
-        yield
-
-
-class _FallbackGroupedMM(torch.autograd.Function):
-    """transformers' ``grouped_mm_fallback`` op as fake tensors run it: output (tokens, out); keeps input,
-    weight and the offsets; backward makes a gradient like each (transformers 5.24's backward op, faked, does
-    the same). The output is a matmul's, of the same shape and FLOPs, so selective recompute keeps it as it
-    keeps the op's."""
-
-    @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(input, weight)
-        ctx.offs = offs
-        return input @ weight[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        input, weight = ctx.saved_tensors
-        return torch.zeros_like(input), torch.zeros_like(weight), None
-
-
-@contextlib.contextmanager
 def _quiet(logger: str) -> Iterator[None]:
     log = logging.getLogger(logger)
     level = log.level
@@ -435,7 +370,7 @@ def _install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: d
 
     model.register_forward_pre_hook(model_pre, with_kwargs=True)
     model.register_forward_hook(model_post, with_kwargs=True)
-    for i, layer in enumerate(models.decoder_layers(model)):
+    for i, layer in enumerate(decoder_layers(model)):
 
         def pre(_module: torch.nn.Module, args: tuple[Any, ...], i: int = i) -> None:
             if state["backward"]:
@@ -572,14 +507,14 @@ def cache_dir() -> Path:
     return cache_root() / "forecast"
 
 
-def architecture_key(spec: models.ModelSpec, *extra: str) -> str:
+def architecture_key(spec: ModelSpec, *extra: str) -> str:
     """The config without its depth, plus ``extra`` and the package versions: what traced numbers depend on."""
     config = {k: v for k, v in spec.facts.config_dict.items() if k not in ("num_hidden_layers", "layer_types")}
     blob = json.dumps([config, *extra, _versions(), TRACE_VERSION], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def family_key(spec: models.ModelSpec, *, precision: str, attn: str, mode: str) -> str:
+def family_key(spec: ModelSpec, *, precision: str, attn: str, mode: str) -> str:
     """Architecture family: the config without its depth, plus what changes the traced code path."""
     return architecture_key(spec, precision, attn, mode)
 
@@ -617,7 +552,7 @@ def reference_kind(kinds: Sequence[int]) -> int:
 
 
 def traced_patterns(
-    spec: models.ModelSpec,
+    spec: ModelSpec,
     *,
     precision: str,
     attn: str,
@@ -637,7 +572,7 @@ def traced_patterns(
 
 
 def _traced_patterns(
-    spec: models.ModelSpec,
+    spec: ModelSpec,
     *,
     precision: str,
     attn: str,

@@ -2,7 +2,7 @@
 
 Run: ``COMPILE_OPTIMIZATION=true python train.py`` (docs/compile.md). ``Trainer.__init__`` is patched when
 ``transformers.trainer`` is imported: with ``torch_compile=True`` it compiles the model's decoder blocks and
-loss in place (``ljperf.compile``, with the Trainer's backend and mode) and turns accelerate's whole-model
+loss in place (``ljperf.compile.regional``, with the Trainer's backend and mode) and turns accelerate's whole-model
 ``torch.compile`` off; under DeepSpeed ZeRO-3 each block becomes one gathering unit. At the end of training
 it logs one line: regions, graph breaks, recompiles, compile time, fallbacks. Without ``torch_compile`` (or
 without the variable) the Trainer is untouched.
@@ -15,6 +15,7 @@ import warnings
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from ljperf.compile.line import compile_line
 from ljperf.hooks.imports import when_imported
 
 if TYPE_CHECKING:  # transformers is imported by the user's script, never by the hook
@@ -51,8 +52,7 @@ def regional_compile(trainer: Trainer) -> None:
     from accelerate.utils import DynamoBackend
     from transformers import TrainerCallback
 
-    from ljperf.compile import compile_model, zero3_gather_per_block
-    from ljperf.report import compile_line
+    from ljperf.compile.regional import compile_model, zero3_gather_per_block
 
     args = trainer.args
     ds = getattr(args, "hf_deepspeed_config", None)

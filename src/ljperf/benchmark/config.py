@@ -1,0 +1,31 @@
+"""A benchmark's ``RunConfig`` from its flags, with what only a benchmark checks before any process starts:
+processes for the cores or GPUs, a writable ``--output``, a DeepSpeed config that resolves.
+
+Run: ``config_from_args(args, argv)`` (``ljperf benchmark``, and ``ljperf ablation`` for each variant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ljperf.core.records import check_writable
+from ljperf.dist.runtime import check_process_count, under_torchrun
+from ljperf.engines.deepspeed_engine import resolved_config
+from ljperf.run import config as run_config
+from ljperf.run.config import RunConfig
+from ljperf.run.context import unjoined
+
+
+def config_from_args(args: argparse.Namespace, argv: list[str]) -> RunConfig:
+    """The run of ``ljperf benchmark``'s parsed flags, checked (exit 2 on bad input)."""
+    cfg = run_config.from_args(args, argv)
+    check_process_count(cfg.launch, cfg.train.device)
+    if cfg.output is not None and os.environ.get("GROUP_RANK", "0") == "0":
+        # Rank 0's node writes it, under any launcher. All its ranks check: one blocked joining the group would
+        # not see torchrun's SIGTERM, and would hold the run 30 s until its SIGKILL.
+        check_writable(cfg.output)
+    if cfg.engine == "deepspeed" and not under_torchrun():
+        # A contradicting DeepSpeed config fails here (exit 2), before any process starts.
+        resolved_config(unjoined(cfg, world=cfg.launch.nproc_per_node * cfg.launch.nnodes))
+    return cfg

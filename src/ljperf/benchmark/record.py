@@ -1,0 +1,167 @@
+"""The JSON record of a benchmark run (schema in docs/results.md): its configuration, and the results every rank
+contributes to, also rebuilt from rank 0's progress lines when rank 0 died before writing it.
+
+Run: ``new_record(cfg, run)`` when the run starts; ``results_section(...)`` on every rank when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ljperf.benchmark.metrics import Throughput, throughput
+from ljperf.compile.regional import session
+from ljperf.core import hardware
+from ljperf.core.options import LaunchConfig
+from ljperf.core.records import record_header
+from ljperf.dist.runtime import local_world_size, under_torchrun
+from ljperf.run.config import RunConfig
+from ljperf.run.context import RunContext, unjoined
+
+
+@dataclass
+class LoopState:
+    """What the loop has measured so far; kept when a run fails half-way."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    memory_method: str | None = None
+    recompute: Any = None
+    """The recompute plan running (``checkpoint.solver.Decision``; the closed loop may replace it)."""
+    closed_loop: dict | None = None
+    forecast_made: bool = False
+    """The memory check forecast the recipe before the run: a record written after a signal (torchrun's SIGTERM
+    once a peer failed, a Ctrl-C) keeps the forecast too, repeated from the trace cache in milliseconds."""
+
+
+def new_record(cfg: RunConfig, run: RunContext) -> dict[str, Any]:
+    spec = cfg.model
+    train = cfg.train
+    tokens_per_step = train.micro_batch * train.seq_len * train.grad_accum * run.world
+    return {
+        **record_header("benchmark", args=cfg.argv, devices=[run.device.name], world_size=run.world),
+        "config": {
+            "model": {
+                "name": spec.name,
+                "architecture": spec.architecture,
+                "params": spec.params.total,
+                "params_active": spec.params.active,
+                "params_embedding": spec.params.embedding,
+                "layers": spec.layers,
+                "hidden": spec.hidden,
+                "heads": spec.heads,
+                "kv_heads": spec.kv_heads,
+                "vocab": spec.vocab,
+                "flops_per_token": spec.flops_per_token(train.seq_len),
+            },
+            "engine": {"name": cfg.engine},
+            "train": asdict(train),
+            "optimizations": asdict(cfg.optim),
+            "launch": launch_record(cfg.launch, world=run.world),
+            "tokens_per_step": tokens_per_step,
+        },
+    }
+
+
+def launch_record(launch: LaunchConfig, *, world: int) -> dict[str, Any]:
+    """The record's ``launch``: the flags, with the processes per node and nodes a user's torchrun started."""
+    record = {**asdict(launch), "world_size": world}
+    if under_torchrun():  # ljperf's launcher sets the same numbers; a user's torchrun did not pass them as flags
+        local = local_world_size(world)
+        record |= {"nproc_per_node": local, "nnodes": max(1, world // local)}
+    return record
+
+
+def results_section(
+    cfg: RunConfig,
+    run: RunContext,
+    state: LoopState,
+    *,
+    status: str,
+    reason: str | None,
+    recompute_flops_per_token: float = 0.0,
+) -> dict[str, Any]:
+    """The ``results`` of the record; all ranks call it (it gathers when the run is healthy)."""
+    healthy = status == "ok" and dist.is_initialized()
+    losses = [float(x) for x in _mean_over_ranks(state.losses, healthy)]
+    per_rank_alloc, per_rank_reserved = _per_rank_memory(run, state, healthy)
+    out: dict[str, Any] = {
+        "status": status,
+        "reason": reason,
+        "steps_completed": len(state.step_times),
+        "losses": losses,
+        "step_times_s": state.step_times,
+        "peak_allocated_bytes": max((x for x in per_rank_alloc if x is not None), default=None),
+        "peak_reserved_bytes": max((x for x in per_rank_reserved if x is not None), default=None),
+        "peak_allocated_bytes_per_rank": per_rank_alloc,
+        "peak_reserved_bytes_per_rank": per_rank_reserved,
+        "memory_method": state.memory_method,
+    }
+    # A run that timed no step has every figure, each null (it lacked the mean, HFU and the peak used).
+    figures: dict[str, Any] = dict.fromkeys([f.name for f in fields(Throughput)] + ["peak_tflops_per_device"])
+    if state.step_times:
+        train = cfg.train
+        # The peak table holds dense bf16 figures: no MFU for fp32 or CPU unless --peak-tflops says.
+        known = hardware.peak_tflops(run.device.name) if run.device.type == "cuda" and run.bf16 else None
+        peak = train.peak_tflops or known
+        figures = asdict(
+            throughput(
+                state.step_times,
+                tokens_per_step=train.micro_batch * train.seq_len * train.grad_accum * run.world,
+                world=run.world,
+                flops_per_token=cfg.model.flops_per_token(train.seq_len),
+                recompute_flops_per_token=recompute_flops_per_token,
+                peak_tflops=peak,
+            )
+        ) | {"peak_tflops_per_device": peak}
+    if cfg.optim.compile_mode != "off":
+        out["compile"] = session().results() if session() else None
+    return {**figures, **out}
+
+
+def _mean_over_ranks(losses: list[torch.Tensor], healthy: bool) -> list[float]:
+    if not losses:
+        return []
+    stacked = torch.stack(losses).float()
+    if healthy and dist.get_world_size() > 1:
+        dist.all_reduce(stacked)
+        stacked /= dist.get_world_size()
+    return stacked.tolist()
+
+
+def _per_rank_memory(run: RunContext, state: LoopState, healthy: bool) -> tuple[list[int | None], list[int | None]]:
+    """One entry per rank; a failed run knows only its own (the others are None)."""
+    mine = (state.peak_allocated, state.peak_reserved)
+    gathered: list[Any] = [None] * run.world
+    if healthy and run.world > 1:
+        dist.all_gather_object(gathered, mine)
+    else:
+        gathered[run.rank] = mine
+    return [None if g is None else g[0] for g in gathered], [None if g is None else g[1] for g in gathered]
+
+
+def results_from_progress(cfg: RunConfig, progress: Path) -> dict[str, Any]:
+    """The record of a run whose rank 0 died before writing one: the steps and the peak its progress lines show."""
+    run = unjoined(cfg, world=cfg.launch.nproc_per_node * cfg.launch.nnodes)
+    record = new_record(cfg, run)
+    state = LoopState()
+    lines = progress.read_text().splitlines() if progress.exists() else []
+    for line in lines:
+        entry = json.loads(line)
+        step, seconds = entry.get("step"), entry.get("time_s")
+        if step is not None and seconds is not None and cfg.train.warmup <= step < cfg.train.warmup + cfg.train.steps:
+            state.step_times.append(seconds)
+            state.losses.append(torch.tensor(entry["loss"]))
+        if "peaks" in entry:  # the measured step's memory: rank 0's, the figure a record from its end would hold
+            state.peak_allocated = entry["peaks"]["peak_allocated"]
+            state.peak_reserved = entry["peaks"]["peak_reserved"]
+            state.memory_method = entry["peaks"]["memory_method"]
+    record["results"] = results_section(cfg, run, state, status="error", reason=None)
+    return record

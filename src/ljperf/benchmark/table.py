@@ -1,0 +1,65 @@
+"""The result of a benchmark run for people: a table with units, then its memory forecast and compile lines.
+
+Run: ``print_result_table(record)`` on rank 0 when a run ends (``ljperf benchmark`` does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+
+from ljperf.compile.line import compile_line
+from ljperf.core.console import console, titled_table
+from ljperf.core.units import format_bytes
+from ljperf.run.titles import run_title
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_result_table(record: dict) -> None:
+    """The result of a benchmark run as a table (metric, value, unit), then its memory forecast and compile lines."""
+    res = record["results"]
+    table = titled_table(run_title(record["config"]))
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("unit")
+    rows = [
+        # A reason quotes errors (gloo's name source files in brackets): text, never rich markup.
+        ("status", escape(res["status"] + (f" ({res['reason']})" if res.get("reason") else "")), ""),
+        ("steps measured", str(res["steps_completed"]), "steps"),
+        ("step time p50", _fmt(res.get("step_time_s_p50") and res["step_time_s_p50"] * 1e3, ".1f"), "ms"),
+        ("step time p90", _fmt(res.get("step_time_s_p90") and res["step_time_s_p90"] * 1e3, ".1f"), "ms"),
+        ("throughput", _fmt(res.get("tokens_per_s"), ",.0f"), "tokens/s"),
+        ("throughput per device", _fmt(res.get("tokens_per_s_per_device"), ",.0f"), "tokens/s"),
+        ("TFLOPS per device", _fmt(res.get("tflops_per_device"), ".3f"), "TFLOP/s"),
+        ("MFU", _fmt(res.get("mfu") and res["mfu"] * 100, ".1f"), "%"),
+        ("peak allocated (max rank)", format_bytes(res.get("peak_allocated_bytes")), ""),
+        ("peak reserved (max rank)", format_bytes(res.get("peak_reserved_bytes")), ""),
+        ("loss first → last", _loss_range(res.get("losses") or []), "nats"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    if line := forecast_line(res):
+        print(line)
+    if res.get("compile"):
+        print(compile_line(res["compile"]))
+
+
+def _loss_range(losses: list[float]) -> str:
+    return f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "-"
+
+
+def forecast_line(results: dict[str, Any]) -> str | None:
+    """``memory forecast 30.94 MiB (peak at optimizer step) vs measured 30.94 MiB (+0.0%)``, or None without a
+    forecast."""
+    fc = results.get("forecast")
+    if not fc:
+        return None
+    text = f"memory forecast {format_bytes(fc['peak_allocated_bytes'])} (peak at {fc['phase']})"
+    if fc["error_pct"] is not None:
+        text += f" vs measured {format_bytes(results['peak_allocated_bytes'])} ({fc['error_pct']:+.1f}%)"
+    return text

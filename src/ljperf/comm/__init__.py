@@ -1,0 +1,1 @@
+"""``ljperf comm``: collectives timed and checked as nccl-tests does."""

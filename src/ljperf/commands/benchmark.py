@@ -1,0 +1,45 @@
+"""``ljperf benchmark``: train a model on synthetic tokens and measure throughput, MFU and memory.
+
+Run: ``ljperf benchmark --model torch/llama-tiny --steps 10 --output result.json`` (``--nproc-per-node 2`` starts
+torchrun; under a user's own torchrun each process is one rank). ``--help`` and a bad flag answer without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ljperf.core import options
+from ljperf.core.options import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
+from ljperf.core.switches import enabled
+from ljperf.models.flags import add_model_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) -> None:
+    """The flags of ``ljperf benchmark``; ``environment``: ``CHECKPOINT_OPTIMIZATION=true`` makes ``--recompute``
+    default to ``auto`` (off for a command whose runs are started without the variable)."""
+    add_model_arguments(parser)
+    parser.add_argument("--output", metavar="FILE", help="write the JSON result record here (atomically)")
+    options.add_arguments(parser, TrainConfig)
+    options.add_arguments(parser, EngineConfig)
+    options.add_arguments(parser, OptimConfig)
+    if environment and enabled("CHECKPOINT_OPTIMIZATION"):
+        parser.set_defaults(recompute="auto")
+    parser.add_argument("--compile", action="store_true", help="same as --compile-mode regional")
+    parser.set_defaults(compile_mode=None, warmup=None)  # to tell an explicit flag from the default
+    options.add_arguments(parser, LaunchConfig)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Entry point of ``ljperf benchmark``: one process runs the run, or ljperf's launcher starts its ranks."""
+    import functools
+
+    from ljperf.benchmark.config import config_from_args
+    from ljperf.benchmark.loop import run_worker
+    from ljperf.benchmark.record import results_from_progress
+    from ljperf.benchmark.recovery import launch
+    from ljperf.dist.runtime import under_torchrun
+
+    cfg = config_from_args(args, argv)
+    if cfg.launch.distributed and not under_torchrun():
+        return launch(cfg, record_from_progress=functools.partial(results_from_progress, cfg))
+    return run_worker(cfg)

@@ -1,0 +1,44 @@
+"""``ljperf comm``: time collectives over torch.distributed the way nccl-tests does, and check their results.
+
+Run: ``ljperf comm --nproc-per-node 8 --ops all_reduce,all_gather,reduce_scatter --min-bytes 1K --max-bytes 1G``
+(NCCL on GPUs, gloo on CPU); ``--help`` and a bad flag answer without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ljperf.comm.config import CommConfig
+from ljperf.core import options
+from ljperf.core.errors import RunFailed
+from ljperf.core.options import LaunchConfig
+from ljperf.core.records import check_writable
+from ljperf.dist.launch import failure_reason, run_workers
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``ljperf comm``."""
+    parser.add_argument("--output", metavar="FILE", help="write the JSON result record here (atomically)")
+    options.add_arguments(parser, CommConfig)
+    options.add_arguments(parser, LaunchConfig)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Entry point of ``ljperf comm``: start the ranks, or be one."""
+    from ljperf.comm.bench import run_worker
+    from ljperf.dist.runtime import check_process_count, resolve_device_type, under_torchrun
+
+    cfg = options.from_args(CommConfig, args)
+    launch = options.from_args(LaunchConfig, args)
+    device_type = resolve_device_type(cfg.device)
+    check_process_count(launch, device_type)
+    if args.output is not None and not under_torchrun():
+        check_writable(args.output)
+    if launch.distributed and not under_torchrun():
+        try:
+            run_workers(argv, launch, cpu=device_type != "cuda")
+        except Exception as exc:
+            reason, code = failure_reason(exc)
+            raise RunFailed(reason, exit_code=code) from None
+        return 0
+    return run_worker(cfg, launch, device_type=device_type, output=args.output, argv=argv)

@@ -1,0 +1,86 @@
+"""``ljperf compile-report``: graph breaks, recompiles and compile time per region, eager vs compiled step time.
+
+Run: ``ljperf compile-report --model torch/llama-tiny --seq-lens 512,1000,2048 [--output r.json]``. One process:
+graph breaks with their reasons and source lines, then eager steps at each length, then the same model compiled
+in place at each length (``benchmark.compile_report``). ``--help`` and a bad flag answer without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+from ljperf.core import options
+from ljperf.core.errors import UsageError
+from ljperf.core.options import LARGEST, OptimConfig, TrainConfig, opt
+from ljperf.core.records import check_writable, write_json
+from ljperf.models.flags import add_model_arguments, model_from_args
+
+
+@dataclass(kw_only=True)
+class ReportConfig:
+    """What compile-report runs: lengths, steps per length, compile mode."""
+
+    seq_lens: str = opt("512,1000,2048", "comma-separated sequence lengths, run in this order")
+
+    def __post_init__(self) -> None:
+        try:
+            lens = [int(x) for x in self.seq_lens.split(",") if x.strip()]
+        except ValueError:
+            raise UsageError(
+                f"--seq-lens {self.seq_lens!r} must be integers separated by commas, e.g. 512,1024"
+            ) from None
+        if not lens or not 2 <= min(lens) <= max(lens) <= LARGEST:
+            raise UsageError(f"--seq-lens {self.seq_lens!r}: give one or more lengths from 2 to {LARGEST}")
+        if len(set(lens)) < len(lens):
+            raise UsageError(f"--seq-lens {self.seq_lens!r} names a length twice: each is one row of the report")
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(x) for x in self.seq_lens.split(",") if x.strip()]
+
+
+SHARED = ("micro_batch", "steps", "device", "precision")
+"""The benchmark's flags compile-report takes: ``--steps`` timed steps per length (after one untimed step),
+eager and compiled."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``ljperf compile-report``."""
+    add_model_arguments(parser, engines=("torch",))  # one process: the regions are every engine's
+    parser.add_argument("--output", metavar="FILE", help="write the JSON report here (atomically)")
+    options.add_arguments(parser, ReportConfig)
+    group = parser.add_argument_group("run")
+    options.add_arguments(group, TrainConfig, only=SHARED, defaults={"steps": 3}, deepspeed=False)
+    modes = {"compile_mode": ("regional", "whole")}
+    options.add_arguments(
+        group, OptimConfig, only=("compile_mode",), defaults={"compile_mode": "regional"}, choices=modes
+    )
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Entry point of ``ljperf compile-report``."""
+    from ljperf.benchmark.compile_report import compile_report, print_report
+    from ljperf.dist.runtime import resolve_device_type
+    from ljperf.run.config import RunConfig, resolve_train
+    from ljperf.run.context import RunContext, init_process
+
+    engine_name, spec = model_from_args(args)
+    if engine_name != "torch":
+        raise UsageError(f"compile-report runs one process: use --model torch/{spec.name} (regions are the same)")
+    cfg = options.from_args(ReportConfig, args)
+    train, optim = options.from_args(TrainConfig, args), options.from_args(OptimConfig, args)
+    if args.output is not None:
+        check_writable(args.output)
+    device_type = resolve_device_type(train.device)
+    train = TrainConfig(**{**vars(train), "seq_len": max(cfg.lengths)})
+    train = resolve_train(train, model=spec, device_type=device_type, seq_flag="--seq-lens")
+    # the engine trains eager first; the report compiles it in place afterwards
+    run_ctx = init_process(RunContext(config=RunConfig(engine="torch", model=spec, train=train)), need_group=False)
+    given = {**asdict(cfg), **{name: getattr(args, name) for name in SHARED}, "compile_mode": optim.compile_mode}
+    given = {key: given[key] for key in ("seq_lens", "steps", "micro_batch", "compile_mode", "device", "precision")}
+    report = compile_report(run_ctx, cfg.lengths, mode=optim.compile_mode, config=given, argv=argv)
+    print_report(report)
+    if args.output:
+        write_json(args.output, report)
+    return 0

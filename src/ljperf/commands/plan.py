@@ -1,0 +1,86 @@
+"""``ljperf plan``: forecast the peak memory per GPU of a training recipe before it runs.
+
+Run: ``ljperf plan --model deepspeed/llama3-8b --gpus 8 --gpu-memory 80GiB --micro-batch 1 --seq-len 8192``
+or ``ljperf plan --model-config ./config.json --engine torch --device cpu --precision fp32 --json``;
+``ljperf plan --calibrate results/*.json`` fits the device overheads from benchmark records (docs/forecast.md).
+The recipe's flags are the benchmark's own (one definition each, ``core.options``); ``--help`` needs no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from ljperf.core import hardware, options
+from ljperf.core.errors import UsageError
+from ljperf.core.options import EngineConfig, OptimConfig, TrainConfig, positive
+from ljperf.core.units import format_bytes
+from ljperf.forecast.calibrate import calibrate, calibration_path
+from ljperf.forecast.recipe import OPTIMIZER_IMPLS
+from ljperf.models.flags import add_model_arguments
+from ljperf.plan.device import device_memory
+
+TRAIN = ("micro_batch", "seq_len", "grad_accum", "precision", "attn_implementation", "device")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``ljperf plan``: the recipe (the benchmark's flags where it has them), the memory, output."""
+    add_model_arguments(parser)
+    g = parser.add_argument_group("recipe")
+    g.add_argument("--gpus", type=int, default=1, metavar="N", help="data-parallel ranks, the world size (default: 1)")
+    narrow = {"device": ("cpu", "cuda"), "attn_implementation": ("sdpa", "eager")}
+    options.add_arguments(g, TrainConfig, only=TRAIN, defaults={"device": "cuda"}, choices=narrow)
+    options.add_arguments(g, OptimConfig, only=("recompute",))
+    options.add_arguments(g, EngineConfig)
+    g.add_argument("--optimizer", choices=OPTIMIZER_IMPLS, help="AdamW kind (default: torch's pick)")
+    m = parser.add_argument_group("memory")
+    m.add_argument("--gpu-memory", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's)")
+    m.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="a known GPU instead, at the capacity torch reports (H100-80GB: 79.11 GiB): "
+        + ", ".join(hardware.GPU_MEMORY_BYTES),
+    )
+    options.add_arguments(m, OptimConfig, only=("memory_budget",))
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    out.add_argument("--calibrate", nargs="+", metavar="RECORD", help="fit device overheads from benchmark records")
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Entry point of ``ljperf plan``."""
+    if args.calibrate:
+        if args.model or args.model_config:
+            raise UsageError("--calibrate fits the GPUs of the records it reads: it takes no --model or --model-config")
+        return calibrate_command(args)
+    from ljperf.plan.record import planned, print_plan
+    from ljperf.run import config as run_config
+
+    positive("gpus", args.gpus)
+    cfg = run_config.from_args(args, argv, device_type=args.device)
+    memory, device_name = device_memory(gpu_memory=args.gpu_memory, gpu=args.gpu, device=args.device)
+    report, decision = planned(cfg, world=args.gpus, optimizer=args.optimizer, memory=memory, device_name=device_name)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_plan(report)
+    if decision is not None and not decision.fits:
+        raise UsageError(decision.line())
+    return 0
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    fitted = calibrate(args.calibrate)
+    if args.json:
+        devices = {name: asdict(terms) for name, terms in fitted.items()}
+        print(json.dumps({"kind": "calibration", "saved_to": str(calibration_path()), "devices": devices}, indent=2))
+        return 0
+    for name, terms in fitted.items():
+        print(
+            f"{name}: scale {terms.scale:.4f}, offset {format_bytes(terms.offset)}, "
+            f"reserved/allocated {f'{terms.reserved_scale:.3f}' if terms.reserved_scale else '-'} from"
+            f" {terms.samples} record(s)"
+        )
+    print(f"saved to {calibration_path()}")
+    return 0

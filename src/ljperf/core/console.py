@@ -1,0 +1,36 @@
+"""What ljperf prints for people: one console for tables (stdout) and one-line warnings on stderr.
+
+Run: ``console.print(titled_table("title"))`` or ``warn("...")``; rich renders, never wrapping a line of text.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError  # to ljperf.cli, which exits 141 as for print() (rich's own exits 1)
+
+
+# Wide enough for the tables when output goes to a file or CI log (rich assumes 80 columns there); lines of
+# text are not wrapped (a path stays one line to copy).
+console = _Console(soft_wrap=True) if sys.stdout.isatty() else _Console(width=140, soft_wrap=True)
+_stderr = _Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+def warn(message: str) -> None:
+    """One ``warning: ...`` line on stderr, never wrapped (a long path stays one greppable line)."""
+    _stderr.print(f"[yellow]warning[/yellow]: {escape(message)}")
+
+
+def titled_table(title: str, **options: Any) -> Table:
+    """A table whose title prints as written (escaped) on one line: the table is made at least as wide, since rich
+    wraps a title to the table's width."""
+    return Table(title=escape(title), min_width=len(title) + 4, **options)

@@ -1,0 +1,177 @@
+"""Errors that ljperf turns into exit codes and one-line messages, and the signals that end a run.
+
+Run: raise ``UsageError("...")`` anywhere: ``ljperf.cli.main`` prints it as one line and exits 2.
+"""
+
+import contextlib
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_OOM = 3
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+EXIT_SIGPIPE = 141
+"""What a shell reports for a command whose reader closed the pipe (``ljperf models --json | head``)."""
+
+
+class UsageError(Exception):
+    """Bad input from the user: exit 2 with this one-line message, never a traceback."""
+
+
+class RunFailed(Exception):
+    """A run failed after starting; carries the exit code and a one-line reason."""
+
+    def __init__(self, reason: str, *, exit_code: int = EXIT_ERROR):
+        super().__init__(reason)
+        self.exit_code = exit_code
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT arrived (``ljperf benchmark``'s handler raises it); the run unwinds so the partial result
+    is kept. Not an ``Exception``: libraries' ``except Exception`` would swallow it (inductor's check of the CPU's
+    vector ISA, around the compiler it runs, returns False instead), and the run would go on. Code that turns
+    failures into fallbacks (compile) must let a wrapped one through too: see ``interruption``."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.exit_code = EXIT_SIGINT if signum == signal.SIGINT else EXIT_SIGTERM
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and what it wraps (torch.compile re-raises its workers' errors as its own; transformers' lazy
+    imports re-raise a ``KeyboardInterrupt`` as ``ModuleNotFoundError``)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        yield exc
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+
+
+def interruption(exc: BaseException) -> Interrupted | None:
+    """The ``Interrupted`` that ``exc`` is or wraps (a ``KeyboardInterrupt`` counts as SIGINT), else None."""
+    for inner in _chain(exc):
+        if isinstance(inner, Interrupted):
+            return inner
+        if isinstance(inner, KeyboardInterrupt):
+            return Interrupted(signal.SIGINT)
+    return None
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """Why ``exc`` is (or wraps) running out of memory: the device's (``torch.OutOfMemoryError``) or the host's
+    (the CPU allocator raises a plain ``RuntimeError``); None for any other error."""
+    for inner in _chain(exc):
+        if type(inner).__name__ == "OutOfMemoryError":
+            return "out of device memory (torch.OutOfMemoryError)"
+        if isinstance(inner, MemoryError):
+            return f"out of host memory ({inner})" if str(inner) else "out of host memory (MemoryError)"
+        text = str(inner)
+        if "DefaultCPUAllocator: can't allocate memory" in text:
+            tried = text.partition("you tried to allocate ")[2].partition(" bytes")[0]
+            return f"out of host memory (DefaultCPUAllocator could not allocate {tried or 'a tensor'} bytes)"
+    return None
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: first line of the message`` (300 characters at most): an error in one line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+
+
+def failure(exc: BaseException) -> tuple[str, str, int]:
+    """(status, reason, exit code) of a run that ``exc`` ended: a signal (also wrapped), memory running out, or
+    any other error."""
+    if (stop := interruption(exc)) is not None:
+        return "error", str(stop), stop.exit_code
+    if oom := out_of_memory(exc):
+        return "oom", oom, EXIT_OOM
+    return "error", describe(exc), EXIT_ERROR
+
+
+_received: list[int] = []
+"""The signals ``raise_interrupted`` took since ``interrupt_on_signals``."""
+_held = False
+"""Set by ``hold_interrupts``: signals are noted, not raised."""
+
+
+def raise_interrupted(signum: int, _frame: object) -> None:
+    """A SIGTERM/SIGINT handler for runs that keep a partial result: the run unwinds, then writes it. The signal
+    is kept too: raised inside a ``__del__`` or a weakref callback (the garbage collector runs them at any
+    allocation), the exception goes to ``sys.unraisablehook`` and the run would go on to its end, exit status 0;
+    ``raise_if_interrupted`` raises it again where the run checks."""
+    _received.append(signum)
+    if not _held:
+        raise Interrupted(signum)
+
+
+def hold_interrupts() -> None:
+    """From here on a signal is noted (``raise_if_interrupted`` sees it) but not raised: the run is unwinding to
+    write its record, which a signal must not cut short (torchrun sends SIGTERM to every rank once one failed,
+    and it lands while the others handle their own error)."""
+    global _held
+    _held = True
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Inside, a signal ``raise_interrupted`` takes is noted, not raised; leaving raises it: a step that must not
+    be cut in two (starting a process: a signal raised inside ``Popen`` once the child exists leaves no handle
+    to stop it with)."""
+    global _held
+    outer = _held
+    _held = True
+    try:
+        yield
+    finally:
+        _held = outer
+    if not outer:
+        raise_if_interrupted()
+
+
+def raise_if_interrupted() -> None:
+    """Raise the ``Interrupted`` of a signal that came (one swallowed where Python ignores exceptions)."""
+    if _received:
+        raise Interrupted(_received[0])
+
+
+def interrupt_on_signals() -> dict[int, Any]:
+    """Make SIGTERM and SIGINT raise ``Interrupted`` (nothing received yet); returns the handlers they had. A
+    swallowed ``Interrupted`` prints nothing (it is raised again), other unraisable errors print as before."""
+    global _held
+    _received.clear()
+    _held = False
+    if not getattr(sys.unraisablehook, "_ljperf", False):
+        sys.unraisablehook = _quiet_when_interrupted(sys.unraisablehook)
+    return {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def restore_signals(previous: dict[int, Any]) -> None:
+    """Give SIGTERM and SIGINT back the handlers ``interrupt_on_signals`` returned; signals raise again."""
+    global _held
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    _held = False
+
+
+def _quiet_when_interrupted(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    def unraisable(info: Any) -> None:
+        if not isinstance(info.exc_value, Interrupted):
+            hook(info)
+
+    unraisable._ljperf = True  # type: ignore[attr-defined]
+    return unraisable
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, with dynamo's ``Explanation:`` line when it has one."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    explanation = next((line for line in lines if line.startswith("Explanation:")), None)
+    if explanation:
+        text = f"{text}: {explanation.removeprefix('Explanation:').strip()}"
+    return f"{type(exc).__name__}: {text}"[:400]

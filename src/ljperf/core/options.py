@@ -1,0 +1,258 @@
+"""Option groups as keyword-only dataclasses; the CLI flags are generated from them.
+
+Every field carries its ``--help`` text in ``metadata["help"]``; validation lives in ``__post_init__``
+and raises ``UsageError`` (exit 2, one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ljperf.core.errors import UsageError
+from ljperf.core.plans import parse_recompute
+from ljperf.core.units import parse_memory
+
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+COMPILE_MODES = ("regional", "whole", "deepspeed", "off")
+DEEPCOMPILE_WARMUP = 6
+"""Warm-up steps of DeepCompile: DeepSpeed (0.19) adds its prefetch passes at global step 5 and compiles the model
+again (``deepspeed/compile/init_z3.py``), so its steady state starts at step 6."""
+
+
+def opt(default: Any, help: str, *, deepspeed: str | None = None, **argparse_kwargs: Any) -> Any:
+    """A dataclass field that is also a CLI flag (``--field-name``); ``deepspeed``: the key of a DeepSpeed config
+    that holds the same number, which stands in for the flag left out (``deepspeed_config.settings``)."""
+    return field(default=default, metadata={"help": help, "deepspeed": deepspeed, **argparse_kwargs})
+
+
+LARGEST = 2**31 - 1
+"""The largest count or number of seconds a flag takes (kernels index with 32-bit ints; a week is 604800 s)."""
+
+
+def positive(name: str, value: int | float | None) -> None:
+    """``value`` (None: unset) must be a finite number in (0, LARGEST]: nan, inf and 1e20 fail later, deep in
+    torch or the C library, with a traceback."""
+    if value is not None and not 0 < value <= LARGEST:
+        raise UsageError(f"--{name.replace('_', '-')} must be larger than zero and at most {LARGEST} (got {value})")
+
+
+def check_zero_stage(stage: int) -> None:
+    if stage not in (1, 2, 3):
+        raise UsageError(f"--zero-stage {stage}: choose 1, 2 or 3")
+
+
+def _not_negative(name: str, value: int) -> None:
+    if value < 0:
+        raise UsageError(f"--{name.replace('_', '-')} must be zero or more (got {value})")
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """How many processes to start and where (passed through to torchrun)."""
+
+    nproc_per_node: int = opt(1, "processes on this node; >1 starts them through torchrun's launcher")
+    nnodes: int = opt(1, "number of nodes (multi-node: run the same command on every node)")
+    node_rank: int = opt(0, "rank of this node, 0..nnodes-1")
+    rdzv_endpoint: str | None = opt(None, "HOST:PORT of the c10d rendezvous for multi-node runs")
+    timeout: float = opt(
+        600.0, "seconds a collective may wait before the run is failed (hung rank), and nodes for each other to join"
+    )
+
+    def __post_init__(self) -> None:
+        positive("nproc_per_node", self.nproc_per_node)
+        positive("nnodes", self.nnodes)
+        positive("timeout", self.timeout)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        if self.rdzv_endpoint is not None:
+            check_endpoint(self.rdzv_endpoint)
+
+    @property
+    def distributed(self) -> bool:
+        return self.nproc_per_node * self.nnodes > 1
+
+
+# HOST or HOST:PORT as torchrun reads it; an IPv6 address in brackets.
+_ENDPOINT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):(\d{1,5})")
+
+
+def check_endpoint(text: str) -> None:
+    """A rendezvous endpoint torchrun can read: a malformed one would hang every node at the rendezvous."""
+    match = _ENDPOINT.fullmatch(text)
+    if not match or not 1 <= int(match[1]) <= 65535:
+        raise UsageError(f"--rdzv-endpoint {text!r}: write HOST:PORT with a port in 1..65535 (e.g. node0:29500)")
+
+
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+"""transformers attention implementations ljperf runs (flash_attention_2: CUDA and the flash-attn package)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """What one benchmark run trains: batch, sequence, precision, steps."""
+
+    micro_batch: int = opt(1, "sequences per device per micro-step", deepspeed="train_micro_batch_size_per_gpu")
+    seq_len: int | None = opt(None, "tokens per sequence (default: min(4096, the model's max positions))")
+    grad_accum: int = opt(
+        1, "micro-steps per optimizer step (gradient accumulation)", deepspeed="gradient_accumulation_steps"
+    )
+    steps: int = opt(20, "measured optimizer steps")
+    warmup: int = opt(
+        3,
+        "unmeasured steps before timing (compile, allocator, optimizer-state creation); 6 by default under"
+        " --compile-mode deepspeed on CUDA, whose DeepCompile compiles again at DeepSpeed's step 5",
+    )
+    precision: str | None = opt(
+        None,
+        "fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, gradients and AdamW states"
+        " under bf16 autocast, as a model loaded in bfloat16 trains; torch and fsdp engines) (default: bf16-mixed on"
+        " GPU, fp32 on CPU)",
+    )
+    device: str = opt("auto", "cpu, cuda or auto (cuda when available)")
+    lr: float = opt(3e-4, "AdamW learning rate")
+    seed: int = opt(0, "seed of the weights and of the synthetic token stream, 0..2^63-1")
+    attn_implementation: str | None = opt(
+        None,
+        "transformers attention: sdpa, eager or flash_attention_2 (CUDA and the flash-attn package) (default: sdpa,"
+        " or eager for a model without SDPA, such as Gemma 2, as transformers picks)",
+    )
+    peak_tflops: float | None = opt(None, "peak TFLOPS per device for MFU (default: the known-device table)")
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "seq_len", "grad_accum", "steps", "lr", "peak_tflops"):
+            positive(name, getattr(self, name))
+        _not_negative("warmup", self.warmup)
+        if self.seq_len == 1:  # a sequence of one token has no next token to predict: the loss is nan
+            raise UsageError("--seq-len must be 2 or more: the loss predicts each token from the ones before it")
+        if not 0 <= self.seed < 2**63:  # torch's generators take a 64-bit seed
+            raise UsageError(f"--seed must be in 0..2^63-1 (got {self.seed})")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"--device {self.device!r}: choose cpu, cuda or auto")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION:
+            choices = ", ".join(ATTENTION)
+            raise UsageError(f"--attn-implementation {self.attn_implementation!r}: choose one of {choices}")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Engine options (FSDP2 and DeepSpeed ZeRO); each is refused by the engines it is not for."""
+
+    zero_stage: int = opt(3, "DeepSpeed ZeRO stage: 1, 2 or 3", deepspeed="zero_optimization.stage")
+    deepspeed_config: str | None = opt(None, "a DeepSpeed JSON config to validate and merge with ljperf's options")
+    reshard_after_forward: bool = opt(True, "FSDP2: free gathered parameters after forward (re-gather in backward)")
+
+    def __post_init__(self) -> None:
+        check_zero_stage(self.zero_stage)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Optimizations, applied in a fixed order before the engine shards: checkpoint → compile."""
+
+    recompute: str = opt(
+        "none",
+        "activation recompute: none, full, selective (save matmuls, recompute the rest), K (the first K layers full), "
+        "a mode per layer (full,selective,none,...) or auto (the fastest plan under the budget); "
+        "CHECKPOINT_OPTIMIZATION=true makes auto the default",
+    )
+    memory_budget: str | None = opt(
+        None,
+        "memory budget of --recompute auto, e.g. 70GiB (default: $LJPERF_MEMORY_BUDGET, else the device's)",
+        metavar="SIZE",
+    )
+    compile_mode: str = opt(
+        "off",
+        "torch.compile: regional (each block and the loss), whole (the model), deepspeed (DeepSpeed's "
+        "engine.compile(), with DeepCompile on CUDA; deepspeed engine only) or off; --compile = regional",
+    )
+
+    def __post_init__(self) -> None:
+        parse_recompute(self.recompute)
+        if self.memory_budget and self.recompute != "auto":
+            raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
+        if self.compile_mode not in COMPILE_MODES:
+            raise UsageError(f"--compile-mode {self.compile_mode!r}: choose one of {', '.join(COMPILE_MODES)}")
+        if self.memory_budget is not None:
+            parse_memory(self.memory_budget, what="--memory-budget")
+
+
+def check_precision(precision: str | None, *, engine: str) -> None:
+    """``bf16`` (no fp32 master weights) is what the torch engine and FSDP2 can run; ZeRO keeps fp32 masters."""
+    if precision == "bf16" and engine == "deepspeed":
+        raise UsageError(
+            "--precision bf16 (bf16 weights, no fp32 master copy) runs on the torch and fsdp engines; deepspeed"
+            " keeps fp32 master weights: use bf16-mixed"
+        )
+
+
+def check_engine_flags(engine: str, *, zero_stage: int | None, reshard_after_forward: bool) -> None:
+    """Another engine's flag would be ignored, and the run or plan would not be the one asked for."""
+    if zero_stage is not None and engine != "deepspeed":
+        like = " (FSDP2 shards like ZeRO-3)" if engine == "fsdp" else ""
+        raise UsageError(f"--zero-stage is for the deepspeed engine, not {engine}{like}")
+    if not reshard_after_forward and engine != "fsdp":
+        raise UsageError(f"--no-reshard-after-forward is for the fsdp engine, not {engine}")
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    *,
+    only: tuple[str, ...] | None = None,
+    defaults: dict[str, Any] | None = None,
+    choices: dict[str, tuple[str, ...]] | None = None,
+    deepspeed: bool = True,
+) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls`` (``only``: these fields), typed from its annotation, to
+    ``parser``'s group titled by ``cls``'s docstring, or to ``parser`` when it is a group already. A command that
+    runs a field otherwise narrows it here: its own ``defaults`` and ``choices`` by field name; ``deepspeed``: the
+    command takes ``--deepspeed-config``, whose numbers stand in for the flags left out."""
+    group = parser
+    if isinstance(parser, argparse.ArgumentParser):
+        group = parser.add_argument_group(cls.__doc__.splitlines()[0].rstrip("."))
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata or (only is not None and f.name not in only):
+            continue
+        default = (defaults or {}).get(f.name, f.default if f.default is not dataclasses.MISSING else None)
+        extra = {k: v for k, v in f.metadata.items() if k not in ("help", "deepspeed")}
+        if choices and f.name in choices:
+            extra["choices"] = choices[f.name]
+        flag = _flag(f, hints[f.name], default, deepspeed=deepspeed)
+        group.add_argument("--" + f.name.replace("_", "-"), **flag, **extra)
+
+
+def _flag(f: dataclasses.Field, kind: Any, default: Any, *, deepspeed: bool) -> dict[str, Any]:
+    """The ``default``, ``type`` (or boolean action) and ``help`` of field ``f``'s flag; the help ends in the
+    default. A field a DeepSpeed config can hold parses to None when left out, so the file's number can fill it."""
+    text = f.metadata["help"]
+    if deepspeed and f.metadata.get("deepspeed"):
+        text += f" (default: --deepspeed-config's {f.metadata['deepspeed']}, else {default})"
+        return {"default": None, "type": _base_type(kind), "help": text}
+    if kind is bool:
+        text += f" (default: {'on' if default else 'off'})"
+        return {"default": default, "action": argparse.BooleanOptionalAction, "help": text}
+    shown = "" if default is None or default is False else f" (default: {default})"
+    return {"default": default, "type": _base_type(kind), "help": text + shown}
+
+
+def _base_type(kind: Any) -> type:
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    return kind
+
+
+def from_args(cls: type, args: argparse.Namespace) -> Any:
+    """Build the dataclass ``cls`` from the parsed flags (validation runs in ``__post_init__``)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,181 @@
+"""Result records: one JSON object per run, written atomically; schema in docs/results.md.
+
+The ``env`` section is an allow-list (versions, devices, world size, selected NCCL_/CUDA_ variables):
+never a dump of the environment, so tokens and keys cannot leak into result files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import IO, Any
+
+from ljperf import __version__
+from ljperf.core.errors import UsageError
+
+SCHEMA_VERSION = 1
+PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "triton")
+# Variables that shape a run's performance and carry no secrets.
+ENV_VARIABLES = re.compile(
+    r"^(NCCL_(SOCKET_IFNAME|IB_HCA|DEBUG|ALGO|PROTO|P2P_LEVEL|NET_GDR_LEVEL|MIN_NCHANNELS|MAX_NCHANNELS|"
+    r"BUFFSIZE|NVLS_ENABLE|CUMEM_ENABLE)|CUDA_VISIBLE_DEVICES|CUDA_DEVICE_MAX_CONNECTIONS|"
+    r"PYTORCH_CUDA_ALLOC_CONF|OMP_NUM_THREADS|CHECKPOINT_OPTIMIZATION|COMPILE_OPTIMIZATION|LJPERF_MEMORY_BUDGET)$"
+)
+_SECRET_WORDS = re.compile(r"TOKEN|SECRET|PASSWORD|KEY|CREDENTIAL", re.IGNORECASE)
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def installed_versions(names: tuple[str, ...]) -> dict[str, str | None]:
+    """The installed version of each distribution, None where it is not installed."""
+    found: dict[str, str | None] = {}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def versions() -> dict[str, str | None]:
+    # ljperf's is the code that runs, also from a source tree on PYTHONPATH with no distribution installed
+    return {"python": platform.python_version(), **installed_versions(PACKAGES), "ljperf": __version__}
+
+
+def selected_env() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if ENV_VARIABLES.match(k) and not _SECRET_WORDS.search(k)}
+
+
+def git_revision() -> str | None:
+    """The git revision of the working directory's checkout, if any (the user's project, or ljperf's)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def environment(*, devices: list[str], world_size: int) -> dict[str, Any]:
+    """The ``env`` section of a record."""
+    return {
+        "versions": versions(),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "devices": devices,
+        "world_size": world_size,
+        "variables": selected_env(),
+        "git_revision": git_revision(),
+    }
+
+
+def record_header(kind: str, *, args: list[str], devices: list[str], world_size: int) -> dict[str, Any]:
+    """What every record starts with: schema version, kind, start time, command line and environment."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": kind,
+        "start_time": now_iso(),
+        "args": args,
+        "env": environment(devices=devices, world_size=world_size),
+    }
+
+
+def check_writable(path: str | os.PathLike, *, what: str = "--output") -> None:
+    """Fail before a run starts (exit 2) when its result file could not be written (``what`` names the flag)."""
+    if not str(path).strip():
+        raise UsageError(f"{what} is empty; give a file name such as result.json")
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise UsageError(f"{what} {str(path)!r} is a directory; give a file name such as result.json")
+    if not folder.is_dir():
+        raise UsageError(f"{what} {str(path)!r}: folder {str(folder)!r} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ljperf-probe-", delete=True) as f:
+            f.write(b"x" * 65536)  # about the size of a long run's record
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise UsageError(f"{what} {str(path)!r} is not writable ({exc.strerror or exc})") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once, at import: os.umask can only be read by setting it
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Write a file atomically: ``write`` fills a temporary file in the same folder, fsync, then rename over
+    ``path`` (with the mode a plain ``open`` gives: mkstemp's own is 0600)."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=f".{target.name}.")
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+    """Write JSON atomically (``write_atomic``); a float that is not finite (a diverged loss) is ``null``, as
+    strict JSON has no NaN."""
+    try:
+        text = json.dumps(data, indent=2, default=str, allow_nan=False)
+    except ValueError:  # rare: walked only then
+        text = json.dumps(_finite(data), indent=2, default=str, allow_nan=False)
+    write_atomic(path, lambda f: f.write((text + "\n").encode()))
+
+
+def _finite(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite(v) for v in data]
+    return data
+
+
+def read_json_object(path: str | os.PathLike, *, what: str) -> dict:
+    """A JSON object from a file the user named (``what``, e.g. ``--model-config 'x.json'``); a missing,
+    unreadable or malformed file, or one that holds no object, is a usage error."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{what}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{what}: cannot read it ({type(exc).__name__})") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{what} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{what} must hold a JSON object")
+    return data
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a record or calibration file: JSON only, never pickle."""
+    with open(path) as f:
+        return json.load(f)

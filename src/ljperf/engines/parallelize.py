@@ -1,0 +1,38 @@
+"""The optimizations every engine applies to the model before it wraps or shards it, in torchtitan's fixed
+order: activation checkpointing → compile → (the engine) shard or wrap.
+
+Run: ``model = apply_optimizations(model, run)`` in an engine's ``setup``, once, on the HF model (meta or
+materialized).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ljperf.checkpoint.apply import apply_plan
+from ljperf.compile.regional import compile_model, zero3_gather_per_block
+from ljperf.run.context import RunContext
+
+
+def apply_optimizations(model: torch.nn.Module, run: RunContext) -> torch.nn.Module:
+    """Apply the run's optimizations in order; returns the model to wrap or shard."""
+    apply_checkpoint(model, run)
+    return apply_compile(model, run)
+
+
+def apply_checkpoint(model: torch.nn.Module, run: RunContext) -> None:
+    """The run's recompute plan (``run.plan``, resolved before the engine is built) on the decoder layers."""
+    if run.plan is not None:
+        apply_plan(model, run.plan)
+
+
+def apply_compile(model: torch.nn.Module, run: RunContext) -> torch.nn.Module:
+    """Regional or whole-model compile, after checkpointing and before the engine wraps; under ZeRO-3 each block
+    is first made one unit of parameter gathering. ``--compile-mode deepspeed`` is the DeepSpeed engine's own,
+    once it is initialized."""
+    mode = run.optim.compile_mode
+    if mode != "off" and run.engine == "deepspeed" and run.engine_opts.zero_stage == 3:
+        zero3_gather_per_block(model)
+    if mode != "deepspeed":
+        compile_model(model, mode, verbose=run.is_main)
+    return model

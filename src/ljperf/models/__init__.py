@@ -1,0 +1,1 @@
+"""Models: the catalog, ``ModelSpec`` (config facts, parameter counts, FLOPs), builds, the training micro-step."""

@@ -1,0 +1,168 @@
+"""The record of ``ljperf plan`` (``--json``) and its table: the forecast breakdown, whether it fits, the largest
+micro batch, and notes on what would fit.
+
+Run: ``print_plan(plan_record(spec, recipe, forecast(spec, recipe), memory=80 * 2**30, ...))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from rich.markup import escape
+
+from ljperf.core import deepspeed as deepspeed_config
+from ljperf.core.console import console, titled_table
+from ljperf.core.plans import describe
+from ljperf.core.records import SCHEMA_VERSION
+from ljperf.core.units import format_bytes, unit_of
+from ljperf.forecast.api import forecast, max_micro_batch
+from ljperf.forecast.blocks import block_params
+from ljperf.forecast.recipe import Forecast, Recipe
+from ljperf.models.spec import ModelSpec
+from ljperf.recompute.solver import Decision, solve_for_plan
+from ljperf.run.config import RunConfig, fixed_recompute
+from ljperf.run.titles import shape_title
+
+
+def planned(
+    cfg: RunConfig, *, world: int, optimizer: str | None, memory: int, device_name: str | None
+) -> tuple[dict, Decision | None]:
+    """The plan record of ``cfg`` on ``world`` devices of ``memory`` bytes, and the decision of ``--recompute
+    auto`` (None for a fixed plan), solved under its budget."""
+    spec, device = cfg.model, cfg.train.device
+    recipe = Recipe.of(cfg, world=world, device=device, recompute=fixed_recompute(cfg) or (), optimizer=optimizer)
+    decision = rates = None
+    if cfg.optim.recompute == "auto":
+        budget_flag = cfg.optim.memory_budget
+        decision, rates = solve_for_plan(spec, recipe, memory=memory, device_name=device_name, given=budget_flag)
+        recipe = recipe.with_(recompute=decision.plan)
+    result = forecast(spec, recipe, device_name=device_name)
+    most = recipe.with_(recompute=("full",) * spec.layers) if decision else recipe  # the most auto can save
+    budget = decision.budget_bytes if decision else None  # auto's limit: fits, headroom and the largest batch
+    # a budget above the device's memory bounds the plan (the note below says it may not run), not the batch
+    best = max_micro_batch(spec, most, min(budget or memory, memory), device_name=device_name)
+    warnings = deepspeed_warnings(cfg, world=world)
+    report = plan_record(spec, recipe, result, memory=memory, budget=budget, max_micro_batch=best, warnings=warnings)
+    if decision is not None:
+        report["recompute"] = decision.record() | {"rates": rates}
+        report["notes"] += auto_notes(decision, memory=memory)
+    elif not report["fits"] and set(recipe.layer_modes(spec.layers)) != {"full"}:
+        report["notes"].append(full_recompute_note(spec, recipe, memory=memory, device_name=device_name))
+    return report, decision
+
+
+def deepspeed_warnings(cfg: RunConfig, *, world: int) -> list[deepspeed_config.Finding]:
+    """The lint's warnings of ``--deepspeed-config``, checked as the benchmark checks it (a contradiction is exit 2)."""
+    if not cfg.deepspeed_user:
+        return []
+    batch = deepspeed_config.Settings(
+        micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum, zero_stage=cfg.engine_opts.zero_stage
+    )
+    source = f"--deepspeed-config {cfg.engine_opts.deepspeed_config}"
+    config = deepspeed_config.merge(cfg.deepspeed_user)
+    return deepspeed_config.check(config, batch, world=world, bf16=cfg.train.precision == "bf16-mixed", source=source)
+
+
+def auto_notes(decision: Decision, *, memory: int) -> list[str]:
+    notes = ["largest micro batch counted with full recompute, the most --recompute auto saves"]
+    if decision.budget_bytes > memory:
+        notes.append(
+            f"the memory budget {format_bytes(decision.budget_bytes)} is more than the device's "
+            f"{format_bytes(memory)}: a plan within it can still run out of memory"
+        )
+    return notes
+
+
+def full_recompute_note(spec: ModelSpec, recipe: Recipe, *, memory: int, device_name: str | None) -> str:
+    """What full recompute would do for a recipe that does not fit: fit, or what else to change."""
+    at_full = forecast(spec, recipe.with_(recompute=("full",) * spec.layers), device_name=device_name)
+    full = at_full.device_bytes
+    if full <= memory:
+        verdict = "which fits; --recompute auto recomputes the fewest layers that fit"
+    else:
+        shard = "a sharding engine (fsdp/, deepspeed/)" if recipe.engine == "torch" else "more --gpus"
+        less = "fewer tokens per micro-step (--micro-batch, --seq-len)"
+        if at_full.phase.startswith("optimizer"):  # tokens do not reach it; the AdamW kind's temporaries do
+            less = "the optimizer step sets that peak: --optimizer fused (no step temporaries)"
+        verdict = f"which does not fit either: {less} or {shard}"
+    return f"with --recompute full: {format_bytes(full)} on the device, {verdict}"
+
+
+def plan_record(
+    spec: ModelSpec,
+    recipe: Recipe,
+    result: Forecast,
+    *,
+    memory: int,
+    budget: int | None,
+    max_micro_batch: int,
+    warnings: list[deepspeed_config.Finding],
+) -> dict:
+    """The JSON object of ``ljperf plan --json``: what fits is measured against ``budget`` (--recompute auto's)
+    when there is one, else against the device's ``memory``."""
+
+    recipe_dict = asdict(recipe)
+    recipe_dict["recompute"] = list(recipe.layer_modes(spec.layers))
+    if recipe.engine != "deepspeed":
+        del recipe_dict["zero_stage"], recipe_dict["zero"]
+    params = block_params(spec).total  # from a one-layer build: no full-depth model needed
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "plan",
+        "model": {"name": spec.name, "architecture": spec.architecture, "params": params},
+        "recipe": recipe_dict,
+        "peak_allocated_bytes": result.peak_allocated_bytes,
+        "peak_reserved_bytes": result.peak_reserved_bytes,
+        "context_bytes": result.context_bytes,
+        "device_bytes": result.device_bytes,
+        "breakdown": result.breakdown,
+        "phase": result.phase,
+        "source": result.source,
+        "gpu_memory_bytes": memory,
+        "memory_budget_bytes": budget,
+        "headroom_bytes": (budget or memory) - result.device_bytes,
+        "fits": result.device_bytes <= (budget or memory),
+        "max_micro_batch": max_micro_batch,
+        "notes": result.notes,
+        "warnings": [f"{f.message}; fix: {f.fix}" for f in warnings],
+    }
+
+
+def print_plan(report: dict) -> None:
+    recipe = report["recipe"]
+    where = f"{recipe['world']} × {recipe['device']}"
+    table = titled_table(shape_title(recipe["engine"], report["model"]["name"], where=where, shape=recipe))
+    peak = report["peak_allocated_bytes"]
+    unit, scale = unit_of(peak)  # one unit for the column, the peak's (tiny models read 0.00 in GiB)
+    table.add_column("component")
+    table.add_column(unit, justify="right")
+    table.add_column("share", justify="right")
+    for name, value in sorted(report["breakdown"].items(), key=lambda kv: -kv[1]):
+        table.add_row(name.replace("_", " "), f"{value / scale:.2f}", f"{100 * value / peak:.1f}%")
+    table.add_section()
+    table.add_row("peak allocated per rank", f"{peak / scale:.2f}", "100.0%")
+    console.print(table)
+    lines = [f"peak at: {report['phase']} ({report['source']})"]
+    if "recompute" in report:
+        r = report["recompute"]
+        lines.insert(
+            0, f"recompute auto: {describe(r['plan'])} (budget {format_bytes(r['budget_bytes'])}; {r['rates']})"
+        )
+    if report["peak_reserved_bytes"] is not None:
+        lines.append(
+            f"reserved {format_bytes(report['peak_reserved_bytes'])} + context {format_bytes(report['context_bytes'])}"
+            f" = {format_bytes(report['device_bytes'])} on the device"
+        )
+    verdict = "fits" if report["fits"] else "does NOT fit"
+    where = format_bytes(report["gpu_memory_bytes"])
+    if (budget := report["memory_budget_bytes"]) is not None:
+        where = f"the budget {format_bytes(budget)} (device {where})"
+    lines.append(
+        f"{verdict} in {where}: headroom {format_bytes(report['headroom_bytes'])};"
+        f" largest micro batch that fits: {report['max_micro_batch']}"
+    )
+    lines += [f"note: {n}" for n in report["notes"]]
+    lines += [f"warning: {w}" for w in report["warnings"]]
+    for line in lines:
+        # soft_wrap: the terminal wraps a long line; rich would break it at its own width (140 in a pipe)
+        console.print(escape(line), highlight=False, soft_wrap=True)

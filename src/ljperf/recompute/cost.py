@@ -1,0 +1,165 @@
+"""What recomputing a decoder layer costs: the device's rates (matmul FLOP/s, memory-bound bytes/s) and one
+layer's forward split the way selective recompute splits it, traced on fake tensors.
+
+Run: ``layer_cost(spec, micro_batch=2, seq_len=1024, attn="sdpa").seconds("full", Rates.measure(device))``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ljperf.checkpoint.apply import GROUPED_MM_OPS, saves
+from ljperf.core import hardware
+from ljperf.core.cache import cached
+from ljperf.forecast.blocks import block_params
+from ljperf.forecast.trace import architecture_key, cache_dir, fake_model, real_code_paths, reference_kind
+from ljperf.models.layout import decoder_layers
+from ljperf.models.spec import ModelSpec, with_layers
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rates:
+    """What the device sustains: matmul FLOP/s and memory-bound bytes/s."""
+
+    flops_per_s: float
+    bytes_per_s: float
+
+    @classmethod
+    def measure(cls, device: torch.device) -> Rates:
+        """A short matmul and a decoder layer's kind of pointwise ops on ``device`` (tens of milliseconds)."""
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        n = 4096 if device.type == "cuda" else 512
+        # Its own generator: drawing from the global one would change what a model's dropout draws next.
+        rng = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=rng)
+        x = torch.randn(2**22 // 128, 128, device=device, generator=rng)
+        mm = _best_time(lambda: a @ a, device)
+        pointwise = _best_time(lambda: _norm_silu(x), device)
+        return cls(
+            flops_per_s=2 * n**3 / mm, bytes_per_s=_NORM_SILU_WRITES * 2 * x.numel() * x.element_size() / pointwise
+        )
+
+    @classmethod
+    def datasheet(cls, device_name: str) -> Rates | None:
+        """Peak dense BF16 FLOP/s and memory bandwidth of a known GPU (``ljperf.hardware``), else None."""
+        tflops, tbps = hardware.peak_tflops(device_name), hardware.peak_memory_tbps(device_name)
+        if tflops is None or tbps is None:
+            return None
+        return cls(flops_per_s=tflops * 1e12, bytes_per_s=tbps * 1e12)
+
+
+def _norm_silu(x: torch.Tensor) -> torch.Tensor:
+    # RMSNorm, SiLU gate and residual: what selective recompute repeats. ``x + x`` alone ran 4× faster than a
+    # llama layer's pointwise ops on CPU (transcendentals, reductions), and ranked selective far too cheap.
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return torch.nn.functional.silu(h) * h + x
+
+
+_NORM_SILU_WRITES = 5 + 3 / 128
+"""Tensors of x's size that ``_norm_silu`` writes (pow, norm, silu, mul, add; mean, +eps, rsqrt per row); like
+``layer_cost``, each is counted written once and read once."""
+
+REFERENCE_GPU = "H100"
+"""Whose datasheet rates rank plans for a GPU that is neither known by name nor here to measure."""
+
+
+def _best_time(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        hardware.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        hardware.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputeCost:
+    """One decoder layer's forward at the run's shape, split the way selective recompute splits it."""
+
+    tokens: int
+    """Tokens of the micro-batch traced (micro batch × sequence length)."""
+    saved_flops: float
+    """FLOPs of the ops whose outputs selective recompute keeps (matmuls, attention)."""
+    pointwise_bytes: float
+    """Bytes the other (memory-bound) ops write and read."""
+
+    def seconds(self, mode: str, rates: Rates) -> float:
+        pointwise = self.pointwise_bytes / rates.bytes_per_s
+        return {"none": 0.0, "selective": pointwise, "full": self.saved_flops / rates.flops_per_s + pointwise}[mode]
+
+
+def layer_cost(spec: ModelSpec, *, micro_batch: int, seq_len: int, attn: str) -> RecomputeCost:
+    """``RecomputeCost`` of a decoder layer of ``spec`` of the most frequent kind (DeepSeek-V3's first three are
+    dense, the other 58 mixtures of experts), traced on fake tensors; cached on disk per architecture, layer,
+    attention and shape."""
+    kinds = block_params(spec).layer_kinds
+    index = 0 if len(set(kinds)) == 1 else kinds.index(reference_kind(kinds))
+    key = architecture_key(spec, "layer cost", f"layer {index}", attn, f"{micro_batch}x{seq_len}")
+    return cached(
+        cache_dir() / f"{spec.architecture}-cost-{key}.json",
+        load=lambda data: RecomputeCost(**data),
+        make=lambda: _traced_layer_cost(spec, index, micro_batch=micro_batch, seq_len=seq_len, attn=attn),
+        dump=asdict,
+    )
+
+
+def _traced_layer_cost(spec: ModelSpec, index: int, *, micro_batch: int, seq_len: int, attn: str) -> RecomputeCost:
+    """Trace decoder layer ``index`` of ``spec`` (0: a one-layer copy's own) on fake tensors and split its
+    forward ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import flop_registry
+
+    totals = {"flops": 0.0, "bytes": 0.0}
+    inside = [False]
+
+    class Census(TorchDispatchMode):
+        def __torch_dispatch__(
+            self,
+            func: OpOverload,
+            types: Sequence[type],
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if not inside[0]:
+                return out
+            packet = func.overloadpacket
+            if saves(func):
+                if packet in flop_registry:
+                    totals["flops"] += flop_registry[packet](*args, **kwargs, out_val=out)
+                elif func.name() in GROUPED_MM_OPS:
+                    totals["flops"] += 2 * out.numel() * args[0].shape[-1]
+                else:  # an attention kernel torch's counter does not know (CPU flash): q·kᵀ and p·v
+                    q, k = args[0], args[1]
+                    totals["flops"] += 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+            else:
+                written = sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+                totals["bytes"] += 2 * written  # written once, read once by the next op
+            return out
+
+    fake_mode = FakeTensorMode()
+    if index == 0:
+        model = fake_model(with_layers(spec, 1), attn=attn, fake_mode=fake_mode)
+    else:  # a copy of the full model's layer: no config of one layer builds it
+        model = fake_model(spec, attn=attn, fake_mode=fake_mode, pick=(index,))
+    layer = decoder_layers(model)[0]
+    layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    # real_code_paths: fp32 experts run transformers' fallback op (torch's fake grouped_mm refuses fp32)
+    with fake_mode, Census(), torch.no_grad(), real_code_paths():
+        model(input_ids=torch.zeros(micro_batch, seq_len, dtype=torch.long), use_cache=False)
+    return RecomputeCost(tokens=micro_batch * seq_len, saved_flops=totals["flops"], pointwise_bytes=totals["bytes"])

@@ -1,0 +1,50 @@
+"""``--recompute`` of a benchmark run resolved before its engine is built: none, a fixed plan, or ``auto``
+solved under the run's budget (rank 0's plan on every rank).
+
+Run: ``ljperf benchmark --model torch/llama-tiny --recompute auto --memory-budget 60MiB``.
+"""
+
+from __future__ import annotations
+
+from ljperf.core.errors import UsageError
+from ljperf.core.plans import fixed_plan, parse_recompute
+from ljperf.dist.collectives import shared_from_rank0
+from ljperf.dist.runtime import local_world_size
+from ljperf.forecast.recipe import Recipe
+from ljperf.recompute.budget import budget_bytes
+from ljperf.recompute.cost import Rates, layer_cost
+from ljperf.recompute.solver import Decision, decision_of, solve_recipe
+from ljperf.run.context import RunContext
+
+
+def decide_for_run(run: RunContext) -> Decision | None:
+    """The plan of ``run.optim.recompute`` (a ``RunContext``): None for ``none``, solved for ``auto``."""
+    value = parse_recompute(run.optim.recompute)
+    if value == "none":
+        return None
+    train, spec = run.train, run.model
+    attn = spec.attention(train.attn_implementation)
+    cost = layer_cost(spec, micro_batch=train.micro_batch, seq_len=train.seq_len, attn=attn)
+    rates = Rates.measure(run.device.torch_device)
+    if value != "auto":
+        plan = fixed_plan(value, spec.layers)
+        return decision_of(plan, budget=None, bytes_=None, cost=cost, rates=rates)
+    local_world = local_world_size(run.launch.nproc_per_node)
+    budget = budget_bytes(run.device.torch_device, given=run.optim.memory_budget, local_world=local_world)
+    return solve_recipe(
+        spec, Recipe.from_run(run), budget=budget, rates=rates, cost=cost, device_name=run.device.calibration_name
+    )
+
+
+def prepare_run(run: RunContext) -> Decision | None:
+    """Resolve ``--recompute`` for ``run`` before the engine is built: ``run.plan`` becomes the per-layer plan,
+    rank 0 prints the plan's line; a plan that cannot fit is a usage error (exit 2)."""
+    decision = shared_from_rank0(decide_for_run(run))
+    if decision is None:
+        return None
+    if decision.fits is False:
+        raise UsageError(decision.line())
+    run.plan = decision.plan
+    if run.is_main:
+        print(decision.line(), flush=True)
+    return decision

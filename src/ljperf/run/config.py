@@ -1,0 +1,122 @@
+"""One run's configuration (``RunConfig``): the model, engine and option groups of ``ljperf benchmark`` or
+``ljperf plan``, resolved and checked once.
+
+Run: ``from_args(args, argv, device_type="cpu")`` after a command's flags parse; the engine, the forecast recipe
+(``forecast.recipe.Recipe.of``) and the benchmark record all derive from the one object it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+from ljperf.core import deepspeed as deepspeed_config
+from ljperf.core import options
+from ljperf.core.errors import UsageError
+from ljperf.core.options import DEEPCOMPILE_WARMUP, EngineConfig, LaunchConfig, OptimConfig, TrainConfig
+from ljperf.core.plans import Plan, fixed_plan, parse_recompute
+from ljperf.dist.runtime import resolve_device_type
+from ljperf.models.flags import engine_from_args, spec_from_args
+from ljperf.models.spec import ModelSpec
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """A whole run, resolved from the command line."""
+
+    engine: str
+    """torch, fsdp or deepspeed."""
+    model: ModelSpec
+    """The model to train."""
+    train: TrainConfig
+    """Batch, sequence, precision and steps."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Processes, nodes and timeouts."""
+    engine_opts: EngineConfig = field(default_factory=EngineConfig)
+    """FSDP2 / DeepSpeed options."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizations (activation checkpoint, compile), as given."""
+    deepspeed_user: dict = field(default_factory=dict)
+    """The ``--deepspeed-config`` file as loaded (deepspeed engine; ``{}``: none)."""
+    output: str | None = None
+    """Where the JSON record goes (atomically), or None."""
+    argv: list[str] = field(default_factory=list)
+    """The command line, recorded in ``args``."""
+
+    def __post_init__(self) -> None:
+        engine, optim = self.engine, self.optim
+        if optim.compile_mode == "deepspeed" and engine != "deepspeed":
+            raise UsageError(
+                f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{self.model.name}"
+            )
+        options.check_precision(self.train.precision, engine=engine)
+        if (plan := parse_recompute(optim.recompute)) != "auto":
+            fixed_plan(plan, self.model.layers)  # one that does not match the model fails here, not in every rank
+        if optim.compile_mode != "off" and self.train.warmup < 1:
+            raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
+
+
+def fixed_recompute(cfg: RunConfig) -> Plan | None:
+    """The per-layer plan of ``cfg``'s ``--recompute`` when it is fixed; None for ``none`` and ``auto``."""
+    value = parse_recompute(cfg.optim.recompute)
+    return None if value in ("none", "auto") else fixed_plan(value, cfg.model.layers)
+
+
+def resolve_train(
+    train: TrainConfig, *, model: ModelSpec, device_type: str, seq_flag: str = "--seq-len"
+) -> TrainConfig:
+    """Fill in the defaults that depend on the model and device (``auto`` becomes the device type, so records
+    say which ran); check the sequence length (``seq_flag``) fits."""
+    seq_len = model.seq_len(train.seq_len, flag=seq_flag)
+    attn = model.attention(train.attn_implementation)
+    if attn == "flash_attention_2":
+        if device_type != "cuda":
+            raise UsageError("--attn-implementation flash_attention_2 runs on CUDA only: use sdpa or eager on a CPU")
+        if importlib.util.find_spec("flash_attn") is None:
+            raise UsageError("--attn-implementation flash_attention_2 needs the flash-attn package (or use sdpa)")
+    precision = train.precision or ("bf16-mixed" if device_type == "cuda" else "fp32")
+    resolved = {"seq_len": seq_len, "precision": precision, "device": device_type, "attn_implementation": attn}
+    return TrainConfig(**{**vars(train), **resolved})
+
+
+def _warmup(args: argparse.Namespace, *, device_type: str) -> int:
+    """``--warmup``, or its default: DeepCompile (0.19) adds its prefetch passes at DeepSpeed's global step 5
+    and compiles the model again (``deepspeed/compile/init_z3.py``), so steps 0-5 are its warm-up."""
+    deepcompile = args.compile_mode == "deepspeed" and device_type == "cuda"
+    if args.warmup is None:
+        return DEEPCOMPILE_WARMUP if deepcompile else TrainConfig.warmup
+    if deepcompile and args.warmup < DEEPCOMPILE_WARMUP and os.environ.get("RANK", "0") == "0":
+        print(f"note: DeepCompile compiles again at step 5; --warmup {DEEPCOMPILE_WARMUP} keeps that out of the timing")
+    return args.warmup
+
+
+def _compile_mode(args: argparse.Namespace) -> str:
+    """``--compile-mode``, with ``--compile`` as ``regional``."""
+    if args.compile and args.compile_mode not in (None, "regional"):
+        raise UsageError(f"--compile is --compile-mode regional: it contradicts --compile-mode {args.compile_mode}")
+    return "regional" if args.compile else args.compile_mode or OptimConfig.compile_mode
+
+
+def from_args(args: argparse.Namespace, argv: list[str], *, device_type: str | None = None) -> RunConfig:
+    """The ``RunConfig`` of a command's parsed flags (those it has: ``plan`` has no launch or compile flags) on
+    ``device_type`` (None: ``--device``, resolved); the model is read last, after every flag that needs none."""
+    engine = engine_from_args(args)
+    options.check_engine_flags(engine, zero_stage=args.zero_stage, reshard_after_forward=args.reshard_after_forward)
+    user, flags = deepspeed_config.from_args(args, engine=engine)
+    args.micro_batch, args.grad_accum, args.zero_stage = flags.micro_batch, flags.grad_accum, flags.zero_stage
+    if hasattr(args, "compile"):
+        args.compile_mode = _compile_mode(args)
+    device_type = device_type or resolve_device_type(args.device)
+    if hasattr(args, "compile"):
+        args.warmup = _warmup(args, device_type=device_type)
+    groups = {
+        name: options.from_args(cls, args)
+        for name, cls in (("train", TrainConfig), ("launch", LaunchConfig), ("engine_opts", EngineConfig))
+    }
+    optim = options.from_args(OptimConfig, args)
+    spec = spec_from_args(args)  # after the flags: reading the model takes seconds
+    groups["train"] = resolve_train(groups["train"], model=spec, device_type=device_type)
+    output = getattr(args, "output", None)
+    return RunConfig(engine=engine, model=spec, optim=optim, deepspeed_user=user, output=output, argv=argv, **groups)
