@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from ljperf.core.records import check_writable
+from ljperf.core.records import check_output
 from ljperf.dist.runtime import check_process_count, under_torchrun
 from ljperf.engines.deepspeed_engine import resolved_config
+from ljperf.models.flags import model_files
 from ljperf.run import config as run_config
 from ljperf.run.config import RunConfig
 from ljperf.run.context import unjoined
@@ -24,7 +25,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str]) -> RunConfig:
     if cfg.output is not None and os.environ.get("GROUP_RANK", "0") == "0":
         # Rank 0's node writes it, under any launcher. All its ranks check: one blocked joining the group would
         # not see torchrun's SIGTERM, and would hold the run 30 s until its SIGKILL.
-        check_writable(cfg.output)
+        check_output(cfg.output, inputs=(args.deepspeed_config, *model_files(args.model_config)))
     if cfg.engine == "deepspeed" and not under_torchrun():
         # A contradicting DeepSpeed config fails here (exit 2), before any process starts.
         resolved_config(unjoined(cfg, world=cfg.launch.nproc_per_node * cfg.launch.nnodes))

@@ -22,6 +22,7 @@ from ljperf.benchmark.progress import ProgressReporter
 from ljperf.benchmark.record import LoopState, new_record, results_section
 from ljperf.benchmark.table import print_result_table
 from ljperf.core import hardware
+from ljperf.core.console import say
 from ljperf.core.errors import (
     EXIT_ERROR,
     EXIT_OK,
@@ -133,7 +134,7 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
     loop_warmup = 2 if device.type == "cuda" and run.optim.compile_mode == "off" else 3
     solved = state.recompute is not None and state.recompute.budget_bytes is not None
     if solved and train.warmup < loop_warmup and run.is_main:
-        print(f"closed loop off: it needs --warmup {loop_warmup} or more here; the solver's plan runs as forecast")
+        say(f"closed loop off: it needs --warmup {loop_warmup} or more here; the solver's plan runs as forecast")
     try:
         _steps(
             run,

@@ -17,7 +17,7 @@ from typing import Any
 
 from ljperf.benchmark.table import print_result_table
 from ljperf.core.errors import EXIT_OOM, EXIT_USAGE, RunFailed
-from ljperf.core.records import read_json, write_json
+from ljperf.core.records import STDOUT, read_json, write_json
 from ljperf.dist.launch import RUN_DIR_ENV, RunFolder, failure_reason, run_workers
 from ljperf.run.config import RunConfig
 
@@ -29,19 +29,22 @@ def launch(cfg: RunConfig, *, record_from_progress: Callable[[Path], dict[str, A
 
     folder = RunFolder(Path(tempfile.mkdtemp(prefix="ljperf-run-")))
     os.environ[RUN_DIR_ENV] = str(folder.path)
-    record_path = Path(cfg.output) if cfg.output else folder.path / "result.json"
+    to_file = cfg.output not in (None, STDOUT)
+    record_path = Path(cfg.output) if to_file else folder.path / "result.json"
     argv = list(cfg.argv)
-    if not cfg.output:
+    if not to_file:  # rank 0 writes it in the run folder; the launcher passes on a record for stdout
         argv += ["--output", str(record_path)]
     try:
         run_workers(argv, cfg.launch, cpu=cfg.train.device != "cuda")
+        if cfg.output == STDOUT:
+            write_json(STDOUT, read_json(record_path))
     except SignalException as exc:
         reason, code = failure_reason(exc, folder=folder)
         _keep_failed_record(
             cfg, record_path=record_path, folder=folder, reason=reason, record_from_progress=record_from_progress
         )
         print(
-            f"ljperf benchmark: {reason}" + (f"; partial result kept: {record_path}" if cfg.output else ""),
+            f"ljperf benchmark: {reason}" + (f"; partial result kept: {record_path}" if to_file else ""),
             file=sys.stderr,
         )
         return code
@@ -62,7 +65,7 @@ def launch(cfg: RunConfig, *, record_from_progress: Callable[[Path], dict[str, A
         if results["status"] == "oom":
             code = EXIT_OOM
         raise RunFailed(
-            results["reason"] + (f"; result record: {record_path}" if cfg.output else ""), exit_code=code
+            results["reason"] + (f"; result record: {record_path}" if to_file else ""), exit_code=code
         ) from None
     finally:
         shutil.rmtree(folder.path, ignore_errors=True)
@@ -95,5 +98,7 @@ def _keep_failed_record(
         results["status"], results["reason"] = "error", reason
     if cfg.output:
         write_json(record_path, record)
+        if cfg.output == STDOUT:
+            write_json(STDOUT, record)
     print_result_table(record)
     return results

@@ -10,7 +10,7 @@ from typing import Any
 from rich.markup import escape
 
 from ljperf.compile.line import compile_line
-from ljperf.core.console import console, titled_table
+from ljperf.core.console import console, say, titled_table
 from ljperf.core.units import format_bytes
 from ljperf.run.titles import run_title
 
@@ -44,9 +44,9 @@ def print_result_table(record: dict) -> None:
         table.add_row(*row)
     console.print(table)
     if line := forecast_line(res):
-        print(line)
+        say(line)
     if res.get("compile"):
-        print(compile_line(res["compile"]))
+        say(compile_line(res["compile"]))
 
 
 def _loss_range(losses: list[float]) -> str:

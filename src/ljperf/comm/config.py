@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ljperf.core.errors import UsageError
-from ljperf.core.options import opt
+from ljperf.core.options import not_negative, opt, positive
 from ljperf.core.units import parse_size
 
 # Bus bandwidth = algbw × this factor of the world size n (nccl-tests, doc/PERFORMANCE.md).
@@ -62,8 +62,8 @@ class CommConfig:
             raise UsageError(f"--min-bytes {self.min_bytes} is larger than --max-bytes {self.max_bytes}")
         if self.step_factor < 2:
             raise UsageError(f"--step-factor must be 2 or more (got {self.step_factor})")
-        if self.iters <= 0 or self.warmup_iters < 0:
-            raise UsageError("--iters must be larger than zero and --warmup-iters zero or more")
+        positive("iters", self.iters)
+        not_negative("warmup_iters", self.warmup_iters)
         if self.dtype not in DTYPE_NAMES:
             raise UsageError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
         if self.device not in ("auto", "cpu", "cuda"):

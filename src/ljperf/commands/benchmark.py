@@ -18,7 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) 
     """The flags of ``ljperf benchmark``; ``environment``: ``CHECKPOINT_OPTIMIZATION=true`` makes ``--recompute``
     default to ``auto`` (off for a command whose runs are started without the variable)."""
     add_model_arguments(parser)
-    parser.add_argument("--output", metavar="FILE", help="write the JSON result record here (atomically)")
+    parser.add_argument(
+        "--output", metavar="FILE", help="write the JSON result record here (atomically); - for standard output"
+    )
     options.add_arguments(parser, TrainConfig)
     options.add_arguments(parser, EngineConfig)
     options.add_arguments(parser, OptimConfig)

@@ -12,7 +12,7 @@ from ljperf.comm.config import CommConfig
 from ljperf.core import options
 from ljperf.core.errors import RunFailed
 from ljperf.core.options import LaunchConfig
-from ljperf.core.records import check_writable
+from ljperf.core.records import check_output
 from ljperf.dist.launch import failure_reason, run_workers
 
 
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     device_type = resolve_device_type(cfg.device)
     check_process_count(launch, device_type)
     if args.output is not None and not under_torchrun():
-        check_writable(args.output)
+        check_output(args.output)
     if launch.distributed and not under_torchrun():
         try:
             run_workers(argv, launch, cpu=device_type != "cuda")

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from ljperf.core import options
 from ljperf.core.errors import UsageError
 from ljperf.core.options import LARGEST, OptimConfig, TrainConfig, opt
-from ljperf.core.records import check_writable, write_json
-from ljperf.models.flags import add_model_arguments, model_from_args
+from ljperf.core.records import check_output, write_json
+from ljperf.models.flags import add_model_arguments, model_files, model_from_args
 
 
 @dataclass(kw_only=True)
@@ -70,8 +70,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError(f"compile-report runs one process: use --model torch/{spec.name} (regions are the same)")
     cfg = options.from_args(ReportConfig, args)
     train, optim = options.from_args(TrainConfig, args), options.from_args(OptimConfig, args)
-    if args.output is not None:
-        check_writable(args.output)
+    check_output(args.output, inputs=model_files(args.model_config))
     device_type = resolve_device_type(train.device)
     train = TrainConfig(**{**vars(train), "seq_len": max(cfg.lengths)})
     train = resolve_train(train, model=spec, device_type=device_type, seq_flag="--seq-lens")

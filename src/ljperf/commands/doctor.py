@@ -18,7 +18,7 @@ from rich.markup import escape
 from ljperf.core.console import console, titled_table
 from ljperf.core.errors import EXIT_OK, RunFailed, UsageError, describe
 from ljperf.core.hardware import cpu_name
-from ljperf.core.records import check_writable, record_header, write_json
+from ljperf.core.records import check_output, record_header, write_json
 from ljperf.doctor import checks
 from ljperf.doctor.checks import FAIL, INFO, OK, WARN, CheckResult
 
@@ -81,8 +81,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.world_size is not None and args.world_size <= 0:
         raise UsageError(f"--world-size must be larger than zero (got {args.world_size})")
     skip = skipped(args.skip)
-    if args.output is not None:
-        check_writable(args.output)
+    check_output(args.output, inputs=(args.deepspeed_config,))
     rows = run_checks(deepspeed=args.deepspeed_config, world_size=args.world_size, skip=skip)
     status = overall(rows)
     record = {

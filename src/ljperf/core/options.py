@@ -47,9 +47,10 @@ def check_zero_stage(stage: int) -> None:
         raise UsageError(f"--zero-stage {stage}: choose 1, 2 or 3")
 
 
-def _not_negative(name: str, value: int) -> None:
-    if value < 0:
-        raise UsageError(f"--{name.replace('_', '-')} must be zero or more (got {value})")
+def not_negative(name: str, value: int) -> None:
+    """``value`` must be a count in [0, LARGEST] (a warm-up of 10^12 steps would run for ever)."""
+    if not 0 <= value <= LARGEST:
+        raise UsageError(f"--{name.replace('_', '-')} must be zero or more and at most {LARGEST} (got {value})")
 
 
 @dataclass(kw_only=True)
@@ -129,7 +130,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "grad_accum", "steps", "lr", "peak_tflops"):
             positive(name, getattr(self, name))
-        _not_negative("warmup", self.warmup)
+        not_negative("warmup", self.warmup)
         if self.seq_len == 1:  # a sequence of one token has no next token to predict: the loss is nan
             raise UsageError("--seq-len must be 2 or more: the loss predicts each token from the ones before it")
         if not 0 <= self.seed < 2**63:  # torch's generators take a 64-bit seed

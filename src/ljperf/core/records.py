@@ -13,7 +13,9 @@ import math
 import os
 import platform
 import re
+import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from importlib import metadata
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ljperf import __version__
+from ljperf.core.console import tables_to_stderr
 from ljperf.core.errors import UsageError
 
 SCHEMA_VERSION = 1
@@ -32,6 +35,11 @@ ENV_VARIABLES = re.compile(
     r"PYTORCH_CUDA_ALLOC_CONF|OMP_NUM_THREADS|CHECKPOINT_OPTIMIZATION|COMPILE_OPTIMIZATION|LJPERF_MEMORY_BUDGET)$"
 )
 _SECRET_WORDS = re.compile(r"TOKEN|SECRET|PASSWORD|KEY|CREDENTIAL", re.IGNORECASE)
+_SECRET_KEY = re.compile(
+    r"(^|[_.\-])(api_?key|key|token|secret|password|passwd|credentials?|auth|authorization|private_key)([_.\-]|$)",
+    re.IGNORECASE,
+)
+REDACTED = "<redacted>"
 
 
 def now_iso() -> str:
@@ -56,6 +64,17 @@ def versions() -> dict[str, str | None]:
 
 def selected_env() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if ENV_VARIABLES.match(k) and not _SECRET_WORDS.search(k)}
+
+
+def without_secrets(value: Any) -> Any:
+    """``value`` (a config: dicts, lists, scalars) with the value of every key that names a credential (``api_key``,
+    ``token``, ``secret``, ``password``, ...) at any depth replaced by ``REDACTED``: what a record may hold of a
+    user's file (a DeepSpeed config's ``comet``/``wandb`` sections carry API keys)."""
+    if isinstance(value, dict):
+        return {k: REDACTED if _SECRET_KEY.search(str(k)) else without_secrets(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_secrets(v) for v in value]
+    return value
 
 
 def git_revision() -> str | None:
@@ -93,23 +112,64 @@ def record_header(kind: str, *, args: list[str], devices: list[str], world_size:
     }
 
 
-def check_writable(path: str | os.PathLike, *, what: str = "--output") -> None:
-    """Fail before a run starts (exit 2) when its result file could not be written (``what`` names the flag)."""
+STDOUT = "-"
+"""``--output -``: the record goes to standard output (and what ljperf prints for people, to standard error)."""
+
+
+def check_writable(
+    path: str | os.PathLike, *, what: str = "--output", inputs: tuple[str | os.PathLike | None, ...] = ()
+) -> None:
+    """Fail before a run starts (exit 2) when its result file could not be written (``what`` names the flag): a
+    missing folder, a folder, a device node, FIFO or other file that is not a regular one (a symlink counts as
+    what it points to), or one of the run's ``inputs`` (a ``--deepspeed-config`` the record would overwrite)."""
+    if str(path) == STDOUT:
+        return
     if not str(path).strip():
         raise UsageError(f"{what} is empty; give a file name such as result.json")
-    target = Path(path)
-    folder = target.parent if str(target.parent) else Path(".")
+    target = Path(os.path.realpath(path))
+    shown = repr(str(path))
     if target.is_dir():
-        raise UsageError(f"{what} {str(path)!r} is a directory; give a file name such as result.json")
-    if not folder.is_dir():
-        raise UsageError(f"{what} {str(path)!r}: folder {str(folder)!r} does not exist")
+        raise UsageError(f"{what} {shown} is a directory; give a file name such as result.json")
+    kind = _kind(path)
+    if kind is not None:
+        raise UsageError(f"{what} {shown} is {kind}, not a file: give a file name such as result.json, or - for stdout")
+    if any(source is not None and Path(os.path.realpath(source)) == target for source in inputs):
+        raise UsageError(f"{what} {shown} is one of the run's input files: the record would overwrite it")
+    if not target.parent.is_dir():
+        raise UsageError(f"{what} {shown}: folder {str(Path(path).parent)!r} does not exist")
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ljperf-probe-", delete=True) as f:
+        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".ljperf-probe-", delete=True) as f:
             f.write(b"x" * 65536)  # about the size of a long run's record
             f.flush()
             os.fsync(f.fileno())
     except OSError as exc:
-        raise UsageError(f"{what} {str(path)!r} is not writable ({exc.strerror or exc})") from None
+        raise UsageError(f"{what} {shown} is not writable ({exc.strerror or exc})") from None
+
+
+def check_output(
+    path: str | os.PathLike | None, *, what: str = "--output", inputs: tuple[str | os.PathLike | None, ...] = ()
+) -> None:
+    """``check_writable`` for a command's record file (None: none); ``-`` sends what ljperf prints for people to
+    standard error, so that standard output holds the record alone."""
+    if path is None:
+        return
+    check_writable(path, what=what, inputs=inputs)
+    if str(path) == STDOUT:
+        tables_to_stderr()
+
+
+def _kind(path: str | os.PathLike) -> str | None:
+    """What an existing path that is not a regular file is, in words (through symlinks); None for a regular file
+    or nothing there."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO or pipe"), (stat.S_ISSOCK, "a socket")):  # fmt: skip
+        if test(mode):
+            return name
+    return None if stat.S_ISREG(mode) else "not a regular file"
 
 
 def _umask() -> int:
@@ -123,9 +183,15 @@ _UMASK = _umask()  # read once, at import: os.umask can only be read by setting 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
     """Write a file atomically: ``write`` fills a temporary file in the same folder, fsync, then rename over
-    ``path`` (with the mode a plain ``open`` gives: mkstemp's own is 0600)."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".", prefix=f".{target.name}.")
+    ``path`` (with the mode a plain ``open`` gives: mkstemp's own is 0600); a symlink's target is written, the link
+    stays. ``-`` writes to standard output."""
+    if str(path) == STDOUT:
+        sys.stdout.flush()
+        write(sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+        return
+    target = Path(os.path.realpath(path))
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:

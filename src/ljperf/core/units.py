@@ -21,6 +21,8 @@ _UNITS = {
     "TIB": 1024**4,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+LARGEST_SIZE = 2**60
+"""1 EiB: more than any machine holds, and within an int64 (a 400-digit size overflowed float → int)."""
 
 
 def parse_size(text: str, *, what: str = "size") -> int:
@@ -28,11 +30,20 @@ def parse_size(text: str, *, what: str = "size") -> int:
     match = _SIZE.match(str(text))
     unit = match.group(2).upper() if match else None
     if match is None or unit not in _UNITS:
-        raise UsageError(f"{what} {text!r} is not a size: write e.g. 80GiB, 70GB, 512MiB or 1K")
-    value = int(float(match.group(1)) * _UNITS[unit])
+        raise UsageError(f"{what} {_shown(text)} is not a size: write e.g. 80GiB, 70GB, 512MiB or 1K")
+    number = float(match.group(1)) * _UNITS[unit]
+    if number > LARGEST_SIZE:
+        raise UsageError(f"{what} {_shown(text)} is larger than 1 EiB: write a size a machine has, e.g. 80GiB")
+    value = int(number)
     if value <= 0:
         raise UsageError(f"{what} {text!r} must be larger than zero")
     return value
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for a one-line error, cut to 40 characters."""
+    text = str(text)
+    return repr(text) if len(text) <= 40 else repr(text[:40]) + "…"
 
 
 def parse_memory(text: str, *, what: str) -> int:

@@ -21,6 +21,7 @@ from ljperf.compile.regional import compile_deepspeed_engine
 from ljperf.core import deepspeed as deepspeed_config
 from ljperf.core.console import console, warn
 from ljperf.core.errors import interruption, one_line
+from ljperf.core.records import without_secrets
 from ljperf.dist import memory
 from ljperf.engines.common import adamw, decoder_blocks, parameter_names
 from ljperf.engines.parallelize import apply_optimizations
@@ -106,7 +107,7 @@ class DeepSpeedEngine:
             "zero_stage": self.config["zero_optimization"]["stage"],
             "local_params": self.local_params(),
             "config_source": self.run.engine_opts.deepspeed_config or "ljperf",
-            "deepspeed_config": self.config,
+            "deepspeed_config": without_secrets(self.config),
             "warnings": [f"{f.message}; fix: {f.fix}" for f in self.warnings],
             "optimizer": "torch.optim.AdamW (DeepSpeed torch_adam)",
         }

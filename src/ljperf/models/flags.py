@@ -7,6 +7,7 @@ Run: ``ljperf benchmark --help`` (group "model").
 from __future__ import annotations
 
 import argparse
+import os
 
 from ljperf.core.errors import UsageError
 from ljperf.models.catalog import ENGINES, split_model_arg
@@ -49,3 +50,10 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
 def model_from_args(args: argparse.Namespace) -> tuple[str, ModelSpec]:
     """(engine, model) from ``--model`` or ``--model-config``/``--engine``."""
     return engine_from_args(args), spec_from_args(args)
+
+
+def model_files(model_config: str | None) -> tuple[str, ...]:
+    """The file ``--model-config`` names: itself, or the ``config.json`` of the folder it names."""
+    if model_config is None:
+        return ()
+    return (os.path.join(model_config, "config.json") if os.path.isdir(model_config) else model_config,)

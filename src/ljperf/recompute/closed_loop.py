@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ljperf.checkpoint.apply import apply_plan
+from ljperf.core.console import say
 from ljperf.core.units import format_bytes
 from ljperf.dist.collectives import max_over_ranks, shared_from_rank0
 from ljperf.dist.memory import reset_cuda_peak
@@ -105,5 +106,5 @@ def close_the_loop(
         loop["second"] = {"plan": list(again.plan), "forecast_peak_bytes": again.forecast_bytes, "fits": again.fits}
         decision = again
         if run.is_main:
-            print(loop_line(measured=measured, forecast=first_peak, scale=scale) + again.line(), flush=True)
+            say(loop_line(measured=measured, forecast=first_peak, scale=scale) + again.line())
     return decision, shared_from_rank0(loop)

@@ -6,6 +6,7 @@ Run: ``ljperf benchmark --model torch/llama-tiny --recompute auto --memory-budge
 
 from __future__ import annotations
 
+from ljperf.core.console import say
 from ljperf.core.errors import UsageError
 from ljperf.core.plans import fixed_plan, parse_recompute
 from ljperf.dist.collectives import shared_from_rank0
@@ -46,5 +47,5 @@ def prepare_run(run: RunContext) -> Decision | None:
         raise UsageError(decision.line())
     run.plan = decision.plan
     if run.is_main:
-        print(decision.line(), flush=True)
+        say(decision.line())
     return decision

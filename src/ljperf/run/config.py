@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ljperf.core import deepspeed as deepspeed_config
 from ljperf.core import options
+from ljperf.core.console import say
 from ljperf.core.errors import UsageError
 from ljperf.core.options import DEEPCOMPILE_WARMUP, EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.core.plans import Plan, fixed_plan, parse_recompute
@@ -88,7 +89,7 @@ def _warmup(args: argparse.Namespace, *, device_type: str) -> int:
     if args.warmup is None:
         return DEEPCOMPILE_WARMUP if deepcompile else TrainConfig.warmup
     if deepcompile and args.warmup < DEEPCOMPILE_WARMUP and os.environ.get("RANK", "0") == "0":
-        print(f"note: DeepCompile compiles again at step 5; --warmup {DEEPCOMPILE_WARMUP} keeps that out of the timing")
+        say(f"note: DeepCompile compiles again at step 5; --warmup {DEEPCOMPILE_WARMUP} keeps that out of the timing")
     return args.warmup
 
 
