@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -96,3 +97,41 @@ def test_sizes_and_counts_past_any_machine_are_one_line(argv, text, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and text in err[0] and len(err[0]) < 300, err
+
+
+def _children(pid: int) -> list[int]:
+    tasks = os.listdir(f"/proc/{pid}/task")
+    return [int(c) for task in tasks for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_ranks_end_with_a_killed_launcher_and_leave_nothing_behind(tmp_path):
+    """``kill -9`` of the launcher: both ranks trained on and wrote ``status: "ok"`` 40 s after it had exited 137,
+    and ``ljperf-run-*`` (and every run's ``torchelastic_*``) stayed in $TMPDIR. Now the ranks get SIGTERM when
+    it dies, keep what they measured in the record, and remove the run folder."""
+    out = tmp_path / "r.json"
+    argv = [*TINY[:5], "--seq-len", "64", "--steps", "1000", "--nproc-per-node", "2", "--output", str(out)]
+    env = cli_env(TMPDIR=str(tmp_path))
+    launcher = subprocess.Popen([sys.executable, "-m", "ljperf", *argv], env=env, cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(ranks := _children(launcher.pid)) < 2 or not list(tmp_path.glob("ljperf-run-*/progress.jsonl")):
+        assert time.monotonic() < deadline and launcher.poll() is None, "the run did not start"
+        time.sleep(0.5)
+    time.sleep(2)  # a few steps
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while any(_alive(r) for r in ranks):
+        assert time.monotonic() < deadline, "ranks outlived their launcher"
+        time.sleep(0.5)
+    results = json.loads(out.read_text())["results"]
+    assert results["status"] == "error" and results["reason"] == "interrupted by SIGTERM", results["reason"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("ljperf-", "torchelastic_"))) == []

@@ -29,7 +29,7 @@ from ljperf.core.errors import (
     interruption,
 )
 from ljperf.core.parser import Parser, unrecognized
-from ljperf.dist.launch import RunFolder
+from ljperf.dist.launch import LAUNCHER_ENV, RunFolder, end_with_parent
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     # A signal while the command's module imports (torch, transformers): exit 130/143, no traceback. Ctrl-C is
     # a KeyboardInterrupt again once the command runs (ablation stops its running benchmark on it).
     signal.signal(signal.SIGTERM, _terminated)
+    if (launcher := os.environ.get(LAUNCHER_ENV)) is not None and "RANK" in os.environ:
+        end_with_parent(int(launcher))  # a rank of ljperf's launcher: when it dies (kill -9 too), so do the ranks
     interrupt = signal.getsignal(signal.SIGINT)
     if interrupt is not signal.SIG_IGN:  # a background job started with Ctrl-C ignored keeps ignoring it
         signal.signal(signal.SIGINT, _terminated)

@@ -8,13 +8,12 @@ finished runs. Each run gets its own compile cache folder, so no variant inherit
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import numbers
 import os
 import shlex
+import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +26,10 @@ from ljperf.core.console import console, warn
 from ljperf.core.errors import UsageError, interrupt_on_signals, interrupts_held, restore_signals
 from ljperf.core.records import SCHEMA_VERSION, now_iso, read_json, write_json
 from ljperf.core.switches import HOOKS
-from ljperf.dist.launch import RUN_DIR_ENV
+from ljperf.dist.launch import RUN_DIR_ENV, end_with_parent
 
 # Seconds a timed-out run gets after SIGTERM to write its partial record before SIGKILL.
 STOP_GRACE_S = 15.0
-PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,8 +270,12 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
     argv = [run.environment.python, "-m", "ljperf", "benchmark", *run.command, "--output", str(pending)]
     timed_out = False
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="ljperf-ablation-") as cache, open(log, "w") as log_file:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
+    # The run's own compile cache, in --out: a killed ablation leaves it there (not in $TMPDIR), and the run's
+    # next start removes it.
+    cache = path.with_name(f".{path.stem}.compile-cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    with open(log, "w") as log_file:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(cache)}
         env.pop(RUN_DIR_ENV, None)
         for variable in HOOKS:  # a variant is its flags: CHECKPOINT_OPTIMIZATION would make each auto
             env.pop(variable, None)
@@ -287,7 +289,7 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
                     stderr=subprocess.STDOUT,
                     env=env,
                     start_new_session=True,
-                    preexec_fn=_end_with_parent,
+                    preexec_fn=end_with_parent,
                 )
             exit_code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -298,6 +300,8 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
                 _stop(proc)
             pending.unlink(missing_ok=True)
             raise
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
     wall_s = time.monotonic() - start
     record = read_json(pending) if pending.exists() else _crash_record(run)
     results = record["results"]
@@ -309,12 +313,6 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
     write_json(path, record)
     pending.unlink(missing_ok=True)
     return record
-
-
-def _end_with_parent() -> None:
-    """In the child: get SIGTERM when the runner dies, even by SIGKILL, so no run is left orphaned (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _stop(proc: subprocess.Popen) -> int:

@@ -9,6 +9,7 @@ Flow: flags → ``RunConfig`` → ``RunContext`` → recompute plan and memory c
 from __future__ import annotations
 
 import contextlib
+import shutil
 import sys
 import time
 from typing import Any
@@ -37,7 +38,7 @@ from ljperf.core.errors import (
 )
 from ljperf.core.records import write_json
 from ljperf.dist import memory
-from ljperf.dist.launch import RunFolder
+from ljperf.dist.launch import RunFolder, launcher_gone
 from ljperf.dist.runtime import shutdown_process
 from ljperf.engines import make_engine
 from ljperf.models.spec import build_meta
@@ -109,6 +110,8 @@ def run_worker(cfg: RunConfig) -> int:
             print(f"ljperf benchmark: {status}: {reason}", file=sys.stderr)
     if status == "ok" or run.world == 1:  # a failed group is kept: its barrier could wait on a lost peer
         shutdown_process()
+    if (folder := RunFolder.watching()) is not None and launcher_gone():  # killed: nobody else removes it
+        shutil.rmtree(folder.path, ignore_errors=True)
     restore_signals(previous)
     return exit_code
 

@@ -7,6 +7,8 @@ under torch's elastic launcher (what ``torchrun`` uses), rendezvous on localhost
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import logging
 import math
@@ -23,6 +25,24 @@ from ljperf.core.errors import EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, 
 from ljperf.core.options import LaunchConfig
 
 RUN_DIR_ENV = "LJPERF_RUN_DIR"
+LAUNCHER_ENV = "LJPERF_LAUNCHER_PID"
+"""Set by ljperf's launcher in the ranks it starts: its process id (the ranks end with it)."""
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def end_with_parent(parent: int | None = None) -> None:
+    """Get SIGTERM when the parent process dies, even by SIGKILL (Linux), so that no rank or run is left
+    orphaned; ``parent``: its id, when it may have died already (then SIGTERM now)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def launcher_gone() -> bool:
+    """Whether ljperf's launcher started this process and has died since (its run folder is nobody's now)."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    return launcher is not None and os.getppid() != int(launcher)
 
 
 @dataclass(frozen=True)
@@ -139,6 +159,7 @@ def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[
 
 def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
     """Run ``python -m ljperf ARGV`` on this node's ``lc.nproc_per_node`` processes; raises what the launcher raises."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
     from torch.distributed.launcher.api import elastic_launch
 
@@ -158,7 +179,9 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # else an empty torchelastic_* folder in $TMPDIR a run
     )
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks end with this process (cli.main)
     # The agent logs "failed (exitcode: N) local_rank: ..." and "Sending process P closing signal SIGTERM" with
     # its own timestamp format; ljperf's one line names the failing rank and why (``failure_reason``).
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_the_agents_failure_lines)
