@@ -135,3 +135,40 @@ def test_ranks_end_with_a_killed_launcher_and_leave_nothing_behind(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert results["status"] == "error" and results["reason"] == "interrupted by SIGTERM", results["reason"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("ljperf-", "torchelastic_"))) == []
+
+
+@pytest.mark.parametrize("content", ["nested", "/dev/zero", "fifo", "large"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["benchmark", "--model-config", "{file}"],
+        ["plan", "--model", "deepspeed/llama-tiny", "--deepspeed-config", "{file}"],
+        ["plan", "--calibrate", "{file}"],
+        ["doctor", "--deepspeed-config", "{file}", "--skip", "driver,nccl-ifname,nccl,versions,compile"],
+    ],
+)
+def test_every_json_input_is_read_with_limits(argv, content, tmp_path, capsys):
+    """``'[' * 200000`` gave a RecursionError traceback, ``/dev/zero`` was read until memory ran out and a FIFO
+    blocked for ever: one reader for every JSON input refuses each in one line naming the file."""
+    path = tmp_path / "input.json"
+    if content == "nested":
+        path.write_text("[" * 200_000)
+    elif content == "large":
+        path.write_text(" " * (8 * 1024**2 + 1) + "{}")
+    elif content == "fifo":
+        os.mkfifo(path)
+    else:
+        path = content
+    assert main([a.replace("{file}", str(path)) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "Traceback" not in err[0], err
+
+
+def test_a_run_record_nested_too_deep_is_skipped_with_a_line(tmp_path):
+    """One such record broke ``ljperf report`` and resume for the whole folder (a RecursionError traceback)."""
+    from ljperf.ablation.runner import read_records
+
+    (tmp_path / "runs" / "local").mkdir(parents=True)
+    (tmp_path / "runs" / "local" / "base.r1.json").write_text("[" * 200_000)
+    records, skipped = read_records(tmp_path)
+    assert records == {} and len(skipped) == 1 and "nested deeper than Python reads" in skipped[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import json
 import math
 import os
@@ -225,23 +226,56 @@ def _finite(data: Any) -> Any:
     return data
 
 
-def read_json_object(path: str | os.PathLike, *, what: str) -> dict:
-    """A JSON object from a file the user named (``what``, e.g. ``--model-config 'x.json'``); a missing,
-    unreadable or malformed file, or one that holds no object, is a usage error."""
+CONFIG_LIMIT = 8 * 1024**2
+"""Bytes of a JSON file a user names (a model or DeepSpeed config: a few KiB)."""
+RECORD_LIMIT = 256 * 1024**2
+"""Bytes of a JSON file ljperf wrote (a record of 10^6 steps is about 40 MB)."""
+
+
+class JSONInputError(ValueError):
+    """A JSON file that is not one ljperf reads: not a regular file, too large, not JSON, or nested too deep."""
+
+
+def read_json(path: str | os.PathLike, *, limit: int = RECORD_LIMIT) -> Any:
+    """The JSON value of a regular file of at most ``limit`` bytes; never pickle. A device (``/dev/zero``: read until
+    memory ran out), a FIFO (blocked for ever), a larger file, malformed or too deeply nested JSON (a
+    ``RecursionError``) raise ``JSONInputError``; a missing or unreadable file the ``OSError``."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+    kind = _kind(path)
+    if kind is not None:
+        raise JSONInputError(f"it is {kind}" + (", not a file" if kind.startswith("a ") else ""))
+    size = os.stat(path).st_size
+    if size > limit:
+        raise JSONInputError(f"it is {format_size(size)}, more than the {format_size(limit)} a JSON input may be")
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
     try:
-        data = json.loads(Path(path).read_text())
+        return json.loads(data)
+    except RecursionError:
+        raise JSONInputError("it is nested deeper than Python reads") from None
+    except UnicodeDecodeError:
+        raise JSONInputError("it is not text") from None
+    except json.JSONDecodeError as exc:
+        raise JSONInputError(f"it is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+
+
+def read_json_object(path: str | os.PathLike, *, what: str) -> dict:
+    """A JSON object from a file the user named (``what``, e.g. ``--model-config 'x.json'``); a missing, unreadable,
+    malformed or oversized file, or one that holds no object, is a usage error naming it."""
+    try:
+        data = read_json(path, limit=CONFIG_LIMIT)
     except FileNotFoundError:
         raise UsageError(f"{what}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{what}: cannot read it ({type(exc).__name__})") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{what} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    except JSONInputError as exc:
+        raise UsageError(f"{what}: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"{what}: cannot read it ({exc.strerror or type(exc).__name__})") from None
     if not isinstance(data, dict):
         raise UsageError(f"{what} must hold a JSON object")
     return data
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """Read a record or calibration file: JSON only, never pickle."""
-    with open(path) as f:
-        return json.load(f)
+def format_size(n: int) -> str:
+    """Bytes as MiB, for the size errors above (``core.units`` formats for tables)."""
+    return f"{n / 1024**2:.1f} MiB"
