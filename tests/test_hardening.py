@@ -172,3 +172,37 @@ def test_a_run_record_nested_too_deep_is_skipped_with_a_line(tmp_path):
     (tmp_path / "runs" / "local" / "base.r1.json").write_text("[" * 200_000)
     records, skipped = read_records(tmp_path)
     assert records == {} and len(skipped) == 1 and "nested deeper than Python reads" in skipped[0]
+
+
+def test_a_cache_entry_changed_outside_ljperf_is_traced_again_with_one_warning(tmp_path, monkeypatch, capsys):
+    """Every number of a cached trace scaled by 0.1 made ``ljperf plan`` answer a largest micro batch 10× too
+    large (a plan that "fits" a batch that does not); strings for numbers gave tracebacks. Here the trace's
+    numbers are scaled and the block sizes' made strings: each is made again, with one line saying so."""
+    from ljperf.forecast import Recipe, blocks, forecast, trace
+    from ljperf.models.spec import resolve
+
+    monkeypatch.setenv("LJPERF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(blocks, "_BLOCKS", {})  # what this process read before is not read again
+    monkeypatch.setattr(trace, "_PATTERNS", {})
+    spec, recipe = resolve(name="llama-tiny"), Recipe(device="cpu", precision="fp32", micro_batch=1, seq_len=64)
+    first = forecast(spec, recipe)
+
+    def change(value, edit):
+        if isinstance(value, list | dict):
+            for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+                value[key] = change(item, edit)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return edit(value)
+        return value
+
+    files = sorted((tmp_path / "forecast").glob("*.json"))
+    for path in files:
+        entry = json.loads(path.read_text())
+        change(entry["data"], str if "-blocks-" in path.name else lambda n: n // 10)
+        path.write_text(json.dumps(entry))
+    monkeypatch.setattr(blocks, "_BLOCKS", {})
+    monkeypatch.setattr(trace, "_PATTERNS", {})
+    assert forecast(spec, recipe) == first
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "changed since ljperf wrote it: made again" in line]
+    assert len(files) == 2 and len(warnings) == 2 and "Traceback" not in err, err
