@@ -206,3 +206,37 @@ def test_a_cache_entry_changed_outside_ljperf_is_traced_again_with_one_warning(t
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if "changed since ljperf wrote it: made again" in line]
     assert len(files) == 2 and len(warnings) == 2 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("change", "text"),
+    [
+        ({"hidden_size": 10**9, "num_attention_heads": 1, "num_key_value_heads": 1}, "parameters, more than the 1e+13"),
+        ({"num_hidden_layers": 100_000}, "num_hidden_layers 100,000 is more than the 10,000"),
+    ],
+)
+def test_an_absurd_config_is_refused_before_anything_is_built(change, text, tmp_path, capsys):
+    """A hidden size of 10^9 made ``plan`` allocate ~4 GB at a time and 100,000 layers built a 100k-layer model:
+    neither finished in 300 s. Refused from the file's own numbers, before transformers is imported."""
+    import ljperf.plan.record  # noqa: F401 - imported before the clock starts: the command's own imports
+    from ljperf.models.catalog import read_config_dict
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(read_config_dict(name="llama-tiny") | change))
+    started = time.monotonic()
+    assert main(["plan", "--model-config", str(config), "--gpu", "H100"]) == 2
+    assert time.monotonic() - started < 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and text in err[0], err
+
+
+def test_a_meta_build_makes_no_large_filled_tensor_for_real():
+    """``torch.ones`` of a norm weight is made for real and only then moved to the meta device."""
+    import torch
+
+    from ljperf.models.spec import LARGEST_REAL, _empty_on_meta
+
+    with _empty_on_meta():
+        large = torch.ones(LARGEST_REAL + 1), torch.zeros((2, LARGEST_REAL)), torch.full((LARGEST_REAL + 1,), 2.0)
+        small = torch.ones(8), torch.arange(4.0)
+    assert [t.device.type for t in large] == ["meta"] * 3 and [t.device.type for t in small] == ["cpu"] * 2

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+MOST_LAYERS = 10_000
+"""Decoder layers a config may have (the largest models have about 130): more is refused before any build."""
+MOST_PARAMS = 10**13
+"""Parameters a config may have, by ``rough_params`` (the largest models have about 2·10^12)."""
 
 
 def hf_config(data: dict, *, source: str) -> PretrainedConfig:
@@ -52,6 +56,7 @@ def hf_config(data: dict, *, source: str) -> PretrainedConfig:
         value = getattr(config, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UsageError(f"{source}: {key} must be a whole number of 1 or more (got {value!r})")
+    check_size(config, source=source)
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or heads % kv):
         # transformers does not check it; attention then fails at the first step with a shape mismatch
@@ -61,6 +66,49 @@ def hf_config(data: dict, *, source: str) -> PretrainedConfig:
     if type(config) not in AutoModelForCausalLM._model_mapping:
         raise UsageError(f"{source}: model_type {data['model_type']!r} has no causal-LM class in transformers")
     return config
+
+
+def rough_params(config: PretrainedConfig) -> int:
+    """An upper estimate of a config's parameters from its sizes alone (nothing built): embedding and head, and per
+    layer four hidden² attention projections, a dense MLP and an expert bank (three hidden × intermediate each)."""
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    dense = getattr(config, "intermediate_size", None) or 4 * h
+    experts = max(getattr(config, name, 0) or 0 for name in ("num_local_experts", "num_experts", "n_routed_experts"))
+    expert = getattr(config, "moe_intermediate_size", None) or dense
+    return 2 * vocab * h + layers * (4 * h * h + 3 * h * (dense + expert * experts))
+
+
+_WRITTEN_AS = {
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+class _Written:
+    """A config file's sizes under transformers' usual names, where it writes them (GPT-2's ``n_layer``, ...);
+    what ``check_size`` reads before the config class exists."""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    def __getattr__(self, name: str) -> Any:
+        for key in _WRITTEN_AS.get(name, (name,)):
+            value = self.data.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return 0 if name in _WRITTEN_AS else None
+
+
+def check_size(config: PretrainedConfig | _Written, *, source: str) -> None:
+    """Refuse, before anything is built, a config deeper than ``MOST_LAYERS`` or larger than ``MOST_PARAMS``: a
+    planned 100,000-layer model or a hidden size of 10^9 did not finish building in 300 s."""
+    if config.num_hidden_layers > MOST_LAYERS:
+        raise UsageError(
+            f"{source}: num_hidden_layers {config.num_hidden_layers:,} is more than the {MOST_LAYERS:,} ljperf plans"
+        )
+    if (params := rough_params(config)) > MOST_PARAMS:
+        raise UsageError(f"{source}: about {params:.1e} parameters, more than the {MOST_PARAMS:.0e} ljperf plans")
 
 
 FACT_FIELDS = (
@@ -283,6 +331,7 @@ def resolve(*, name: str | None = None, path: str | Path | None = None) -> Model
     data = read_config_dict(name=name, path=path)
     source = f"model {name!r}" if name else f"--model-config {str(path)!r}"
     spec_name = name or str(path)
+    check_size(_Written(data), source=source)  # before transformers is imported: the sizes as the file writes them
 
     def build() -> ModelSpec:
         with _warnings_only_if_accepted():
@@ -365,18 +414,43 @@ def with_layers(spec: ModelSpec, layers: int, *, pick: Sequence[int] | None = No
     return ModelSpec.of(config, name=f"{spec.name}[{layers} layers]")
 
 
+LARGEST_REAL = 2**24
+"""Elements of a ``torch.ones``/``zeros``/``full`` a meta build may still make for real: buffers (RoPE frequencies,
+masks) are far smaller; a norm weight of a 10^9 hidden size (4 GB) is not."""
+
+
 def _empty_on_meta() -> contextlib.AbstractContextManager:
-    """``torch.empty`` on the meta device: what parameters are made from before ``init_empty_weights`` moves them
-    there on registration (DeepSeek-V3's experts, one 3-D tensor per layer, were 30 GB of real memory each)."""
+    """``torch.empty``, and any larger than ``LARGEST_REAL`` ``torch.ones``/``zeros``/``full``, on the meta device:
+    what parameters are made from before ``init_empty_weights`` moves them there on registration (DeepSeek-V3's
+    experts, one 3-D tensor per layer, were 30 GB of real memory each; RMSNorm's ``torch.ones`` of an absurd hidden
+    size, 4 GB)."""
+    import math
+
     import torch
     from torch.overrides import TorchFunctionMode
+
+    filled = (torch.ones, torch.zeros, torch.full)
+
+    def elements(func: Callable, args: tuple, kwargs: dict) -> int:
+        """Elements of ``torch.ones(*size)``, ``ones(size)``, ``ones(size=...)`` or ``full(size, value)``."""
+        if "size" in kwargs:
+            size = kwargs["size"]
+        elif func is torch.full or (len(args) == 1 and isinstance(args[0], list | tuple | torch.Size)):
+            size = args[0] if args else ()
+        else:
+            size = args
+        try:
+            return math.prod(int(d) for d in size)
+        except (TypeError, ValueError):
+            return 0
 
     class EmptyOnMeta(TorchFunctionMode):
         def __torch_function__(
             self, func: Callable, types: tuple[type, ...], args: tuple = (), kwargs: dict | None = None
         ) -> object:
             kwargs = kwargs or {}
-            if func is torch.empty and kwargs.get("device") in (None, "cpu"):
+            large = func in filled and elements(func, args, kwargs) > LARGEST_REAL
+            if (func is torch.empty or large) and kwargs.get("device") in (None, "cpu"):
                 kwargs = {**kwargs, "device": "meta"}
             return func(*args, **kwargs)
 
