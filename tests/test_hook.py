@@ -52,13 +52,29 @@ def test_unset_imports_nothing():
 
 
 @pytest.mark.parametrize(("value", "warns"), [("maybe", True), ("false", False), ("0", False), (" ON ", False)])
-def test_a_value_neither_on_nor_off_warns_once_and_stays_off(value, warns):
+def test_a_value_neither_on_nor_off_warns_once_where_the_hook_would_act_and_stays_off(value, warns):
+    """Said once, by a process that imports what the hook patches (it was said by every Python process)."""
     env = cli_env(CHECKPOINT_OPTIMIZATION=value)
-    code = "import sys; print([m for m in sys.modules if m.startswith('ljperf.hooks.')])"
+    code = "import sys; import torch.distributed.fsdp; print([m for m in sys.modules if m.startswith('ljperf.hooks.')])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     lines = out.stderr.splitlines()
     assert len(lines) == warns and all(f"CHECKPOINT_OPTIMIZATION={value!r} is neither on" in line for line in lines)
     assert ("ljperf.hooks.checkpoint" in out.stdout) == (value.strip().lower() == "on")
+    quiet = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True, env=env, check=True)
+    assert quiet.stderr == ""
+
+
+def test_a_set_variable_loads_three_small_modules_until_a_patched_library_is_imported():
+    """``COMPILE_OPTIMIZATION=true`` in an image's environment reaches every ``python``, ``pip`` and tool: the
+    hook loaded 66 more modules (+30 ms a start). Now ljperf's package, its hooks package and the import hook alone
+    (benchmarks/startup_hook.py measures the time side by side)."""
+    code = "import sys; print(' '.join(sys.modules))"
+    loaded = {}
+    for value in ("", "true"):
+        env = cli_env(COMPILE_OPTIMIZATION=value)
+        loaded[value] = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                                           check=True).stdout.split())  # fmt: skip
+    assert loaded["true"] - loaded[""] == {"ljperf", "ljperf.hooks", "ljperf.hooks.imports"}
 
 
 def test_set_patches_trainer_only_when_imported():

@@ -1,51 +1,61 @@
-"""Post-import hooks: ``when_imported("deepspeed", fn)`` calls ``fn(module)`` right after ``deepspeed`` is
-first imported, or at once if it already is. Nothing is imported ahead of the user's script.
+"""Post-import hooks: ``when_imported("deepspeed", fn)`` calls ``fn(module)`` right after ``deepspeed`` is first
+imported, or at once if it already is; and ``boot()``, what ``ljperf_startup.pth`` runs when a hook's variable is
+set. Nothing is imported ahead of the user's script, and this module imports only ``sys``: every Python process
+of an image with ``COMPILE_OPTIMIZATION=true`` loads it.
 
-A ``sys.meta_path`` finder sees only the registered names; it lets the other finders locate the module and
-wraps the loader so the callbacks run after the module body. A callback that raises is reported as one
-warning and the import goes on unchanged.
+A ``sys.meta_path`` finder sees only the registered names; it lets the other finders locate the module and wraps
+the loader so the callbacks run after the module body. A callback that raises is reported as one warning and the
+import goes on unchanged.
 """
 
-from __future__ import annotations
 
-import importlib.abc
 import sys
-import threading
-import warnings
-from collections.abc import Callable, Sequence
-from types import ModuleType
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from importlib.machinery import ModuleSpec
+TRIGGERS = ("transformers.trainer", "deepspeed", "torch.distributed.fsdp")
+"""The imports a startup hook patches (``hooks.checkpoint``, ``hooks.compile_trainer``): the hooks load at the first."""
 
-_PENDING: dict[str, list[Callable[[ModuleType], None]]] = {}
-_LOCK = threading.RLock()
+_PENDING: dict = {}
+"""Module name → callbacks waiting for its import."""
 
 
-def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
-    """Run ``callback(module)`` once ``name`` is imported (now, if it is already)."""
-    with _LOCK:
-        module = sys.modules.get(name)
-        if module is None:
-            _PENDING.setdefault(name, []).append(callback)
-            if not any(isinstance(f, _Finder) for f in sys.meta_path):
-                sys.meta_path.insert(0, _Finder())
-            return
-    _run(callback, module)
+def boot() -> None:
+    """Load the startup hooks (``hooks.startup.install``) when the script first imports one of ``TRIGGERS``: a
+    process that never does (``pip``, a tool, ``python -c``) pays for this module alone."""
+    for name in TRIGGERS:
+        when_imported(name, _install)
 
 
-def _run(callback: Callable[[ModuleType], None], module: ModuleType) -> None:
+def _install(module: object) -> None:
+    from ljperf.hooks import startup  # the hooks and their variables' check: only where a hook can act
+
+    startup.install()
+
+
+def when_imported(name: str, callback: object) -> None:
+    """Run ``callback(module)`` once ``name`` is imported (now, if it is already). A module still running its body
+    (``transformers.trainer`` imports FSDP2, whose import loads the hooks) waits for the end of it."""
+    module = sys.modules.get(name)
+    if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
+        _run(callback, module)
+        return
+    _PENDING.setdefault(name, []).append(callback)
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def _run(callback: object, module: object) -> None:
     try:
         callback(module)
     except Exception as exc:  # a hook must never break the user's import
+        import warnings
+
         warnings.warn(f"ljperf: hook on {module.__name__} failed, left unpatched ({exc!r})", stacklevel=2)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> ModuleSpec | None:
+class _Finder:
+    """A meta-path finder for the pending names only: the other finders locate the module, its loader is wrapped."""
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> object:
         if fullname not in _PENDING:
             return None
         for finder in sys.meta_path:
@@ -59,22 +69,21 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
     """The module's own loader, then the callbacks; every other attribute is the original loader's."""
 
-    def __init__(self, loader: importlib.abc.Loader, name: str):
+    def __init__(self, loader: object, name: str):
         self._loader = loader
         self._name = name
 
-    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+    def create_module(self, spec: object) -> object:
         return self._loader.create_module(spec)
 
-    def exec_module(self, module: ModuleType) -> None:
+    def exec_module(self, module: object) -> None:
         self._loader.exec_module(module)
-        with _LOCK:
-            callbacks = _PENDING.pop(self._name, [])
-        for callback in callbacks:
-            _run(callback, module)
+        while callbacks := _PENDING.pop(self._name, None):  # a callback may register more for this module
+            for callback in callbacks:
+                _run(callback, module)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> object:
         return getattr(self._loader, name)
