@@ -10,6 +10,7 @@ from ljperf.forecast import analytic, timeline
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.calibrate import overheads_for
 from ljperf.forecast.recipe import Forecast, Recipe
+from ljperf.forecast.sharding import engine_sharding
 from ljperf.forecast.trace import FAMILIES, Patterns, TraceError, layer_picks, reference_kind, traced_patterns
 from ljperf.models.spec import ModelSpec
 
@@ -102,14 +103,14 @@ def max_micro_batch(spec: ModelSpec, recipe: Recipe, memory: int, *, device_name
 def analytic_forecast(spec: ModelSpec, recipe: Recipe, *, reason: str) -> Forecast:
     """The closed-form fallback: model states plus the end-of-forward activations, or the optimizer step."""
     blocks = block_params(spec)
-    shard = timeline.engine_sharding(spec, recipe)
+    shard = engine_sharding(spec, recipe)
     batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * timeline.TOKEN_BYTES
     states = shard.params + shard.optimizer + shard.comm_buffers + blocks.buffer_bytes + batch
     acts = analytic.activation_bytes(spec, recipe)
     logits_grad = recipe.micro_batch * recipe.seq_len * spec.vocab * 4
     grads_seen = shard.grads if recipe.grad_accum > 1 else 0
-    gathered = max(max(shard.layer_terms(i)[:2]) for i in range(blocks.layers))
-    forward = states + grads_seen + acts + logits_grad + shard.resident + gathered
+    gathered = max(max(g.forward, g.backward) for g in map(shard.gathering.layer, range(blocks.layers)))
+    forward = states + grads_seen + acts + logits_grad + shard.gathering.resident + gathered
     optimizer = (
         states
         + shard.grads
@@ -121,7 +122,7 @@ def analytic_forecast(spec: ModelSpec, recipe: Recipe, *, reason: str) -> Foreca
         "gradients": grads_seen if forward >= optimizer else shard.grads,
         "activations": acts if forward >= optimizer else 0,
         "logits_and_loss": logits_grad if forward >= optimizer else 0,
-        "gathered_parameters": shard.resident + gathered if forward >= optimizer else 0,
+        "gathered_parameters": shard.gathering.resident + gathered if forward >= optimizer else 0,
         "batch": batch,
         "comm_buffers": shard.comm_buffers,
     }
