@@ -20,7 +20,7 @@ from ljperf.cli import main
 from ljperf.core.options import OptimConfig, TrainConfig
 from ljperf.core.plans import fixed_plan, parse_recompute
 from ljperf.engines.torch_engine import TorchEngine
-from ljperf.forecast import Recipe, analytic, calibrate, forecast, layer_costs, patches, sharding, timeline, trace
+from ljperf.forecast import Recipe, analytic, calibrate, forecast, layer_costs, patches, sharding, trace, walk
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.recipe import ZeroSettings
 from ljperf.forecast.trace import LiveBytesTimeline, fake_model
@@ -563,7 +563,7 @@ def test_optimizer_temporaries_match_a_traced_adamw_step(foreach):
             opt.step()
     blocks = block_params(spec)
     recipe = Recipe(device="cpu", optimizer="foreach" if foreach else "single")
-    expected = timeline.optimizer_transient(blocks, recipe, local_params=blocks.total * 4)
+    expected = walk.optimizer_transient(blocks, recipe, local_params=blocks.total * 4)
     assert max(tracker.points) - before == pytest.approx(expected, rel=1e-3)
 
 
