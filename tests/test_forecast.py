@@ -20,7 +20,7 @@ from ljperf.cli import main
 from ljperf.core.options import OptimConfig, TrainConfig
 from ljperf.core.plans import fixed_plan, parse_recompute
 from ljperf.engines.torch_engine import TorchEngine
-from ljperf.forecast import Recipe, analytic, calibrate, forecast, layer_costs, patches, timeline, trace
+from ljperf.forecast import Recipe, analytic, calibrate, forecast, layer_costs, patches, sharding, trace, walk
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.recipe import ZeroSettings
 from ljperf.forecast.trace import LiveBytesTimeline, fake_model
@@ -354,7 +354,7 @@ def test_layers_of_different_sizes_are_counted_each(tmp_path):
     blocks = block_params(spec)
     assert blocks.total == spec.params.total and len(set(blocks.layer_sizes[:3])) == 1
     assert blocks.layer_sizes[3] > 10 * blocks.layer_sizes[0] and len(set(blocks.layer_sizes[3:])) == 1
-    fsdp = timeline.engine_sharding(spec, Recipe(engine="fsdp", world=256, precision="bf16-mixed"))
+    fsdp = sharding.engine_sharding(spec, Recipe(engine="fsdp", world=256, precision="bf16-mixed"))
     assert fsdp.params == -(-blocks.total * 4 // 256)  # 9.77 GiB
 
 
@@ -563,7 +563,7 @@ def test_optimizer_temporaries_match_a_traced_adamw_step(foreach):
             opt.step()
     blocks = block_params(spec)
     recipe = Recipe(device="cpu", optimizer="foreach" if foreach else "single")
-    expected = timeline.optimizer_transient(blocks, recipe, local_params=blocks.total * 4)
+    expected = walk.optimizer_transient(blocks, recipe, local_params=blocks.total * 4)
     assert max(tracker.points) - before == pytest.approx(expected, rel=1e-3)
 
 

@@ -10,7 +10,18 @@ from ljperf.forecast import analytic, timeline
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.calibrate import overheads_for
 from ljperf.forecast.recipe import Forecast, Recipe
-from ljperf.forecast.trace import FAMILIES, Patterns, TraceError, layer_picks, reference_kind, traced_patterns
+from ljperf.forecast.sharding import engine_sharding
+from ljperf.forecast.trace import (
+    FAMILIES,
+    Patterns,
+    Segment,
+    SegmentKey,
+    TraceError,
+    layer_picks,
+    reference_kind,
+    traced_patterns,
+)
+from ljperf.forecast.walk import TOKEN_BYTES, optimizer_transient
 from ljperf.models.spec import ModelSpec
 
 TRACED_TOKENS = max(seq for shapes in FAMILIES.values() for _, seq in shapes)
@@ -102,18 +113,16 @@ def max_micro_batch(spec: ModelSpec, recipe: Recipe, memory: int, *, device_name
 def analytic_forecast(spec: ModelSpec, recipe: Recipe, *, reason: str) -> Forecast:
     """The closed-form fallback: model states plus the end-of-forward activations, or the optimizer step."""
     blocks = block_params(spec)
-    shard = timeline.engine_sharding(spec, recipe)
-    batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * timeline.TOKEN_BYTES
+    shard = engine_sharding(spec, recipe)
+    batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * TOKEN_BYTES
     states = shard.params + shard.optimizer + shard.comm_buffers + blocks.buffer_bytes + batch
     acts = analytic.activation_bytes(spec, recipe)
     logits_grad = recipe.micro_batch * recipe.seq_len * spec.vocab * 4
     grads_seen = shard.grads if recipe.grad_accum > 1 else 0
-    gathered = max(max(shard.layer_terms(i)[:2]) for i in range(blocks.layers))
-    forward = states + grads_seen + acts + logits_grad + shard.resident + gathered
+    gathered = max(max(g.forward, g.backward) for g in map(shard.gathering.layer, range(blocks.layers)))
+    forward = states + grads_seen + acts + logits_grad + shard.gathering.resident + gathered
     optimizer = (
-        states
-        + shard.grads
-        + timeline.optimizer_transient(blocks, recipe, local_params=shard.params, flat=shard.optimizer_flat)
+        states + shard.grads + optimizer_transient(blocks, recipe, local_params=shard.params, flat=shard.optimizer_flat)
     )
     parts = {
         "parameters": shard.params + blocks.buffer_bytes,
@@ -121,7 +130,7 @@ def analytic_forecast(spec: ModelSpec, recipe: Recipe, *, reason: str) -> Foreca
         "gradients": grads_seen if forward >= optimizer else shard.grads,
         "activations": acts if forward >= optimizer else 0,
         "logits_and_loss": logits_grad if forward >= optimizer else 0,
-        "gathered_parameters": shard.resident + gathered if forward >= optimizer else 0,
+        "gathered_parameters": shard.gathering.resident + gathered if forward >= optimizer else 0,
         "batch": batch,
         "comm_buffers": shard.comm_buffers,
     }
@@ -157,5 +166,5 @@ def layer_costs(spec: ModelSpec, recipe: Recipe, *, modes: tuple[str, ...] = ("n
         except TraceError as exc:
             raise UsageError(f"cannot trace {spec.name}: {exc}") from None
         values = pats.evaluate(recipe.micro_batch, recipe.seq_len)
-        out[mode] = LayerCost(saved_bytes=values["f1@1"][1])
+        out[mode] = LayerCost(saved_bytes=values[SegmentKey(Segment.F1, 1)][1])
     return out

@@ -43,9 +43,10 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -414,6 +415,46 @@ EDGES = ("pre_f", "post_f", "post_b", "pre_b", "gap")
 """The segments outside the decoder layers, which a layer can leave bytes to (``Patterns.per_layer``)."""
 
 
+class Segment(Enum):
+    """A segment of ``segments`` by its name there: the embedding's (``PRE_*``), the first, a middle and the last
+    decoder layer's (``F0``-``F2`` forward, ``B0``-``B2`` backward), the head and loss's (``POST_*``), and the gap
+    to the next micro-step."""
+
+    PRE_F = "pre_f"
+    F0 = "f0"
+    F1 = "f1"
+    F2 = "f2"
+    POST_F = "post_f"
+    POST_B = "post_b"
+    B2 = "b2"
+    B1 = "b1"
+    B0 = "b0"
+    PRE_B = "pre_b"
+    GAP = "gap"
+
+    @property
+    def edge(self) -> bool:
+        """Outside the decoder layers (``EDGES``)."""
+        return self.value in EDGES
+
+
+class SegmentKey(NamedTuple):
+    """A segment of one traced micro-step; ``Patterns`` keys it by its ``cache_name``, ``"<segment>@<micro>"``."""
+
+    segment: Segment
+    micro: int
+    """1: the micro-step that allocates the gradients; 2: one that accumulates into them (``MICRO_STEPS``)."""
+
+    @property
+    def cache_name(self) -> str:
+        return f"{self.segment.value}@{self.micro}"
+
+    @classmethod
+    def parse(cls, name: str) -> SegmentKey:
+        segment, micro = name.split("@")
+        return cls(Segment(segment), int(micro))
+
+
 def split_segments(raw: RawTrace, *, layers: int) -> dict[str, list[int]]:
     """``{"<segment>@<micro>": [bytes relative to the segment start, ...]}`` including start and end points."""
     names = [name for name, _ in raw.marks if name != "loss"]
@@ -429,7 +470,7 @@ def split_segments(raw: RawTrace, *, layers: int) -> dict[str, list[int]]:
         for name, start, end in segments(layers):
             lo, hi = at[start], at[end]
             base = raw.points[lo]
-            out[f"{name}@{micro + 1}"] = [p - base for p in raw.points[lo : hi + 1]]
+            out[SegmentKey(Segment(name), micro + 1).cache_name] = [p - base for p in raw.points[lo : hi + 1]]
     return out
 
 
@@ -445,15 +486,22 @@ class Patterns:
     cuda_differs: bool = False
     """The traces met something CUDA runs otherwise (``RawTrace.cuda_differs``)."""
 
-    def points(self, name: str, b: int, s: int, *, per_layer: bool = False) -> list[int]:
-        """The points of segment ``name`` at micro batch ``b`` and sequence ``s`` (of its per-layer share)."""
-        rows = self.per_layer[name] if per_layer else self.segments[name]
+    def segment_keys(self) -> list[SegmentKey]:
+        return [SegmentKey.parse(name) for name in self.segments]
+
+    def shares(self, key: SegmentKey) -> bool:
+        """Whether each layer adds to the points of segment ``key`` (an edge's ``per_layer``)."""
+        return key.cache_name in self.per_layer
+
+    def points(self, key: SegmentKey, b: int, s: int, *, per_layer: bool = False) -> list[int]:
+        """The points of segment ``key`` at micro batch ``b`` and sequence ``s`` (of its per-layer share)."""
+        rows = self.per_layer[key.cache_name] if per_layer else self.segments[key.cache_name]
         m = monomials(b, s)
         return [sum(c * x for c, x in zip(row, m, strict=True)) for row in rows]
 
-    def evaluate(self, b: int, s: int) -> dict[str, tuple[int, int]]:
+    def evaluate(self, b: int, s: int) -> dict[SegmentKey, tuple[int, int]]:
         """``segment → (peak above its start, end minus start)`` at micro batch ``b`` and sequence ``s``."""
-        return {name: peak_and_net(self.points(name, b, s)) for name in self.segments}
+        return {key: peak_and_net(self.points(key, b, s)) for key in self.segment_keys()}
 
 
 def peak_and_net(values: list[int]) -> tuple[int, int]:
@@ -489,7 +537,7 @@ def with_per_layer(
         slope = [[d - r for r, d in zip(row, deep, strict=True)] for row, deep in zip(rows, other, strict=True)]
         if not any(any(row) for row in slope):
             continue
-        if name.split("@")[0] not in EDGES:
+        if not SegmentKey.parse(name).segment.edge:
             raise TraceError(f"decoder layer segment {name} depends on the model's depth")
         per_layer[name] = slope
     return Patterns(segments=reference, per_layer=per_layer, cuda_differs=cuda_differs)

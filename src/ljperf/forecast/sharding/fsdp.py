@@ -1,0 +1,52 @@
+"""FSDP2's sharding, as ``_fully_shard/_fsdp_param_group.py`` allocates.
+
+Use: ``fsdp_sharding(spec, recipe)`` (``sharding.engine_sharding`` picks it for ``engine="fsdp"``).
+"""
+
+from __future__ import annotations
+
+from ljperf.forecast.recipe import Recipe
+from ljperf.forecast.sharding.base import FsdpReduce, Gathering, LayerGather, Sharding, Sizes
+from ljperf.models.spec import ModelSpec
+
+
+def fsdp_sharding(spec: ModelSpec, recipe: Recipe) -> Sharding:
+    """Parameters, gradients and moments sharded 1/world. A group's all-gather lands in a flat buffer, then is
+    copied out into the per-parameter tensors; in forward the flat buffer is kept until the next group's copy-out
+    (overlap), so a running layer costs two gathered copies, and the last layer's buffer lives on through the head
+    and loss. Backward prefetches the next layer (its flat buffer) and keeps the previous layer's reduce-scatter
+    input (fp32 gradients) until the next reduce. The root (embedding, norm, head) is gathered from its forward to
+    the end of backward: resharded after the forward, it is gathered again at the start of backward (its flat
+    buffer alive while the copy-out refills its parameters), and resharded before its gradients are
+    reduce-scattered together at the end (the head's stays whole through the layers' backward). Without
+    resharding after forward, layers stay gathered until their backward."""
+    size = Sizes.of(spec, recipe)
+    blocks, master = size.blocks, recipe.weight_bytes
+    layer = blocks.layer * size.compute
+    root = (blocks.pre + blocks.post) * size.compute
+    n = blocks.layers
+    if recipe.reshard_after_forward:
+        backward = [2 * layer] * n
+        if n > 1:  # the first layer's backward (the last to run) prefetches nothing; a lone layer is walked as last
+            backward[0] = layer
+        layers = tuple(LayerGather(forward=2 * layer, backward=b, held=0) for b in backward)
+        gathering = Gathering(
+            resident=root,
+            layers=layers,
+            embedding_forward=root,
+            head_forward=layer,
+            head_backward=layer,
+            root_backward=root,
+        )
+    else:  # no re-gather
+        layers = (LayerGather(forward=layer, backward=0, held=layer),) * n
+        gathering = Gathering(resident=root, layers=layers, embedding_forward=root, head_forward=layer)
+    return Sharding(
+        params=size.shard,
+        grads=size.shard,
+        optimizer=size.moments,
+        grad_keep=1 / size.world,
+        kept_grad_bytes=master,
+        gathering=gathering,
+        fsdp=FsdpReduce(reduce_input=blocks.layer * master),
+    )

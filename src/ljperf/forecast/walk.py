@@ -1,0 +1,369 @@
+"""Walk one rank's training step block by block over the traced segments, and find its peak.
+
+Use: ``walk_step(recipe, shard, blocks=..., layers=..., edges=...).peak`` (``timeline.compose`` walks each kind of
+rank and takes the highest).
+
+The step is ``accumulate`` (``grad_accum`` micro-steps, each a ``forward`` of the embedding, the decoder layers
+and the head and loss, then a backward in reverse: ``head_backward``, ``layer_backward`` per layer,
+``embedding_backward``, ``backward_end``) and then ``optimizer_step``. Each traced segment gives its peak above
+the running level and its net change: the walk visits each peak and moves the level by each net change, with
+what the engine gathers, buffers and reduces around the block (``sharding``). The step's peak is the highest
+point visited, not a sum. The level starts at the persistent state: parameters, optimizer states, the batch,
+sharded gradients or communication buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ljperf.forecast.blocks import BlockParams
+from ljperf.forecast.recipe import Recipe
+from ljperf.forecast.sharding.base import FP32, Sharding, ZeroState
+from ljperf.forecast.trace import Segment, SegmentKey
+
+TOKEN_BYTES = 8  # int64 token ids
+
+Segments = Mapping[SegmentKey, tuple[int, int]]
+"""Traced segments at the recipe's shape: ``(peak above its start, net change)`` each (``Patterns.evaluate``)."""
+
+
+@dataclass
+class Walk:
+    """The running level and what it is made of, and the highest point seen."""
+
+    level: int
+    parts: dict[str, int]
+    peak: int = -1
+    peak_parts: dict[str, int] | None = None
+    phase: str = ""
+
+    @classmethod
+    def start(cls, shard: Sharding, *, buffers: int, batch: int) -> Walk:
+        """The level before the step: what lives between steps (``buffers``: the model's, ``batch``: token ids)."""
+        held_grads = shard.grads if shard.grads_persistent else 0
+        return cls(
+            level=shard.params + buffers + shard.optimizer + shard.comm_buffers + batch + held_grads,
+            parts={
+                "parameters": shard.params + buffers,
+                "optimizer_states": shard.optimizer,
+                "gradients": held_grads,
+                "activations": 0,
+                "logits_and_loss": 0,
+                "batch": batch,
+                "comm_buffers": shard.comm_buffers,
+                "gathered_parameters": 0,
+            },
+        )
+
+    def visit(self, above: int, phase: str, **during: int) -> None:
+        """A moment ``above`` the level (temporaries), with ``during`` bytes by part alive only for it (parameters
+        gathered for it, a reduce-scatter's input)."""
+        above += sum(during.values())
+        if self.level + above > self.peak:
+            self.peak = self.level + above
+            self.peak_parts = dict(self.parts)
+            for part, nbytes in during.items():
+                self.peak_parts[part] += nbytes
+            self.phase = phase
+
+    def add(self, part: str, nbytes: int) -> None:
+        """Bytes that join (or leave, negative) the running level as ``part``."""
+        self.level += nbytes
+        self.parts[part] += nbytes
+
+    def mark(self) -> tuple[int, dict[str, int]]:
+        """The level and its parts now: where a micro-step that repeats starts."""
+        return self.level, dict(self.parts)
+
+    def repeat(self, since: tuple[int, dict[str, int]], *, times: int) -> None:
+        """Move the level ``times`` more by what it moved ``since`` a mark (no new highs in between: the walk
+        after the repeats reaches higher, or the one before did)."""
+        level, parts = since
+        self.level += (self.level - level) * times
+        for name, value in self.parts.items():
+            self.parts[name] += (value - parts.get(name, 0)) * times
+
+    def step(
+        self, seg: tuple[int, int], phase: str, *, gathered: int = 0, reducing: int = 0, **attributed: int
+    ) -> None:
+        """Visit a segment ``(peak above start, net change)`` with what it gathers and reduces while it runs;
+        ``attributed`` moves bytes into named parts."""
+        self.visit(seg[0], phase, gathered_parameters=gathered, comm_buffers=reducing)
+        self.level += seg[1]
+        for name, value in attributed.items():
+            self.parts[name] = self.parts.get(name, 0) + value
+
+
+@dataclass(frozen=True)
+class _Grads:
+    """After a block's backward: the traced full gradient stays (replicated), or only this rank's share."""
+
+    shard: Sharding
+    first: bool
+    traced: int
+    """Bytes per gradient element in the trace (2 where the engine computes with bf16 parameters)."""
+
+    @property
+    def replicated(self) -> bool:
+        return self.shard.grad_keep == 1.0
+
+    def made(self, params: int) -> int:
+        """Gradient bytes a block's backward allocates (replicated: later micro-steps accumulate in place)."""
+        return params * self.traced if self.first or not self.replicated else 0
+
+    def reduce_root(self, params: int, *, embedding: int) -> int:
+        """Bytes above the level while FSDP2 reduce-scatters the root's gradients: the input is filled from
+        them; the embedding's gradient is freed before the output shard is made, the head's and norm's after."""
+        reduce_input = params * self.shard.kept_grad_bytes
+        return max(reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - self.made(embedding))
+
+    def settle(self, walk: Walk, params: int) -> None:
+        made = self.made(params)
+        if self.replicated:
+            kept = made  # the gradient itself stays
+        else:
+            kept = round(params * self.shard.kept_grad_bytes * self.shard.grad_keep) if self.first else 0
+        walk.parts["gradients"] += kept
+        walk.level -= made - kept
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """One of the step's micro-steps."""
+
+    number: int
+    last: bool
+    traced: int
+    """The traced micro-step whose segments it walks: 1 allocates the gradients, 2 accumulates into them.
+    Sharded engines make each block's full gradient anew every micro-step, then reduce it away: always 1."""
+
+    @property
+    def first(self) -> bool:
+        return self.number == 1
+
+    @property
+    def where(self) -> str:
+        return f"micro-step {self.number}"
+
+
+def layer_segments(i: int, layers: int) -> tuple[Segment, Segment]:
+    """The traced (forward, backward) segments layer ``i`` of ``layers`` walks: the first layer's, a middle one's
+    or the last's (a lone layer: a middle one's)."""
+    if layers == 1 or 0 < i < layers - 1:
+        return Segment.F1, Segment.B1
+    return (Segment.F0, Segment.B0) if i == 0 else (Segment.F2, Segment.B2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingStep:
+    """What the walk of one rank's step reads: its blocks, its engine's sharding and each block's segments."""
+
+    blocks: BlockParams
+    shard: Sharding
+    layers: tuple[Segments, ...]
+    """Each decoder layer's segments, from the trace of its recompute mode and kind."""
+    edges: Segments
+    """The embedding's, the head's and the gap's segments, with what each layer leaves to them."""
+    grad_accum: int
+    traced_grad_bytes: int
+    """Bytes per gradient element in the trace (2 where the engine computes with bf16 parameters)."""
+
+    def micro(self, number: int) -> MicroStep:
+        replicated = self.shard.grad_keep == 1.0
+        return MicroStep(number=number, last=number == self.grad_accum, traced=2 if number > 1 and replicated else 1)
+
+    def edge(self, segment: Segment, micro: MicroStep) -> tuple[int, int]:
+        return self.edges[SegmentKey(segment, micro.traced)]
+
+    def layer_forward(self, i: int, micro: MicroStep) -> tuple[int, int]:
+        forward, _ = layer_segments(i, len(self.layers))
+        return self.layers[i][SegmentKey(forward, micro.traced)]
+
+    def layer_backward(self, i: int, micro: MicroStep) -> tuple[int, int]:
+        _, backward = layer_segments(i, len(self.layers))
+        return self.layers[i][SegmentKey(backward, micro.traced)]
+
+
+def walk_step(
+    recipe: Recipe, shard: Sharding, *, blocks: BlockParams, layers: tuple[Segments, ...], edges: Segments
+) -> Walk:
+    """One rank's training step, as the walk of its running level."""
+    step = TrainingStep(
+        blocks=blocks,
+        shard=shard,
+        layers=layers,
+        edges=edges,
+        grad_accum=recipe.grad_accum,
+        traced_grad_bytes=2 if recipe.trace_precision == "bf16-params" else FP32,
+    )
+    batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * TOKEN_BYTES
+    walk = Walk.start(shard, buffers=blocks.buffer_bytes, batch=batch)
+    accumulate(walk, step)
+    optimizer_step(walk, step, recipe)
+    return walk
+
+
+def accumulate(walk: Walk, step: TrainingStep) -> None:
+    """The ``grad_accum`` micro-steps. Micro-steps 2 .. last-1 walk the same way, each moving the level by the
+    same few bytes (what a micro-step keeps), so only the first two and the last two are walked and the ones
+    between are added as that amount each."""
+    last = step.grad_accum
+    if last <= 4:
+        for number in range(1, last + 1):
+            micro_step(walk, step, number)
+        return
+    micro_step(walk, step, 1)
+    second = walk.mark()
+    micro_step(walk, step, 2)
+    walk.repeat(second, times=last - 4)
+    micro_step(walk, step, last - 1)
+    micro_step(walk, step, last)
+
+
+def micro_step(walk: Walk, step: TrainingStep, number: int) -> None:
+    """Micro-step ``number``: its forward, then its backward block by block in reverse."""
+    micro = step.micro(number)
+    forward(walk, step, micro)
+    grads = _Grads(step.shard, first=micro.first, traced=step.traced_grad_bytes)
+    head_backward(walk, step, micro, grads)
+    for i in reversed(range(len(step.layers))):
+        layer_backward(walk, step, micro, grads, i)
+    embedding_backward(walk, step, micro, grads)
+    backward_end(walk, step, micro)
+
+
+def forward(walk: Walk, step: TrainingStep, micro: MicroStep) -> None:
+    """The embedding, each decoder layer and the head and loss: what each keeps for its backward stays (the
+    activations, the logits and loss); an engine that shards the parameters gathers each block's while it runs,
+    and some it keeps."""
+    gathering = step.shard.gathering
+    walk.add("gathered_parameters", gathering.resident)
+    embedding = step.edge(Segment.PRE_F, micro)
+    phase = f"forward, {micro.where}"
+    walk.step(embedding, f"{phase}, embedding", gathered=gathering.embedding_forward, activations=embedding[1])
+    for i in range(len(step.layers)):
+        seg = step.layer_forward(i, micro)
+        gather = gathering.layer(i)
+        walk.step(seg, f"{phase}, layer {i}", gathered=gather.forward, activations=seg[1])
+        walk.add("gathered_parameters", gather.held)
+    head = step.edge(Segment.POST_F, micro)
+    walk.step(head, f"{phase}, LM head and loss", gathered=gathering.head_forward, logits_and_loss=head[1])
+
+
+def head_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads) -> None:
+    """The head and loss's backward frees the logits and loss; FSDP2 gathers its root again first."""
+    shard, gathering, zero = step.shard, step.shard.gathering, step.shard.zero
+    phase = f"backward, {micro.where}, LM head and loss"
+    walk.visit(0, f"{phase}, root all-gather", gathered_parameters=gathering.root_backward)
+    logits = step.edge(Segment.POST_F, micro)[1]
+    walk.step(step.edge(Segment.POST_B, micro), phase, gathered=gathering.head_backward, logits_and_loss=-logits)
+    if shard.fsdp is None:  # FSDP2 reduces the head's gradients with the embedding's
+        grads.settle(walk, step.blocks.post)
+    _all_reduce(walk, zero, "post", phase)
+    _make_partition(walk, shard, "post", micro, after=True)
+    if zero and (micro.first or not zero.bucket_until_boundary):
+        walk.add("comm_buffers", zero.bucket)
+
+
+def layer_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads, i: int) -> None:
+    """Decoder layer ``i``'s backward frees its saved activations and leaves its gradients (or this rank's share);
+    FSDP2 holds the previous layer's reduce-scatter input meanwhile (the last layer's backward runs first)."""
+    shard = step.shard
+    gather = shard.gathering.layer(i)
+    reducing = shard.fsdp.reduce_input if shard.fsdp and i < len(step.layers) - 1 else 0
+    phase = f"backward, {micro.where}, layer {i}"
+    _make_partition(walk, shard, f"layer {i}", micro, after=False)
+    saved = step.layer_forward(i, micro)[1]
+    walk.step(step.layer_backward(i, micro), phase, gathered=gather.backward, reducing=reducing, activations=-saved)
+    walk.add("gathered_parameters", -gather.held)
+    grads.settle(walk, step.blocks.layer_sizes[i])
+    _all_reduce(walk, shard.zero, f"layer {i}", phase)
+
+
+def embedding_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads) -> None:
+    """The embedding's backward frees what its forward kept; FSDP2 then releases its root and reduce-scatters the
+    root's gradients, the head's with the embedding's."""
+    shard, blocks = step.shard, step.blocks
+    phase = f"backward, {micro.where}"
+    embedding = step.edge(Segment.PRE_F, micro)[1]
+    walk.step(
+        step.edge(Segment.PRE_B, micro),
+        f"{phase}, embedding",
+        gathered=shard.gathering.embedding_backward,
+        reducing=shard.fsdp.reduce_input if shard.fsdp else 0,
+        activations=-embedding,
+    )
+    if shard.fsdp:
+        walk.add("gathered_parameters", -shard.gathering.resident)
+        root = grads.reduce_root(blocks.pre + blocks.post, embedding=blocks.pre)
+        walk.visit(0, f"{phase}, root reduce-scatter", comm_buffers=root)
+    grads.settle(walk, blocks.pre + (blocks.post if shard.fsdp else 0))
+    _all_reduce(walk, shard.zero, "pre", f"{phase}, embedding")
+    _make_partition(walk, shard, "pre", micro, after=True)
+
+
+def backward_end(walk: Walk, step: TrainingStep, micro: MicroStep) -> None:
+    """After the last block's backward: ZeRO reduces its last bucket (ZeRO-1, at the accumulation boundary, into
+    the gradient partition) and releases the bucket; then the gap to the next micro-step."""
+    shard, zero = step.shard, step.shard.zero
+    phase = f"backward, {micro.where}"
+    _all_reduce(walk, zero, "end", f"{phase}, last bucket")
+    _make_partition(walk, shard, "end", micro, after=True)
+    if micro.last:
+        boundary = zero.boundary_partition if zero else 0
+        walk.visit(0, f"{phase}, gradients into the partition", gradients=boundary)
+    if zero and (micro.last or not zero.bucket_until_boundary):
+        walk.add("comm_buffers", -zero.bucket)
+    if zero and zero.partition and micro.number > 1:
+        # ZeRO-2 made a new partition; the first, which the accumulated gradients fill, stays for the step
+        walk.add("gradients", -shard.grads)
+    walk.step(step.edge(Segment.GAP, micro), phase)
+    if shard.fsdp is None:
+        walk.add("gathered_parameters", -shard.gathering.resident)
+
+
+def _all_reduce(walk: Walk, zero: ZeroState | None, block: str, phase: str) -> None:
+    """The moment a block's gradients are reduced: the largest flat copy ZeRO-2's bucket all-reduces make in it."""
+    copies = zero.partition.reduce_copies.get(block, 0) if zero and zero.partition else 0
+    walk.visit(0, f"{phase}, gradient all-reduce", comm_buffers=copies)
+
+
+def _make_partition(walk: Walk, shard: Sharding, block: str, micro: MicroStep, *, after: bool) -> None:
+    """ZeRO-2's partition, made as the first of this rank's gradients is reduced: in a decoder layer's backward
+    before its peak (the MLP's output projection's gradient comes first); in the head's, the embedding's and the
+    epilogue after (their gradients come after the logits' and the lookup's temporaries), while a gradient
+    reduced outside the bucket is still alive."""
+    partition = shard.zero.partition if shard.zero else None
+    if partition is None or block != partition.made_in:
+        return
+    if after:
+        phase = f"backward, {micro.where}, gradient partition made"
+        walk.visit(partition.unbucketed, phase, gradients=shard.grads)
+    walk.add("gradients", shard.grads)
+
+
+def optimizer_step(walk: Walk, step: TrainingStep, recipe: Recipe) -> None:
+    """The AdamW step, over the gradients as the engine holds them for it: DeepSpeed's fp64 norm copy first, then
+    the step's temporaries (and DeepSpeed's fp32 gradient)."""
+    shard, zero = step.shard, step.shard.zero
+    if not shard.grads_persistent and walk.parts["gradients"] != shard.grads:
+        walk.add("gradients", shard.grads - walk.parts["gradients"])
+    if zero and zero.norm_copy:
+        walk.visit(zero.norm_copy, "optimizer step, gradient norm (fp64)")
+    transient = optimizer_transient(step.blocks, recipe, local_params=shard.params, flat=shard.optimizer_flat)
+    walk.visit(transient + (zero.step_grads if zero else 0), "optimizer step")
+
+
+def optimizer_transient(blocks: BlockParams, recipe: Recipe, *, local_params: int, flat: int = 0) -> int:
+    """Temporaries of one AdamW step: single-tensor makes sqrt and its quotient per tensor, the largest setting the
+    peak (``flat``: bytes of the one flat partition an engine steps instead); foreach one copy of all it steps."""
+    impl = recipe.optimizer_impl
+    if impl == "single":
+        largest = blocks.largest
+        if recipe.engine == "fsdp":  # rank 0 holds the first, largest, chunk of the rows
+            largest = -(-blocks.largest_rows // recipe.world) * (blocks.largest // blocks.largest_rows)
+        return 2 * (flat or largest * recipe.weight_bytes)
+    if impl == "foreach":  # one copy of what it steps: the flat partition where the engine steps one
+        return flat or local_params
+    return 0
