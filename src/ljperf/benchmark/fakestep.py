@@ -5,7 +5,8 @@ Run: ``fake_step_peak(models.resolve(name="llama3-8b"), Recipe(device="cpu", seq
 afford here (1B–8B models, thousands of tokens, 8 ranks): nothing is allocated, and the measurement shares
 nothing with the forecast's 3-layer trace and its composition but the model code. The torch engine runs in one
 process; FSDP2 runs rank 0 of ``recipe.world`` ranks on torch's fake process group, whose collectives move no
-data but fill the buffers FSDP2 allocates (as NCCL does; gloo's own copies do not appear). CPU kernels only.
+data but fill the buffers FSDP2 allocates, and whose reduce-scatter copies its input for the length of the call
+as gloo's does (a CPU run's collectives are gloo's). CPU kernels only.
 FSDP2 needs torch 2.13 or newer: in 2.11 DTensor's sharding propagation makes global-shape tensors under the fake
 mode in every optimizer op, which MemTracker counts as optimizer states.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -25,7 +26,7 @@ from ljperf.engines.common import adamw
 from ljperf.engines.fsdp_engine import FSDPEngine
 from ljperf.engines.parallelize import apply_optimizations
 from ljperf.engines.torch_engine import TorchEngine
-from ljperf.forecast.patches import real_code_paths
+from ljperf.forecast.patches import real_code_paths, swapped
 from ljperf.forecast.recipe import Recipe
 from ljperf.forecast.trace import fake_buffers, fake_model
 from ljperf.models.build import cast_parameters
@@ -113,7 +114,21 @@ def _fake_world(world: int) -> Iterator[object | None]:
     excepthook = sys.excepthook  # init_process_group prefixes every later traceback with "[rank0]:"
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
-        yield init_device_mesh("cpu", (world,))
+        with swapped(dist, "reduce_scatter_single", _copying(dist.reduce_scatter_single)):
+            yield init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook
+
+
+def _copying(reduce_scatter: Callable[..., object]) -> Callable[..., object]:
+    """``reduce_scatter`` with gloo's copy of its input alive while it runs."""
+
+    def reduce_scatter_as_gloo(output: torch.Tensor, input: torch.Tensor, *args: object, **kwargs: object) -> object:
+        copy = torch.empty_like(input)
+        try:
+            return reduce_scatter(output, input, *args, **kwargs)
+        finally:
+            del copy
+
+    return reduce_scatter_as_gloo

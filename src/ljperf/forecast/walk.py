@@ -114,9 +114,13 @@ class _Grads:
 
     def reduce_root(self, params: int, *, embedding: int) -> int:
         """Bytes above the level while FSDP2 reduce-scatters the root's gradients: the input is filled from
-        them; the embedding's gradient is freed before the output shard is made, the head's and norm's after."""
+        them; the embedding's gradient is freed before the output shard is made, the head's and norm's after; gloo
+        copies the input while the reduce-scatter runs."""
         reduce_input = params * self.shard.kept_grad_bytes
-        return max(reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - self.made(embedding))
+        copy = reduce_input if self.shard.fsdp and self.shard.fsdp.copies_input else 0
+        return max(
+            reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - self.made(embedding) + copy
+        )
 
     def settle(self, walk: Walk, params: int) -> None:
         made = self.made(params)
@@ -277,8 +281,19 @@ def layer_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Gra
     saved = step.layer_forward(i, micro)[1]
     walk.step(step.layer_backward(i, micro), phase, gathered=gather.backward, reducing=reducing, activations=-saved)
     walk.add("gathered_parameters", -gather.held)
+    if shard.fsdp and shard.fsdp.copies_input:
+        _gloo_reduce_scatter(walk, step, grads, i, phase)
     grads.settle(walk, step.blocks.layer_sizes[i])
     _all_reduce(walk, shard.zero, f"layer {i}", phase)
+
+
+def _gloo_reduce_scatter(walk: Walk, step: TrainingStep, grads: _Grads, i: int, phase: str) -> None:
+    """Layer ``i``'s reduce-scatter on gloo: its gradients copied into the input and freed, the output shard made,
+    and gloo's copy of the input alive while the call runs, with the next layer's all-gather in flight."""
+    size, shard = step.blocks.layer_sizes[i], step.shard
+    reduce_input = size * shard.kept_grad_bytes
+    during = 2 * reduce_input + round(reduce_input * shard.grad_keep) - grads.made(size)
+    walk.visit(0, f"{phase}, reduce-scatter", comm_buffers=during, gathered_parameters=shard.fsdp.prefetched[i])
 
 
 def embedding_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads) -> None:

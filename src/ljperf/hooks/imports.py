@@ -8,7 +8,6 @@ the loader so the callbacks run after the module body. A callback that raises is
 import goes on unchanged.
 """
 
-
 import sys
 
 TRIGGERS = ("transformers.trainer", "deepspeed", "torch.distributed.fsdp")

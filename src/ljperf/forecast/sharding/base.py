@@ -60,6 +60,10 @@ class FsdpReduce:
     reduce_input: int
     """Bytes of the previous layer's reduce-scatter input, held while a layer (not the last, whose backward runs
     first) and the embedding run backward (one layer's gradients in fp32)."""
+    copies_input: bool = False
+    """The process group copies a reduce-scatter's whole input while it runs: gloo (a CPU run) does, NCCL not."""
+    prefetched: tuple[int, ...] = ()
+    """By decoder layer, bytes of the next layer's all-gather alive while this one's gradients are reduced."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,8 @@ def fsdp_sharding(spec: ModelSpec, recipe: Recipe) -> Sharding:
     the end of backward: resharded after the forward, it is gathered again at the start of backward (its flat
     buffer alive while the copy-out refills its parameters), and resharded before its gradients are
     reduce-scattered together at the end (the head's stays whole through the layers' backward). Without
-    resharding after forward, layers stay gathered until their backward."""
+    resharding after forward, layers stay gathered until their backward. On a CPU run gloo copies each
+    reduce-scatter's whole input while it runs (NCCL does not), with the next layer's all-gather in flight."""
     size = Sizes.of(spec, recipe)
     blocks, master = size.blocks, recipe.weight_bytes
     layer = blocks.layer * size.compute
@@ -48,5 +49,9 @@ def fsdp_sharding(spec: ModelSpec, recipe: Recipe) -> Sharding:
         grad_keep=1 / size.world,
         kept_grad_bytes=master,
         gathering=gathering,
-        fsdp=FsdpReduce(reduce_input=blocks.layer * master),
+        fsdp=FsdpReduce(
+            reduce_input=blocks.layer * master,
+            copies_input=recipe.device == "cpu",
+            prefetched=tuple(layer if recipe.reshard_after_forward and i > 0 else 0 for i in range(n)),
+        ),
     )
