@@ -147,8 +147,9 @@ def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[
     if rank in left:
         reason = f"rank {rank} {how}: {left[rank][1]}"
         # A collective that timed out names the rank that waited; the ranks the agent had to end were still in
-        # the run, and one of them is what it waited for.
-        waiting = [str(r) for r, f in sorted(exc.failures.items()) if f.exitcode in ended and r != rank]
+        # the run, and one of them is what it waited for (one stopped, SIGSTOP, ends only on SIGKILL).
+        stuck = (*ended, -signal.SIGKILL)
+        waiting = [str(r) for r, f in sorted(exc.failures.items()) if f.exitcode in stuck and r != rank]
         if "timed out" in left[rank][1].lower() and waiting:
             reason += f"; still running when it timed out, so maybe hung: rank {', '.join(waiting)}"
         return reason, code
@@ -195,4 +196,4 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
 
 
 def _not_the_agents_failure_lines(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
+    return not str(record.msg).startswith(("failed (exitcode", "Sending process", "Unable to shutdown process"))
