@@ -10,7 +10,8 @@ import argparse
 import os
 
 from ljperf.core.records import check_output
-from ljperf.dist.runtime import check_process_count, under_torchrun
+from ljperf.dist.launch import under_torchrun
+from ljperf.dist.runtime import check_process_count
 from ljperf.engines.deepspeed_engine import resolved_config
 from ljperf.models.flags import model_files
 from ljperf.run import config as run_config
@@ -18,9 +19,9 @@ from ljperf.run.config import RunConfig
 from ljperf.run.context import unjoined
 
 
-def config_from_args(args: argparse.Namespace, argv: list[str]) -> RunConfig:
-    """The run of ``ljperf benchmark``'s parsed flags, checked (exit 2 on bad input)."""
-    cfg = run_config.from_args(args, argv)
+def config_from_args(args: argparse.Namespace, argv: list[str], *, flags: run_config.Flags | None = None) -> RunConfig:
+    """The run of ``ljperf benchmark``'s parsed flags, checked (exit 2 on bad input); ``flags``: already checked."""
+    cfg = run_config.from_args(args, argv, flags=flags)
     check_process_count(cfg.launch, cfg.train.device)
     if cfg.output is not None and os.environ.get("GROUP_RANK", "0") == "0":
         # Rank 0's node writes it, under any launcher. All its ranks check: one blocked joining the group would

@@ -15,7 +15,7 @@ from ljperf.core.console import warn
 from ljperf.core.errors import describe
 from ljperf.core.units import format_bytes
 from ljperf.dist.collectives import shared_from_rank0
-from ljperf.dist.runtime import local_world_size
+from ljperf.dist.launch import local_world_size
 from ljperf.forecast.api import forecast, max_micro_batch
 from ljperf.forecast.recipe import Recipe
 from ljperf.recompute.solver import advice, ordered_plan

@@ -19,7 +19,7 @@ from ljperf.compile.regional import session
 from ljperf.core import hardware
 from ljperf.core.options import LaunchConfig
 from ljperf.core.records import record_header
-from ljperf.dist.runtime import local_world_size, under_torchrun
+from ljperf.dist.launch import local_world_size, under_torchrun
 from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext, unjoined
 

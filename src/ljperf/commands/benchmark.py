@@ -7,11 +7,15 @@ torchrun; under a user's own torchrun each process is one rank). ``--help`` and 
 from __future__ import annotations
 
 import argparse
+import functools
 
+from ljperf.benchmark.recovery import launch
 from ljperf.core import options
 from ljperf.core.options import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.core.switches import enabled
+from ljperf.dist.launch import under_torchrun
 from ljperf.models.flags import add_model_arguments
+from ljperf.run.config import check_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) -> None:
@@ -32,16 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) 
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """Entry point of ``ljperf benchmark``: one process runs the run, or ljperf's launcher starts its ranks."""
-    import functools
-
+    """Entry point of ``ljperf benchmark``: one process runs the run, or ljperf's launcher starts its ranks. A bad
+    flag value is refused before torch is imported."""
+    flags = check_flags(args)
     from ljperf.benchmark.config import config_from_args
     from ljperf.benchmark.loop import run_worker
     from ljperf.benchmark.record import results_from_progress
-    from ljperf.benchmark.recovery import launch
-    from ljperf.dist.runtime import under_torchrun
 
-    cfg = config_from_args(args, argv)
+    cfg = config_from_args(args, argv, flags=flags)
     if cfg.launch.distributed and not under_torchrun():
         return launch(cfg, record_from_progress=functools.partial(results_from_progress, cfg))
     return run_worker(cfg)

@@ -13,7 +13,7 @@ from ljperf.core import options
 from ljperf.core.errors import RunFailed
 from ljperf.core.options import LaunchConfig
 from ljperf.core.records import check_output
-from ljperf.dist.launch import failure_reason, run_workers
+from ljperf.dist.launch import failure_reason, run_workers, under_torchrun
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,12 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """Entry point of ``ljperf comm``: start the ranks, or be one."""
-    from ljperf.comm.bench import run_worker
-    from ljperf.dist.runtime import check_process_count, resolve_device_type, under_torchrun
-
+    """Entry point of ``ljperf comm``: start the ranks, or be one. A bad flag value is refused before torch is
+    imported."""
     cfg = options.from_args(CommConfig, args)
     launch = options.from_args(LaunchConfig, args)
+    from ljperf.comm.bench import run_worker
+    from ljperf.dist.runtime import check_process_count, resolve_device_type
+
     device_type = resolve_device_type(cfg.device)
     check_process_count(launch, device_type)
     if args.output is not None and not under_torchrun():

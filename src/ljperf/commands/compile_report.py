@@ -14,7 +14,8 @@ from ljperf.core import options
 from ljperf.core.errors import UsageError
 from ljperf.core.options import LARGEST, OptimConfig, TrainConfig, opt
 from ljperf.core.records import check_output, write_json
-from ljperf.models.flags import add_model_arguments, model_files, model_from_args
+from ljperf.models.flags import add_model_arguments, engine_from_args, model_files, spec_from_args
+from ljperf.run.config import RunConfig, resolve_train
 
 
 @dataclass(kw_only=True)
@@ -59,18 +60,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """Entry point of ``ljperf compile-report``."""
-    from ljperf.benchmark.compile_report import compile_report, print_report
-    from ljperf.dist.runtime import resolve_device_type
-    from ljperf.run.config import RunConfig, resolve_train
-    from ljperf.run.context import RunContext, init_process
-
-    engine_name, spec = model_from_args(args)
-    if engine_name != "torch":
-        raise UsageError(f"compile-report runs one process: use --model torch/{spec.name} (regions are the same)")
+    """Entry point of ``ljperf compile-report``; a bad flag value is refused before torch is imported."""
+    if engine_from_args(args) != "torch":
+        raise UsageError(f"compile-report runs one process: use --model torch/{args.model.split('/')[-1]}")
     cfg = options.from_args(ReportConfig, args)
     train, optim = options.from_args(TrainConfig, args), options.from_args(OptimConfig, args)
     check_output(args.output, inputs=model_files(args.model_config))
+    from ljperf.benchmark.compile_report import compile_report, print_report
+    from ljperf.dist.runtime import resolve_device_type
+    from ljperf.run.context import RunContext, init_process
+
+    spec = spec_from_args(args)
     device_type = resolve_device_type(train.device)
     train = TrainConfig(**{**vars(train), "seq_len": max(cfg.lengths)})
     train = resolve_train(train, model=spec, device_type=device_type, seq_flag="--seq-lens")

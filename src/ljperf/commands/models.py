@@ -1,6 +1,7 @@
-"""``ljperf models``: the model catalog with exact parameter counts (built on the meta device).
+"""``ljperf models``: the model catalog with its parameter counts (exact ones in ``--json``).
 
-Run: ``ljperf models`` or ``ljperf models --json``.
+Run: ``ljperf models`` or ``ljperf models --json``; the counts come from a meta-device build, kept on disk, so a
+second listing builds nothing and imports no torch.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     table.add_column("name")
     table.add_column("architecture")
     # a mixture of experts uses fewer parameters per token than it holds: its FLOPs and MFU count those
-    for col in ("params", "active", "layers", "parameters", "hidden", "heads/kv", "vocab", "max positions"):
+    for col in ("params", "active params", "layers", "hidden", "heads/kv", "vocab", "max positions"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
@@ -56,7 +57,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             format_params(r["params"]),
             format_params(r["params_active"]),
             str(r["layers"]),
-            f"{r['params']:,}",
             str(r["hidden"]),
             f"{r['heads']}/{r['kv_heads']}",
             f"{r['vocab']:,}",

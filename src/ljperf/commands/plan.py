@@ -20,6 +20,7 @@ from ljperf.forecast.calibrate import calibrate, calibration_path
 from ljperf.forecast.recipe import OPTIMIZER_IMPLS
 from ljperf.models.flags import add_model_arguments
 from ljperf.plan.device import device_memory
+from ljperf.run import config as run_config
 
 TRAIN = ("micro_batch", "seq_len", "grad_accum", "precision", "attn_implementation", "device")
 
@@ -54,11 +55,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if args.model or args.model_config:
             raise UsageError("--calibrate fits the GPUs of the records it reads: it takes no --model or --model-config")
         return calibrate_command(args)
-    from ljperf.plan.record import planned, print_plan
-    from ljperf.run import config as run_config
-
     positive("gpus", args.gpus)
-    cfg = run_config.from_args(args, argv, device_type=args.device)
+    flags = run_config.check_flags(args)  # a bad value is refused before torch is imported
+    from ljperf.plan.record import planned, print_plan
+
+    cfg = run_config.from_args(args, argv, device_type=args.device, flags=flags)
     memory, device_name = device_memory(gpu_memory=args.gpu_memory, gpu=args.gpu, device=args.device)
     report, decision = planned(cfg, world=args.gpus, optimizer=args.optimizer, memory=memory, device_name=device_name)
     if args.json:

@@ -42,7 +42,28 @@ def end_with_parent(parent: int | None = None) -> None:
 def launcher_gone() -> bool:
     """Whether ljperf's launcher started this process and has died since (its run folder is nobody's now)."""
     launcher = os.environ.get(LAUNCHER_ENV)
-    return launcher is not None and os.getppid() != int(launcher)
+    if launcher is None:
+        return False
+    if os.getppid() != int(launcher):
+        return True
+    # Killed, its threads die one by one, and its children belong to a live one of them till the last is gone:
+    # the parent is the launcher still, but its main thread (which started the ranks) has exited.
+    try:
+        with open(f"/proc/{launcher}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return os.path.isdir("/proc")  # without /proc (not Linux), there is no death signal either
+    except OSError:
+        return False
+
+
+def under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def local_world_size(default: int = 1) -> int:
+    """Processes on this node, as torchrun tells each (``LOCAL_WORLD_SIZE``); ``default`` outside it."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
 
 
 @dataclass(frozen=True)

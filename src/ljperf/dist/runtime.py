@@ -20,15 +20,7 @@ from ljperf.core import hardware
 from ljperf.core.errors import UsageError
 from ljperf.core.hardware import DeviceInfo
 from ljperf.core.options import LaunchConfig
-
-
-def under_torchrun() -> bool:
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def local_world_size(default: int = 1) -> int:
-    """Processes on this node, as torchrun tells each (``LOCAL_WORLD_SIZE``); ``default`` outside it."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+from ljperf.dist.launch import local_world_size, under_torchrun
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,8 +20,8 @@ from ljperf.checkpoint.apply import apply_plan
 from ljperf.core.errors import UsageError
 from ljperf.core.hardware import calibration_name
 from ljperf.dist.collectives import max_over_ranks, shared_from_rank0
+from ljperf.dist.launch import local_world_size
 from ljperf.dist.memory import LiveTensorBytes, cuda_peaks, reachable_tensors, reset_cuda_peak, training_state_tensors
-from ljperf.dist.runtime import local_world_size
 from ljperf.forecast.recipe import Recipe, ZeroSettings
 from ljperf.hooks.messages import PREFIX, is_main, log, warn
 from ljperf.models.layout import decoder_layers, find_blocks

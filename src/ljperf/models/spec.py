@@ -245,7 +245,18 @@ class ModelSpec:
 
     @cached_property
     def params(self) -> ParamCounts:
-        """Exact parameter counts, from a meta-device build (nothing allocated)."""
+        """Exact parameter counts, from a meta-device build (nothing allocated), kept on disk per config and
+        transformers version: ``ljperf models`` lists the catalog without building anything once it has."""
+        blob = json.dumps([self.facts.config_dict, metadata.version("transformers"), FACTS_VERSION], default=str)
+        key = hashlib.sha256(blob.encode()).hexdigest()[:20]
+        return cached(
+            cache_root() / "models" / f"{key}-params.json",
+            load=lambda data: ParamCounts(**data),
+            make=self._count_params,
+            dump=asdict,
+        )
+
+    def _count_params(self) -> ParamCounts:
         import torch
 
         model = build_meta(self)

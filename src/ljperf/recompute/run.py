@@ -10,7 +10,7 @@ from ljperf.core.console import say
 from ljperf.core.errors import UsageError
 from ljperf.core.plans import fixed_plan, parse_recompute
 from ljperf.dist.collectives import shared_from_rank0
-from ljperf.dist.runtime import local_world_size
+from ljperf.dist.launch import local_world_size
 from ljperf.forecast.recipe import Recipe
 from ljperf.recompute.budget import budget_bytes
 from ljperf.recompute.cost import Rates, layer_cost

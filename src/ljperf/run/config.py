@@ -18,7 +18,7 @@ from ljperf.core.console import say
 from ljperf.core.errors import UsageError
 from ljperf.core.options import DEEPCOMPILE_WARMUP, EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.core.plans import Plan, fixed_plan, parse_recompute
-from ljperf.dist.runtime import resolve_device_type
+from ljperf.models.catalog import split_model_arg
 from ljperf.models.flags import engine_from_args, spec_from_args
 from ljperf.models.spec import ModelSpec
 
@@ -47,16 +47,19 @@ class RunConfig:
     """The command line, recorded in ``args``."""
 
     def __post_init__(self) -> None:
-        engine, optim = self.engine, self.optim
-        if optim.compile_mode == "deepspeed" and engine != "deepspeed":
-            raise UsageError(
-                f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{self.model.name}"
-            )
-        options.check_precision(self.train.precision, engine=engine)
-        if (plan := parse_recompute(optim.recompute)) != "auto":
+        check_together(self.engine, self.train, self.optim, model=self.model.name)
+        if (plan := parse_recompute(self.optim.recompute)) != "auto":
             fixed_plan(plan, self.model.layers)  # one that does not match the model fails here, not in every rank
-        if optim.compile_mode != "off" and self.train.warmup < 1:
-            raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
+
+
+def check_together(engine: str, train: TrainConfig, optim: OptimConfig, *, model: str) -> None:
+    """The option groups' rules that span two of them, for ``engine``: checked before the model is read
+    (``check_flags``) and when a ``RunConfig`` is made."""
+    if optim.compile_mode == "deepspeed" and engine != "deepspeed":
+        raise UsageError(f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{model}")
+    options.check_precision(train.precision, engine=engine)
+    if optim.compile_mode != "off" and train.warmup < 1:
+        raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
 
 
 def fixed_recompute(cfg: RunConfig) -> Plan | None:
@@ -100,15 +103,48 @@ def _compile_mode(args: argparse.Namespace) -> str:
     return "regional" if args.compile else args.compile_mode or OptimConfig.compile_mode
 
 
-def from_args(args: argparse.Namespace, argv: list[str], *, device_type: str | None = None) -> RunConfig:
-    """The ``RunConfig`` of a command's parsed flags (those it has: ``plan`` has no launch or compile flags) on
-    ``device_type`` (None: ``--device``, resolved); the model is read last, after every flag that needs none."""
+@dataclass(frozen=True)
+class Flags:
+    """A command's flags once checked: the engine, the ``--deepspeed-config`` as loaded and the flags as the run
+    takes them (a DeepSpeed config's numbers for flags left out, ``--compile`` as ``--compile-mode regional``)."""
+
+    engine: str
+    deepspeed_user: dict
+    args: argparse.Namespace
+
+
+def check_flags(args: argparse.Namespace) -> Flags:
+    """Every check of a command's parsed flags that needs neither the model nor torch, so that a bad value is
+    refused at once (``args`` is left as it is)."""
     engine = engine_from_args(args)
     options.check_engine_flags(engine, zero_stage=args.zero_stage, reshard_after_forward=args.reshard_after_forward)
-    user, flags = deepspeed_config.from_args(args, engine=engine)
-    args.micro_batch, args.grad_accum, args.zero_stage = flags.micro_batch, flags.grad_accum, flags.zero_stage
+    user, taken = deepspeed_config.from_args(args, engine=engine)
+    resolved = argparse.Namespace(**vars(args))
+    resolved.micro_batch, resolved.grad_accum, resolved.zero_stage = (
+        taken.micro_batch,
+        taken.grad_accum,
+        taken.zero_stage,
+    )
+    given = argparse.Namespace(**vars(resolved))
     if hasattr(args, "compile"):
-        args.compile_mode = _compile_mode(args)
+        resolved.compile_mode = given.compile_mode = _compile_mode(args)
+        given.warmup = TrainConfig.warmup if args.warmup is None else args.warmup  # its default waits for the device
+    groups = {cls: options.from_args(cls, given) for cls in (TrainConfig, LaunchConfig, EngineConfig, OptimConfig)}
+    model = split_model_arg(args.model)[1] if args.model else "MODEL"
+    check_together(engine, groups[TrainConfig], groups[OptimConfig], model=model)
+    return Flags(engine=engine, deepspeed_user=user, args=resolved)
+
+
+def from_args(
+    args: argparse.Namespace, argv: list[str], *, device_type: str | None = None, flags: Flags | None = None
+) -> RunConfig:
+    """The ``RunConfig`` of a command's parsed flags (those it has: ``plan`` has no launch or compile flags) on
+    ``device_type`` (None: ``--device``, resolved); ``flags``: ``check_flags``' answer where the command asked it
+    first. The model is read last, after every flag that needs none."""
+    from ljperf.dist.runtime import resolve_device_type  # torch: after the flags are checked
+
+    flags = flags or check_flags(args)
+    engine, user, args = flags.engine, flags.deepspeed_user, flags.args
     device_type = device_type or resolve_device_type(args.device)
     if hasattr(args, "compile"):
         args.warmup = _warmup(args, device_type=device_type)
