@@ -125,7 +125,7 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
         seq_len=train.seq_len,
         micro_batch=train.micro_batch,
         grad_accum=train.grad_accum,
-        world=run.world,
+        world=run.mesh.dp,  # a tensor-parallel group trains on one rank's share
         seed=train.seed,
     )
     # Step 1 creates the optimizer states, so memory is measured from step 2 on (the steady state).
@@ -173,7 +173,7 @@ def _steps(
     train, device = run.train, run.device.torch_device
     for step in range(total):
         raise_if_interrupted()
-        batches = data.micro_batches(step, run.rank, device)
+        batches = data.micro_batches(step, run.dp_rank, device)
         if fault is not None:
             fault.maybe_fire(step, run.rank)
         elapsed = None

@@ -44,7 +44,7 @@ class LoopState:
 def new_record(cfg: RunConfig, run: RunContext) -> dict[str, Any]:
     spec = cfg.model
     train = cfg.train
-    tokens_per_step = train.micro_batch * train.seq_len * train.grad_accum * run.world
+    tokens_per_step = train.micro_batch * train.seq_len * train.grad_accum * run.mesh.dp
     return {
         **record_header("benchmark", args=cfg.argv, devices=[run.device.name], world_size=run.world),
         "config": {
@@ -65,6 +65,7 @@ def new_record(cfg: RunConfig, run: RunContext) -> dict[str, Any]:
             "train": asdict(train),
             "optimizations": asdict(cfg.optim),
             "launch": launch_record(cfg.launch, world=run.world),
+            "mesh": run.mesh.record(),
             "tokens_per_step": tokens_per_step,
         },
     }
@@ -114,7 +115,8 @@ def results_section(
         figures = asdict(
             throughput(
                 state.step_times,
-                tokens_per_step=train.micro_batch * train.seq_len * train.grad_accum * run.world,
+                # a tensor-parallel group's ranks share their sequences: its tokens count once
+                tokens_per_step=train.micro_batch * train.seq_len * train.grad_accum * run.mesh.dp,
                 world=run.world,
                 flops_per_token=cfg.model.flops_per_token(train.seq_len),
                 recompute_flops_per_token=recompute_flops_per_token,

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise UsageError("--calibrate fits the GPUs of the records it reads: it takes no --model or --model-config")
         return calibrate_command(args)
     positive("gpus", args.gpus)
-    flags = run_config.check_flags(args)  # a bad value is refused before torch is imported
+    flags = run_config.check_flags(args, world=args.gpus)  # a bad value is refused before torch is imported
     from ljperf.plan.record import planned, print_plan
 
     cfg = run_config.from_args(args, argv, device_type=args.device, flags=flags)

@@ -151,9 +151,22 @@ class EngineConfig:
     zero_stage: int = opt(3, "DeepSpeed ZeRO stage: 1, 2 or 3", deepspeed="zero_optimization.stage")
     deepspeed_config: str | None = opt(None, "a DeepSpeed JSON config to validate and merge with ljperf's options")
     reshard_after_forward: bool = opt(True, "FSDP2: free gathered parameters after forward (re-gather in backward)")
+    tp: int = opt(
+        1,
+        "fsdp engine: tensor-parallel degree, the ranks (of a node) that split each block's projections and share its"
+        " sequences (Llama, Qwen 2/3, Mistral; heads and K/V heads must divide by N)",
+        metavar="N",
+    )
+    dp_replicate: int = opt(
+        1,
+        "fsdp engine: HSDP replicas; FSDP2 shards over world / (N × --tp) ranks and replicates that N times",
+        metavar="N",
+    )
 
     def __post_init__(self) -> None:
         check_zero_stage(self.zero_stage)
+        positive("tp", self.tp)
+        positive("dp_replicate", self.dp_replicate)
 
 
 @dataclass(kw_only=True)
@@ -196,8 +209,13 @@ def check_precision(precision: str | None, *, engine: str) -> None:
         )
 
 
-def check_engine_flags(engine: str, *, zero_stage: int | None, reshard_after_forward: bool) -> None:
+def check_engine_flags(
+    engine: str, *, zero_stage: int | None, reshard_after_forward: bool, tp: int = 1, dp_replicate: int = 1
+) -> None:
     """Another engine's flag would be ignored, and the run or plan would not be the one asked for."""
+    for flag, value in (("--tp", tp), ("--dp-replicate", dp_replicate)):
+        if value != 1 and engine != "fsdp":
+            raise UsageError(f"{flag} builds a device mesh for the fsdp engine (FSDP2 on DTensor), not {engine}")
     if zero_stage is not None and engine != "deepspeed":
         like = " (FSDP2 shards like ZeRO-3)" if engine == "fsdp" else ""
         raise UsageError(f"--zero-stage is for the deepspeed engine, not {engine}{like}")

@@ -1,7 +1,8 @@
 """Engine ``fsdp``: PyTorch FSDP2 (``fully_shard``), each decoder block sharded, then the root.
 
 Run: ``ljperf benchmark --model fsdp/llama-tiny --nproc-per-node 2`` (CPU, gloo) or
-``ljperf benchmark --model fsdp/qwen2.5-7b --nproc-per-node 8`` (GPU, NCCL).
+``ljperf benchmark --model fsdp/qwen2.5-7b --nproc-per-node 8`` (GPU, NCCL); on a device mesh,
+``--nproc-per-node 8 --tp 2 --dp-replicate 2`` (2 HSDP replicas × 2 FSDP2 shards × 2 tensor-parallel ranks).
 The model is sharded while its parameters are still on the meta device; then each rank allocates only its
 shards and fills them from ``models.init_value``, so no rank ever holds the whole model and the weights
 equal the torch engine's.
@@ -9,11 +10,16 @@ equal the torch engine's.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
 
+from ljperf.core.mesh import MeshShape
+from ljperf.dist.mesh import data_parallel_mesh, device_mesh
 from ljperf.engines.common import adamw, decoder_blocks, parameter_names
 from ljperf.engines.parallelize import apply_optimizations
 from ljperf.models.build import cast_parameters, init_value, parameter_slots
@@ -22,49 +28,85 @@ from ljperf.run.context import RunContext
 
 
 class FSDPEngine:
-    """FSDP2 over all ranks of the run: parameters, gradients and optimizer states sharded 1/world."""
+    """FSDP2 over all ranks of the run: parameters, gradients and optimizer states sharded 1/world; on a mesh
+    (``--tp``, ``--dp-replicate``) tensor parallel inside each group of ``tp`` ranks, FSDP2 (HSDP) across them."""
 
     def __init__(self, run: RunContext, *, mesh: DeviceMesh | None = None):
         self.run = run
         self.mesh = mesh
-        """The device mesh to shard over (default: one dimension of every rank, made in ``setup``)."""
+        """The device mesh to shard over (default: one dimension of every rank, or the run's mesh, made in
+        ``setup``)."""
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer | None = None
 
     def setup(self, model: torch.nn.Module) -> None:
-        run = self.run
+        run, shape = self.run, self.run.mesh
         device = run.device.torch_device
         names = parameter_names(model)
-        model = apply_optimizations(model, run)
-        mesh = self.mesh or init_device_mesh(device.type, (run.world,))
-        options = {"mesh": mesh, "reshard_after_forward": run.engine_opts.reshard_after_forward}
+        if self.mesh is None:
+            self.mesh = (
+                device_mesh(device.type, shape) if shape.beyond_fsdp else init_device_mesh(device.type, (run.world,))
+            )
+        model = apply_optimizations(model, run, tp_mesh=self.mesh["tp"] if shape.tp > 1 else None)
+        dp_mesh = data_parallel_mesh(self.mesh, shape) if shape.beyond_fsdp else self.mesh
+        options = {"mesh": dp_mesh, "reshard_after_forward": run.engine_opts.reshard_after_forward}
         if run.weight_dtype != torch.float32:  # bf16 weights: gathered, computed and reduced in bf16
             model = cast_parameters(model, run.weight_dtype)
         elif run.bf16:
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in decoder_blocks(model):
-            fully_shard(block, **options)
-        fully_shard(model, **options)
+        if shape.dp > 1:  # tensor parallel alone (--tp = the world) shards nothing more, as torchtitan
+            for block in decoder_blocks(model):
+                fully_shard(block, **options)
+            fully_shard(model, **options)
         _materialize_shards(model, names, device=device, seed=run.train.seed)
         self.model = model
         self.optimizer = adamw(model.parameters(), run=run)
 
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """What a forward and backward run in: under tensor parallel, cross-entropy on the vocabulary's shards."""
+        return loss_parallel() if self.run.mesh.tp > 1 else contextlib.nullcontext()
+
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        loss = accumulate(self.model, micro_batches, autocast=self.run.autocast)
+        shape = self.run.mesh
+        with self.loss_context():
+            loss = accumulate(self.model, micro_batches, autocast=self.run.autocast)
+        if shape.tp > 1 and shape.dp == 1:
+            _reduce_partial_grads(self.model)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
 
     def describe(self) -> dict:
+        shape = self.run.mesh
         return {
             "name": "fsdp",
             "local_params": sum(_local(p).numel() for p in self.model.parameters()),
-            "wrapper": "FSDP2 fully_shard (each decoder block, then the root)",
+            "wrapper": _wrapper(shape),
             "world": self.run.world,
+            "mesh": shape.record(),
             "reshard_after_forward": self.run.engine_opts.reshard_after_forward,
             "mixed_precision": _mixed_precision(self.run),
             "optimizer": "AdamW",
         }
+
+
+def _wrapper(shape: MeshShape) -> str:
+    fsdp = "FSDP2 fully_shard (each decoder block, then the root)"
+    if shape.dp_replicate > 1:
+        fsdp = f"HSDP: {fsdp} over {shape.dp_shard} ranks, replicated {shape.dp_replicate} times"
+    if shape.tp == 1:
+        return fsdp
+    tp = f"tensor parallel over {shape.tp} ranks (parallelize_module, sequence and loss parallel)"
+    return f"{tp}, then {fsdp}" if shape.dp > 1 else tp
+
+
+def _reduce_partial_grads(model: torch.nn.Module) -> None:
+    """Tensor parallel alone: a replicated weight's gradient (the norms', summed over this rank's tokens: a partial
+    sum) is all-reduced once into its placements before the step, as FSDP2 does before it reduce-scatters; the
+    optimizer would otherwise reduce it in every op that reads it."""
+    for param in model.parameters():
+        if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+            param.grad = param.grad.redistribute(placements=param.placements)
 
 
 def _mixed_precision(run: RunContext) -> str | None:

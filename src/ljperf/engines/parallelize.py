@@ -1,23 +1,36 @@
 """The optimizations every engine applies to the model before it wraps or shards it, in torchtitan's fixed
-order: activation checkpointing → compile → (the engine) shard or wrap.
+order: tensor parallel → activation checkpointing → compile → (the engine) shard or wrap.
 
-Run: ``model = apply_optimizations(model, run)`` in an engine's ``setup``, once, on the HF model (meta or
-materialized).
+Run: ``model = apply_optimizations(model, run, tp_mesh=...)`` in an engine's ``setup``, once, on the HF model
+(meta or materialized).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from ljperf.checkpoint.apply import apply_plan
 from ljperf.compile.regional import compile_model, zero3_gather_per_block
+from ljperf.models.tensor_parallel import parallelize
 from ljperf.run.context import RunContext
 
 
-def apply_optimizations(model: torch.nn.Module, run: RunContext) -> torch.nn.Module:
-    """Apply the run's optimizations in order; returns the model to wrap or shard."""
+def apply_optimizations(
+    model: torch.nn.Module, run: RunContext, *, tp_mesh: DeviceMesh | None = None
+) -> torch.nn.Module:
+    """Apply the run's optimizations in order; returns the model to wrap or shard. ``tp_mesh``: the mesh dimension
+    tensor parallel splits over (FSDP2 with ``--tp``)."""
+    apply_tp(model, tp_mesh)
     apply_checkpoint(model, run)
     return apply_compile(model, run)
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh | None) -> None:
+    """Split each block's projections, the embedding and the LM head over ``tp_mesh`` (none: no tensor parallel);
+    checkpointing and compile then wrap the split blocks."""
+    if tp_mesh is not None:
+        parallelize(model, tp_mesh)
 
 
 def apply_checkpoint(model: torch.nn.Module, run: RunContext) -> None:

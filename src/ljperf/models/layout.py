@@ -13,6 +13,10 @@ from ljperf.core.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
+TENSOR_PARALLEL = {"llama": "Llama", "qwen2": "Qwen 2", "qwen3": "Qwen 3", "mistral": "Mistral"}
+"""Model types whose decoders ``models.tensor_parallel`` splits (model_type → name): q/k/v, o and gate/up/down
+projections, RMSNorms, an embedding and an LM head, laid out as Llama's."""
+
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layers of an HF causal LM (``model.model.layers``, or GPT-2's ``transformer.h``): what engines

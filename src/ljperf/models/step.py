@@ -9,11 +9,14 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def causal_lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of an HF causal LM on ``tokens`` (labels are the inputs, shifted inside)."""
-    return model(input_ids=tokens, labels=tokens, use_cache=False).loss
+    """Next-token cross-entropy of an HF causal LM on ``tokens`` (labels are the inputs, shifted inside); a
+    tensor-parallel model's (``loss_parallel``: a DTensor replicated over its ranks) as this rank's tensor."""
+    loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def accumulate(

@@ -16,10 +16,13 @@ from ljperf.core import deepspeed as deepspeed_config
 from ljperf.core import options
 from ljperf.core.console import say
 from ljperf.core.errors import UsageError
+from ljperf.core.mesh import MeshShape
 from ljperf.core.options import DEEPCOMPILE_WARMUP, EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.core.plans import Plan, fixed_plan, parse_recompute
+from ljperf.dist.launch import under_torchrun
 from ljperf.models.catalog import split_model_arg
 from ljperf.models.flags import engine_from_args, spec_from_args
+from ljperf.models.layout import TENSOR_PARALLEL
 from ljperf.models.spec import ModelSpec
 
 
@@ -48,6 +51,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_together(self.engine, self.train, self.optim, model=self.model.name)
+        check_tensor_parallel(self.model, tp=self.engine_opts.tp, seq_len=self.train.seq_len)
         if (plan := parse_recompute(self.optim.recompute)) != "auto":
             fixed_plan(plan, self.model.layers)  # one that does not match the model fails here, not in every rank
 
@@ -60,6 +64,29 @@ def check_together(engine: str, train: TrainConfig, optim: OptimConfig, *, model
     options.check_precision(train.precision, engine=engine)
     if optim.compile_mode != "off" and train.warmup < 1:
         raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
+
+
+def check_tensor_parallel(spec: ModelSpec, *, tp: int, seq_len: int) -> None:
+    """A model ``--tp`` can split: one of ``TENSOR_PARALLEL``'s families whose heads, K/V heads, MLP width and
+    vocabulary divide by ``tp`` (each rank takes whole heads and equal slices), and a sequence sequence parallel can
+    split evenly."""
+    if tp == 1:
+        return
+    kind = spec.fact("model_type")
+    if kind not in TENSOR_PARALLEL:
+        names = ", ".join(TENSOR_PARALLEL.values())
+        raise UsageError(f"--tp splits {names} decoders; {spec.name} is {kind}: use --tp 1 (FSDP2 alone)")
+    sizes = (
+        ("attention heads", spec.heads),
+        ("K/V heads", spec.kv_heads),
+        ("MLP width (intermediate_size)", spec.fact("intermediate_size")),
+        ("vocabulary", spec.vocab),
+    )
+    for what, n in sizes:
+        if n % tp:
+            raise UsageError(f"--tp {tp} must divide {spec.name}'s {what}, {n}: each rank takes an equal share")
+    if seq_len % tp:
+        raise UsageError(f"--tp {tp} must divide --seq-len {seq_len}: sequence parallel gives each rank equal tokens")
 
 
 def fixed_recompute(cfg: RunConfig) -> Plan | None:
@@ -113,11 +140,22 @@ class Flags:
     args: argparse.Namespace
 
 
-def check_flags(args: argparse.Namespace) -> Flags:
+def launch_world(launch: LaunchConfig) -> int:
+    """The ranks a benchmark runs on: a user's torchrun's, else ``--nproc-per-node`` × ``--nnodes``."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else launch.nproc_per_node * launch.nnodes
+
+
+def check_flags(args: argparse.Namespace, *, world: int | None = None) -> Flags:
     """Every check of a command's parsed flags that needs neither the model nor torch, so that a bad value is
-    refused at once (``args`` is left as it is)."""
+    refused at once (``args`` is left as it is); ``world``: the ranks planned for (default: the launch's)."""
     engine = engine_from_args(args)
-    options.check_engine_flags(engine, zero_stage=args.zero_stage, reshard_after_forward=args.reshard_after_forward)
+    options.check_engine_flags(
+        engine,
+        zero_stage=args.zero_stage,
+        reshard_after_forward=args.reshard_after_forward,
+        tp=args.tp,
+        dp_replicate=args.dp_replicate,
+    )
     user, taken = deepspeed_config.from_args(args, engine=engine)
     resolved = argparse.Namespace(**vars(args))
     resolved.micro_batch, resolved.grad_accum, resolved.zero_stage = (
@@ -132,6 +170,9 @@ def check_flags(args: argparse.Namespace) -> Flags:
     groups = {cls: options.from_args(cls, given) for cls in (TrainConfig, LaunchConfig, EngineConfig, OptimConfig)}
     model = split_model_arg(args.model)[1] if args.model else "MODEL"
     check_together(engine, groups[TrainConfig], groups[OptimConfig], model=model)
+    engine_opts = groups[EngineConfig]
+    world = world if world is not None else launch_world(groups[LaunchConfig])
+    MeshShape.of(world=world, tp=engine_opts.tp, dp_replicate=engine_opts.dp_replicate)
     return Flags(engine=engine, deepspeed_user=user, args=resolved)
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ljperf.core import hardware
+from ljperf.core.mesh import MeshShape
 from ljperf.core.options import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.core.plans import Plan
 from ljperf.dist.runtime import Process, resolve_device_type
@@ -78,6 +79,17 @@ class RunContext:
     @property
     def is_main(self) -> bool:
         return self.process.is_main
+
+    @property
+    def mesh(self) -> MeshShape:
+        """How this run's ranks split: HSDP replicas × FSDP shards × tensor-parallel ranks."""
+        opts = self.engine_opts
+        return MeshShape.of(world=self.world, tp=opts.tp, dp_replicate=opts.dp_replicate)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the ranks of a tensor-parallel group train on the same sequences."""
+        return self.mesh.dp_rank(self.rank)
 
     @property
     def bf16(self) -> bool:

@@ -1,0 +1,65 @@
+"""The device mesh of a run as numbers: HSDP replicas, FSDP shards and tensor-parallel ranks, and where a rank sits.
+
+Run: ``MeshShape.of(world=8, tp=2, dp_replicate=2)`` → 2 replicas × 2 shards × 2 tensor-parallel ranks; degrees
+whose product does not divide the world are a usage error (exit 2, one line). Laid out as torchtitan lays it out,
+tensor parallel innermost (the ranks of a node), then the shards, then the replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ljperf.core.errors import UsageError
+
+DIMS = ("dp_replicate", "dp_shard", "tp")
+"""The mesh's dimension names, outermost first (torchtitan's names)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshShape:
+    """How a run's ranks split: ``dp_replicate`` × ``dp_shard`` × ``tp``."""
+
+    dp_replicate: int = 1
+    """HSDP replicas: each holds the whole model, sharded over its ``dp_shard`` ranks."""
+    dp_shard: int = 1
+    """Ranks FSDP2 shards parameters, gradients and optimizer states over."""
+    tp: int = 1
+    """Tensor-parallel ranks: they share each sequence and split each block's weights."""
+
+    @classmethod
+    def of(cls, *, world: int, tp: int = 1, dp_replicate: int = 1) -> MeshShape:
+        """The mesh of ``world`` ranks with ``tp`` and ``dp_replicate``; the rest of the world shards."""
+        if world % (tp * dp_replicate):
+            given = [f"--{name} {n}" for name, n in (("tp", tp), ("dp-replicate", dp_replicate)) if n > 1]
+            product = f"{' × '.join(given)} = {tp * dp_replicate}" if len(given) > 1 else given[0]
+            raise UsageError(
+                f"{product} does not divide the world size {world}: the mesh is replicas × shards × tensor-parallel"
+                " ranks, so their product must divide the processes or GPUs"
+            )
+        return cls(dp_replicate=dp_replicate, dp_shard=world // (tp * dp_replicate), tp=tp)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each trains on its own sequences (a tensor-parallel group shares them)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """The sizes of ``DIMS``, in order."""
+        return self.dp_replicate, self.dp_shard, self.tp
+
+    @property
+    def beyond_fsdp(self) -> bool:
+        """More than FSDP2's one dimension over every rank: tensor parallel or HSDP."""
+        return self.tp > 1 or self.dp_replicate > 1
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel index of global ``rank`` (its tensor-parallel group's), which picks its sequences."""
+        return rank // self.tp
+
+    def record(self) -> dict[str, int]:
+        return asdict(self)

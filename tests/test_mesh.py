@@ -1,0 +1,116 @@
+"""Tensor parallel and HSDP on a device mesh (``--tp``, ``--dp-replicate``): bad meshes refused in-process, and
+the three meshes trained on CPU (gloo) against DDP.
+
+Run: ``.venv/bin/python -m pytest tests/test_mesh.py`` (the slow part: one 4-process and one 2-process torchrun of
+tests/scripts/mesh_worker.py, started together).
+
+Every run trains on the same global batch of 8 sequences a step (``SyntheticTokens`` splits one global batch over
+the data-parallel ranks, and a tensor-parallel group shares its rank's): DDP on 4 ranks × 2 sequences is the
+reference for ``--tp 2`` on 2 ranks (8 sequences each), ``--tp 2`` × FSDP2 on 4 (2 data-parallel ranks × 4) and
+``--dp-replicate 2`` × 2 shards (4 data-parallel ranks × 2).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ljperf.cli import main
+
+from conftest import cli_env, read_record
+
+WORKER = Path(__file__).parent / "scripts" / "mesh_worker.py"
+COMMON = "--seq-len 32 --steps 5 --warmup 1 --device cpu"
+FOUR = {
+    "ddp": f"--model torch/llama-tiny --micro-batch 2 {COMMON}",
+    "tp2-fsdp2": f"--model fsdp/llama-tiny --tp 2 --micro-batch 4 {COMMON}",
+    "hsdp2x2": f"--model fsdp/llama-tiny --dp-replicate 2 --micro-batch 2 {COMMON}",
+}
+TWO = {"tp2": f"--model fsdp/llama-tiny --tp 2 --micro-batch 8 {COMMON}"}
+MESHES = {"tp2": (1, 1, 2), "tp2-fsdp2": (1, 2, 2), "hsdp2x2": (2, 2, 1)}
+
+
+# --- bad meshes: one line, exit 2, before any process starts ---
+
+BAD = [
+    (["benchmark", "--model", "deepspeed/llama-tiny", "--tp", "2"], "--tp builds a device mesh for the fsdp engine"),
+    (["benchmark", "--model", "torch/llama-tiny", "--dp-replicate", "2"], "not torch"),
+    (["plan", "--model", "fsdp/llama-tiny", "--gpus", "6", "--tp", "4"], "--tp 4 does not divide the world size 6"),
+    (
+        ["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--tp", "2", "--dp-replicate", "3"],
+        "--tp 2 × --dp-replicate 3 = 6 does not divide the world size 8",
+    ),
+    (["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--tp", "4"], "must divide llama-tiny's K/V heads, 2"),
+    (["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--tp", "8"], "must divide llama-tiny's attention heads"),
+    (
+        ["plan", "--model", "fsdp/mixtral-tiny", "--gpus", "4", "--tp", "2"],
+        "--tp splits Llama, Qwen 2, Qwen 3, Mistral",
+    ),
+    (["plan", "--model", "fsdp/llama-tiny", "--gpus", "2", "--tp", "2", "--seq-len", "33"], "must divide --seq-len 33"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD, ids=[" ".join(a[3:]) + f" {a[0]}" for a, _ in BAD])
+def test_a_bad_mesh_exits_2_with_one_line(argv, message, capsys):
+    assert main([*argv, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+# --- the three meshes, trained: one 4-process and one 2-process launch ---
+
+
+def _launch(processes: int, out: Path, runs: dict[str, str]) -> subprocess.Popen:
+    specs = [f"{name}={args}" for name, args in runs.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), str(WORKER), str(out)]
+    return subprocess.Popen([*cmd, *specs], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both launches at once: {name: (record, worst relative gradient difference per parameter or None)}."""
+    out = tmp_path_factory.mktemp("mesh")
+    procs = [_launch(4, out, FOUR), _launch(2, out, TWO)]
+    for proc in procs:
+        output = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, output[-4000:]
+    grads = {name: read_record(out / f"{name}.grads.json") for name in MESHES}
+    return {name: (read_record(out / f"{name}.json"), grads.get(name)) for name in [*FOUR, *TWO]}
+
+
+@pytest.mark.slow
+def test_each_mesh_trains_with_ddps_losses(runs):
+    """Same seed, same global batch: the losses of 5 steps agree within 1e-4 relative (measured: 6.4e-8)."""
+    reference = runs["ddp"][0]["results"]["losses"]
+    assert len(reference) == 5
+    for name, (dp_replicate, dp_shard, tp) in MESHES.items():
+        record = runs[name][0]
+        assert record["results"]["status"] == "ok", (name, record["results"]["reason"])
+        assert record["config"]["mesh"] == {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        assert record["config"]["engine"]["mesh"] == record["config"]["mesh"]
+        assert record["results"]["losses"] == pytest.approx(reference, rel=1e-4), name
+
+
+@pytest.mark.slow
+def test_one_steps_gradients_equal_one_models_on_the_global_batch(runs):
+    """Every parameter's gradient, gathered whole, within 1e-5 of its largest value (measured: at most 1.1e-6)."""
+    for name in MESHES:
+        worst = runs[name][1]
+        assert len(worst) == 39, name  # llama-tiny's parameters, none left out
+        assert max(worst.values()) < 1e-5, (name, max(worst, key=worst.get))
+
+
+@pytest.mark.slow
+def test_tokens_count_a_tensor_parallel_group_once(runs):
+    """Throughput is of the sequences trained: a group of ``tp`` ranks shares its sequences."""
+    for name, (dp_replicate, dp_shard, _) in MESHES.items():
+        record = runs[name][0]
+        assert record["config"]["tokens_per_step"] == 8 * 32, name
+        results = record["results"]
+        world = record["config"]["launch"]["world_size"]
+        assert results["tokens_per_s_per_device"] == pytest.approx(results["tokens_per_s"] / world)
+        assert results["tokens_per_s"] == pytest.approx(8 * 32 / results["step_time_s_p50"])
+        assert dp_replicate * dp_shard * record["config"]["mesh"]["tp"] == world
