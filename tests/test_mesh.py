@@ -114,3 +114,18 @@ def test_tokens_count_a_tensor_parallel_group_once(runs):
         assert results["tokens_per_s_per_device"] == pytest.approx(results["tokens_per_s"] / world)
         assert results["tokens_per_s"] == pytest.approx(8 * 32 / results["step_time_s_p50"])
         assert dp_replicate * dp_shard * record["config"]["mesh"]["tp"] == world
+
+
+@pytest.mark.slow
+def test_forecast_within_5_percent_of_each_ranks_peak(runs):
+    """The forecast each mesh's record holds (``ljperf plan --tp/--dp-replicate`` on the same recipe) against the
+    peak every rank measured."""
+    for name in MESHES:
+        results = runs[name][0]["results"]
+        predicted = results["forecast"]["peak_allocated_bytes"]
+        for measured in results["peak_allocated_bytes_per_rank"]:
+            assert abs(predicted - measured) / measured < 0.05, (
+                name,
+                predicted,
+                results["peak_allocated_bytes_per_rank"],
+            )

@@ -57,6 +57,12 @@ class MeshShape:
         """More than FSDP2's one dimension over every rank: tensor parallel or HSDP."""
         return self.tp > 1 or self.dp_replicate > 1
 
+    @property
+    def tp_alone(self) -> bool:
+        """Tensor parallel over every rank: nothing is left for FSDP2 to shard, so it is not applied (as torchtitan),
+        and bf16-mixed runs as autocast over fp32 parameters."""
+        return self.tp > 1 and self.dp == 1
+
     def dp_rank(self, rank: int) -> int:
         """The data-parallel index of global ``rank`` (its tensor-parallel group's), which picks its sequences."""
         return rank // self.tp

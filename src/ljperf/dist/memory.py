@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -115,9 +116,12 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 def _storage(tensor: object) -> torch.UntypedStorage | None:
-    """The storage this rank holds for ``tensor`` (a DTensor's local shard), None for non-tensors and meta."""
+    """The storage this rank holds for ``tensor`` (a DTensor's local shard; the tensor a collective's result not yet
+    waited for wraps), None for non-tensors and meta."""
     if isinstance(tensor, DTensor):
         tensor = tensor._local_tensor
+    if isinstance(tensor, AsyncCollectiveTensor):  # a wrapper without data of its own (tensor parallel's results)
+        tensor = tensor.elem
     if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
         return None
     return tensor.untyped_storage()

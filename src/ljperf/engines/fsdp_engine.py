@@ -54,7 +54,7 @@ class FSDPEngine:
             model = cast_parameters(model, run.weight_dtype)
         elif run.bf16:
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if shape.dp > 1:  # tensor parallel alone (--tp = the world) shards nothing more, as torchtitan
+        if not shape.tp_alone:
             for block in decoder_blocks(model):
                 fully_shard(block, **options)
             fully_shard(model, **options)
@@ -70,7 +70,7 @@ class FSDPEngine:
         shape = self.run.mesh
         with self.loss_context():
             loss = accumulate(self.model, micro_batches, autocast=self.run.autocast)
-        if shape.tp > 1 and shape.dp == 1:
+        if shape.tp_alone:
             _reduce_partial_grads(self.model)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -97,7 +97,7 @@ def _wrapper(shape: MeshShape) -> str:
     if shape.tp == 1:
         return fsdp
     tp = f"tensor parallel over {shape.tp} ranks (parallelize_module, sequence and loss parallel)"
-    return f"{tp}, then {fsdp}" if shape.dp > 1 else tp
+    return tp if shape.tp_alone else f"{tp}, then {fsdp}"
 
 
 def _reduce_partial_grads(model: torch.nn.Module) -> None:
@@ -112,6 +112,8 @@ def _reduce_partial_grads(model: torch.nn.Module) -> None:
 def _mixed_precision(run: RunContext) -> str | None:
     if run.weight_dtype != torch.float32:
         return "none: bf16 weights, gradients and reduce (no fp32 master)"
+    if run.bf16 and run.mesh.tp_alone:
+        return "bf16 autocast over fp32 parameters (no FSDP2 to cast them)"
     return "bf16 params, fp32 reduce" if run.bf16 else None
 
 

@@ -37,6 +37,7 @@ def _patterns(spec: ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[int, ..
         micro_batch=recipe.micro_batch,
         device=recipe.device,
         pick=pick,
+        tp=recipe.tp,
     )
 
 
@@ -112,12 +113,13 @@ def max_micro_batch(spec: ModelSpec, recipe: Recipe, memory: int, *, device_name
 
 def analytic_forecast(spec: ModelSpec, recipe: Recipe, *, reason: str) -> Forecast:
     """The closed-form fallback: model states plus the end-of-forward activations, or the optimizer step."""
-    blocks = block_params(spec)
+    blocks = block_params(spec, tp=recipe.tp)
     shard = engine_sharding(spec, recipe)
     batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * TOKEN_BYTES
     states = shard.params + shard.optimizer + shard.comm_buffers + blocks.buffer_bytes + batch
-    acts = analytic.activation_bytes(spec, recipe)
-    logits_grad = recipe.micro_batch * recipe.seq_len * spec.vocab * 4
+    # tensor parallel: each rank keeps about 1/tp (sequence parallel; the loss's logits split by vocabulary)
+    acts = analytic.activation_bytes(spec, recipe) // recipe.tp
+    logits_grad = recipe.micro_batch * recipe.seq_len * spec.vocab * 4 // recipe.tp
     grads_seen = shard.grads if recipe.grad_accum > 1 else 0
     gathered = max(max(g.forward, g.backward) for g in map(shard.gathering.layer, range(blocks.layers)))
     forward = states + grads_seen + acts + logits_grad + shard.gathering.resident + gathered

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+from torch.distributed.tensor import DTensor
+
 from ljperf.core.cache import cached
+from ljperf.dist.mesh import fake_tp_mesh
 from ljperf.forecast.trace import architecture_key, cache_dir
 from ljperf.models.layout import decoder_layers
 from ljperf.models.spec import ModelSpec, build_meta
+from ljperf.models.tensor_parallel import parallelize
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,13 +62,19 @@ class BlockParams:
 _BLOCKS: dict[str, BlockParams] = {}
 
 
-def block_params(spec: ModelSpec) -> BlockParams:
-    """Parameter numbers per block: from a full-depth meta build, cached per architecture and depth on disk."""
-    key = architecture_key(spec, f"{spec.layers} layers")
+def block_params(spec: ModelSpec, *, tp: int = 1) -> BlockParams:
+    """Parameter numbers per block: from a full-depth meta build, cached per architecture and depth on disk;
+    ``tp``: one tensor-parallel rank's of that many (its shards: ``models.tensor_parallel``)."""
+    key = architecture_key(spec, f"{spec.layers} layers", *([f"tp {tp}"] if tp > 1 else []))
     if key not in _BLOCKS:
         path = cache_dir() / f"{spec.architecture}-blocks-{key}.json"
-        _BLOCKS[key] = cached(path, load=_load_blocks, make=lambda: _block_counts(spec), dump=asdict)
+        _BLOCKS[key] = cached(path, load=_load_blocks, make=lambda: _block_counts(spec, tp=tp), dump=asdict)
     return _BLOCKS[key]
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel parameter's shard on this rank (a DTensor's local tensor), else the parameter."""
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def _load_blocks(data: dict) -> BlockParams:
@@ -73,13 +84,16 @@ def _load_blocks(data: dict) -> BlockParams:
     return BlockParams(**ints, layer_sizes=sizes, layer_kinds=kinds, order=order)
 
 
-def _block_counts(spec: ModelSpec) -> BlockParams:
-    """``BlockParams`` of a full-depth build on the meta device (about 1 s at 70B–671B: nothing allocated)."""
+def _block_counts(spec: ModelSpec, *, tp: int) -> BlockParams:
+    """``BlockParams`` of a full-depth build on the meta device (about 1 s at 70B–671B: nothing allocated), split
+    over ``tp`` ranks (rank 0's shards are counted)."""
     model = build_meta(spec)
+    if tp > 1:
+        parallelize(model, fake_tp_mesh(tp))
     layers = decoder_layers(model)
-    embed = model.get_input_embeddings().weight
-    owner = {id(p): f"layer {i}" for i, layer in enumerate(layers) for p in layer.parameters()}
-    unique = list({id(p): p for p in model.parameters()}.values())
+    embed = _local(model.get_input_embeddings().weight)
+    owner = {id(_local(p)): f"layer {i}" for i, layer in enumerate(layers) for p in layer.parameters()}
+    unique = list({id(p): p for p in map(_local, model.parameters())}.values())
     order = [(owner.get(id(p), "pre" if p is embed else "post"), p.numel()) for p in unique]
     largest = max(unique, key=lambda p: p.numel())
     signatures = [
@@ -92,7 +106,7 @@ def _block_counts(spec: ModelSpec) -> BlockParams:
     kinds = {signature: None for signature in signatures}
     return BlockParams(
         pre=embed.numel(),
-        layer_sizes=tuple(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        layer_sizes=tuple(sum(_local(p).numel() for p in layer.parameters()) for layer in layers),
         post=sum(n for tag, n in order if tag == "post"),
         tensors=len(unique),
         largest=largest.numel(),

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from ljperf.core import deepspeed as deepspeed_config
 from ljperf.core.errors import UsageError
-from ljperf.core.options import PRECISIONS, check_precision, check_zero_stage, positive
+from ljperf.core.mesh import MeshShape
+from ljperf.core.options import PRECISIONS, check_engine_flags, check_precision, check_zero_stage, positive
 from ljperf.core.plans import MODES
 from ljperf.models.catalog import ENGINES
 
@@ -97,7 +98,11 @@ class Recipe:
     zero_stage: int = 3
     """DeepSpeed ZeRO stage 1, 2 or 3 (deepspeed engine only)."""
     world: int = 1
-    """Data-parallel ranks (GPUs)."""
+    """Ranks (GPUs): data-parallel, or data-parallel × ``tp``."""
+    tp: int = 1
+    """FSDP2: tensor-parallel ranks that split each block and share its sequences (``--tp``)."""
+    dp_replicate: int = 1
+    """FSDP2: HSDP replicas; the parameters shard over ``world / (tp · dp_replicate)`` ranks (``--dp-replicate``)."""
     device: str = "cuda"
     """cpu or cuda: the optimizer implementation and the reserved-memory terms depend on it."""
     precision: str = "bf16-mixed"
@@ -129,8 +134,12 @@ class Recipe:
         if self.precision not in PRECISIONS:
             raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         check_precision(self.precision, engine=self.engine)
-        for name in ("world", "micro_batch", "seq_len", "grad_accum"):
+        for name in ("world", "micro_batch", "seq_len", "grad_accum", "tp", "dp_replicate"):
             positive(name, getattr(self, name))
+        check_engine_flags(
+            self.engine, zero_stage=None, reshard_after_forward=True, tp=self.tp, dp_replicate=self.dp_replicate
+        )
+        MeshShape.of(world=self.world, tp=self.tp, dp_replicate=self.dp_replicate)  # refuses a mesh it cannot split
         if self.attn_implementation not in ("sdpa", "eager"):
             raise UsageError(f"--attn-implementation {self.attn_implementation!r}: the forecast knows sdpa and eager")
         bad = sorted(set(self.recompute) - set(MODES))
@@ -143,10 +152,17 @@ class Recipe:
     def trace_precision(self) -> str:
         """The code path to trace: FSDP2 (``param_dtype``) and DeepSpeed (``bf16``) compute with bf16 parameters,
         so autocast makes no weight copies and the residual stream is bf16 (``bf16-params``); DDP keeps fp32
-        parameters under autocast (``bf16-mixed``); ``bf16`` weights are bf16 parameters on any engine."""
-        if self.precision == "bf16" or (self.precision == "bf16-mixed" and self.engine != "torch"):
+        parameters under autocast (``bf16-mixed``), as FSDP2's tensor parallel alone does (no FSDP2 to cast them);
+        ``bf16`` weights are bf16 parameters on any engine."""
+        autocast = self.engine == "torch" or self.mesh.tp_alone
+        if self.precision == "bf16" or (self.precision == "bf16-mixed" and not autocast):
             return "bf16-params"
         return self.precision
+
+    @property
+    def mesh(self) -> MeshShape:
+        """How the ``world`` ranks split: HSDP replicas × FSDP2 shards × tensor-parallel ranks."""
+        return MeshShape.of(world=self.world, tp=self.tp, dp_replicate=self.dp_replicate)
 
     @property
     def weight_bytes(self) -> int:
@@ -187,6 +203,8 @@ class Recipe:
             engine=config.engine,
             zero_stage=engine_opts.zero_stage,
             world=world,
+            tp=engine_opts.tp,
+            dp_replicate=engine_opts.dp_replicate,
             device=device,
             precision=train.precision,
             micro_batch=train.micro_batch,

@@ -51,7 +51,7 @@ def compose(spec: ModelSpec, recipe: Recipe, patterns: dict[tuple[str, int], Pat
     modes = recipe.layer_modes(spec.layers)
     b, s = recipe.micro_batch, recipe.seq_len
     values = {key: pats.evaluate(b, s) for key, pats in patterns.items()}
-    blocks = block_params(spec)
+    blocks = block_params(spec, tp=recipe.tp)
     ref = reference_kind(blocks.layer_kinds)
     edges = edge_values({mode: pats for (mode, kind), pats in patterns.items() if kind == ref}, modes, b, s)
     # a middle layer walks its own kind's copy; the first and last are alike in every copy

@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,11 +59,13 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ljperf.checkpoint.apply import apply_plan
 from ljperf.core.cache import cache_root, cached
 from ljperf.core.errors import one_line
+from ljperf.dist.mesh import fake_tp_mesh
 from ljperf.forecast.patches import real_code_paths, swapped
 from ljperf.models.build import build_picked, replace_parameters
 from ljperf.models.layout import decoder_layers
 from ljperf.models.spec import ModelSpec, build_meta, with_layers
 from ljperf.models.step import accumulate
+from ljperf.models.tensor_parallel import parallelize
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -108,6 +112,8 @@ class LiveBytesTimeline(TorchDispatchMode):
         self._sizes: dict[int, int] = {}
 
     def track(self, tensor: torch.Tensor) -> bool:
+        if isinstance(tensor, DTensor):  # this rank's shard, as ``dist.memory.LiveTensorBytes`` counts it
+            tensor = tensor._local_tensor
         storage = tensor.untyped_storage()
         key = id(storage)
         if key in self._sizes or storage.nbytes() == 0:
@@ -140,21 +146,34 @@ def fake_model(
     fake_mode: FakeTensorMode,
     dtype: torch.dtype | None = None,
     pick: Sequence[int] | None = None,
+    tp: int = 1,
 ) -> torch.nn.Module:
     """``spec``'s model with fake CPU parameters (in ``dtype`` if given) and buffers (tied weights stay tied);
-    with ``pick``, a copy of those of its layers (``models.build.build_picked``)."""
+    with ``pick``, a copy of those of its layers (``models.build.build_picked``); with ``tp``, rank 0's shards of
+    it split over that many ranks (``models.tensor_parallel``) on a fake process group."""
     if pick is None:
         model = build_meta(spec, attn_implementation=attn)
     else:
         model = build_picked(spec, pick, attn_implementation=attn)
+    if tp > 1:  # on the meta device: real (or fake) values would be scattered from rank 0 over the group
+        parallelize(model, fake_tp_mesh(tp))
     with fake_mode:
-        replace_parameters(
-            model, lambda _m, _k, param: torch.nn.Parameter(torch.empty(param.shape, dtype=dtype or param.dtype))
-        )
+        replace_parameters(model, lambda _m, _k, param: torch.nn.Parameter(_empty_like(param, dtype=dtype)))
     for module in model.modules():
         if getattr(module, "layerdrop", None) == 0:
             module.layerdrop = _NeverDrops()
     return fake_buffers(model, fake_mode)
+
+
+def _empty_like(param: torch.Tensor, *, dtype: torch.dtype | None) -> torch.Tensor:
+    """An uninitialized tensor like the meta ``param`` (in ``dtype`` if given); a DTensor's: its local shard."""
+    dtype = dtype or param.dtype
+    if not isinstance(param, DTensor):
+        return torch.empty(param.shape, dtype=dtype)
+    local = torch.empty(param._local_tensor.shape, dtype=dtype)
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 class _NeverDrops:
@@ -207,11 +226,13 @@ def trace_shape(
     layers: int,
     as_cuda: bool = False,
     pick: tuple[int, ...] | None = None,
+    tp: int = 1,
 ) -> RawTrace:
     """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline;
     ``as_cuda``: SDPA calls as CUDA runs them (its fused kernel where CPU runs math, math where it does), and the
     ops of ``CUDA_FP32`` in fp32 as CUDA's autocast does; ``pick``: the full model's (first, middle, last) layers
-    the copy is made of, the middle one repeated (``layer_picks``)."""
+    the copy is made of, the middle one repeated (``layer_picks``); ``tp``: rank 0 of that many tensor-parallel
+    ranks, the copy split as the engine splits it (``models.tensor_parallel``) on a fake process group."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode()
@@ -219,7 +240,8 @@ def trace_shape(
     picked = None if pick is None else (pick[0], *[pick[1]] * (layers - 2), pick[-1])
     shallow = with_layers(spec, layers, pick=picked)
     # picked layers are copied from the full model; otherwise the shallow config builds its own
-    model = fake_model(shallow if picked is None else spec, attn=attn, fake_mode=fake_mode, dtype=dtype, pick=picked)
+    source = shallow if picked is None else spec
+    model = fake_model(source, attn=attn, fake_mode=fake_mode, dtype=dtype, pick=picked, tp=tp)
     if mode != "none":
         apply_plan(model, (mode,) * layers)
     timeline = LiveBytesTimeline()
@@ -248,6 +270,8 @@ def trace_shape(
         stack.enter_context(fake_mode)
         # A fake kernel that refuses its inputs logs its traceback before raising: the error says it once.
         stack.enter_context(_quiet("torch._subclasses.fake_tensor"))
+        if tp > 1:
+            stack.enter_context(loss_parallel())
         batches = [torch.zeros(micro_batch, seq_len, dtype=torch.long) for _ in range(MICRO_STEPS)]
         for tensor in [*model.parameters(), *model.buffers(), *batches]:
             timeline.track(tensor)
@@ -485,6 +509,9 @@ class Patterns:
     """Edge segment → what each layer adds to its points (rows as in ``segments``); absent where nothing."""
     cuda_differs: bool = False
     """The traces met something CUDA runs otherwise (``RawTrace.cuda_differs``)."""
+    divisor: int = 1
+    """The coefficients are of ``divisor`` × bytes (``--tp``: a rank's share of a sequence-parallel tensor has
+    bytes per token that are fractions of tp, such as 4 / 8 for one fp32 value a token at ``--tp 8``)."""
 
     def segment_keys(self) -> list[SegmentKey]:
         return [SegmentKey.parse(name) for name in self.segments]
@@ -497,7 +524,7 @@ class Patterns:
         """The points of segment ``key`` at micro batch ``b`` and sequence ``s`` (of its per-layer share)."""
         rows = self.per_layer[key.cache_name] if per_layer else self.segments[key.cache_name]
         m = monomials(b, s)
-        return [sum(c * x for c, x in zip(row, m, strict=True)) for row in rows]
+        return [sum(c * x for c, x in zip(row, m, strict=True)) // self.divisor for row in rows]
 
     def evaluate(self, b: int, s: int) -> dict[SegmentKey, tuple[int, int]]:
         """``segment → (peak above its start, end minus start)`` at micro batch ``b`` and sequence ``s``."""
@@ -509,8 +536,11 @@ def peak_and_net(values: list[int]) -> tuple[int, int]:
     return max(values), values[-1]
 
 
-def fit_patterns(traces: dict[tuple[int, int], RawTrace], *, layers: int) -> dict[str, list[list[int]]]:
-    """Fit every point of every segment exactly over the traced shapes; raises TraceError when not exact."""
+def fit_patterns(
+    traces: dict[tuple[int, int], RawTrace], *, layers: int, divisor: int = 1
+) -> dict[str, list[list[int]]]:
+    """Fit every point of every segment, times ``divisor``, exactly over the traced shapes; raises TraceError when
+    not exact."""
     shapes = list(traces)
     split = {shape: split_segments(raw, layers=layers) for shape, raw in traces.items()}
     x = torch.tensor([monomials(b, s) for b, s in shapes], dtype=torch.float64)
@@ -520,12 +550,16 @@ def fit_patterns(traces: dict[tuple[int, int], RawTrace], *, layers: int) -> dic
         if len(lengths) != 1:
             raise TraceError(f"segment {name} has a shape-dependent op sequence ({sorted(lengths)} points)")
         y = torch.tensor([split[shape][name] for shape in shapes], dtype=torch.float64)
-        fitted[name] = _exact_fit(x, y, name)
+        fitted[name] = _exact_fit(x, y * divisor, name)
     return fitted
 
 
 def with_per_layer(
-    reference: dict[str, list[list[int]]], deeper: dict[str, list[list[int]]], *, cuda_differs: bool = False
+    reference: dict[str, list[list[int]]],
+    deeper: dict[str, list[list[int]]],
+    *,
+    cuda_differs: bool = False,
+    divisor: int = 1,
 ) -> Patterns:
     """Patterns from the fits of the ``TRACE_LAYERS``- and ``SLOPE_LAYERS``-deep copies: the layers' segments
     must agree (the composition repeats them), and an edge segment's difference is its per-layer share."""
@@ -540,7 +574,7 @@ def with_per_layer(
         if not SegmentKey.parse(name).segment.edge:
             raise TraceError(f"decoder layer segment {name} depends on the model's depth")
         per_layer[name] = slope
-    return Patterns(segments=reference, per_layer=per_layer, cuda_differs=cuda_differs)
+    return Patterns(segments=reference, per_layer=per_layer, cuda_differs=cuda_differs, divisor=divisor)
 
 
 def _exact_fit(x: torch.Tensor, y: torch.Tensor, name: str) -> list[list[int]]:
@@ -608,11 +642,12 @@ def traced_patterns(
     micro_batch: int,
     device: str = "cpu",
     pick: tuple[int, ...] | None = None,
+    tp: int = 1,
 ) -> Patterns:
     """The fitted patterns of one architecture and shape family on ``device``, from the cache or traced now (and
     cached): CPU's, and for CUDA those traced as CUDA runs them where CPU's differ (``cuda_differs``). ``pick``: a
-    copy of those layers of the full model (``layer_picks``)."""
-    kwargs = {"precision": precision, "attn": attn, "mode": mode, "micro_batch": micro_batch, "pick": pick}
+    copy of those layers of the full model (``layer_picks``); ``tp``: one rank of that many tensor-parallel ones."""
+    kwargs = {"precision": precision, "attn": attn, "mode": mode, "micro_batch": micro_batch, "pick": pick, "tp": tp}
     patterns = _traced_patterns(spec, **kwargs)
     if device == "cuda" and patterns.cuda_differs:
         return _traced_patterns(spec, **kwargs, as_cuda=True)
@@ -628,9 +663,10 @@ def _traced_patterns(
     micro_batch: int,
     as_cuda: bool = False,
     pick: tuple[int, ...] | None = None,
+    tp: int = 1,
 ) -> Patterns:
     fam = family(micro_batch)
-    variant = mode + ("-cuda" if as_cuda else "")
+    variant = mode + ("-cuda" if as_cuda else "") + (f"-tp{tp}" if tp > 1 else "")
     if pick is not None:  # its layers, of this depth
         variant += f"-layers-{'-'.join(map(str, pick))}-of-{spec.layers}"
     key = family_key(spec, precision=precision, attn=attn, mode=variant)
@@ -638,7 +674,7 @@ def _traced_patterns(
     if path in _FAILED:
         raise _FAILED[path]
     if path not in _PATTERNS:
-        options = {"precision": precision, "attn": attn, "mode": mode, "as_cuda": as_cuda, "pick": pick}
+        options = {"precision": precision, "attn": attn, "mode": mode, "as_cuda": as_cuda, "pick": pick, "tp": tp}
 
         def trace(shape: tuple[int, int], layers: int) -> RawTrace:
             return trace_shape(spec, micro_batch=shape[0], seq_len=shape[1], layers=layers, **options)
@@ -647,7 +683,7 @@ def _traced_patterns(
             shapes = FAMILIES[fam]
             reference = {shape: trace(shape, TRACE_LAYERS) for shape in shapes}
             differs = any(raw.cuda_differs for raw in reference.values())
-            patterns = fit_patterns(reference, layers=TRACE_LAYERS)
+            patterns = fit_patterns(reference, layers=TRACE_LAYERS, divisor=tp)
             # The deeper copy at one shape first: where its segments equal the reference's, no layer leaves anything
             # to the edges (the usual case), and the other shapes need not be traced again.
             probe = shapes[-1]
@@ -655,15 +691,19 @@ def _traced_patterns(
             if split_segments(deeper[probe], layers=SLOPE_LAYERS) == split_segments(
                 reference[probe], layers=TRACE_LAYERS
             ):
-                return Patterns(segments=patterns, per_layer={}, cuda_differs=differs)
+                return Patterns(segments=patterns, per_layer={}, cuda_differs=differs, divisor=tp)
             deeper |= {shape: trace(shape, SLOPE_LAYERS) for shape in shapes[:-1]}
-            return with_per_layer(patterns, fit_patterns(deeper, layers=SLOPE_LAYERS), cuda_differs=differs)
+            slopes = fit_patterns(deeper, layers=SLOPE_LAYERS, divisor=tp)
+            return with_per_layer(patterns, slopes, cuda_differs=differs, divisor=tp)
 
         try:
             _PATTERNS[path] = cached(
                 path,
                 load=lambda data: Patterns(
-                    segments=data["segments"], per_layer=data["per_layer"], cuda_differs=data["cuda_differs"]
+                    segments=data["segments"],
+                    per_layer=data["per_layer"],
+                    cuda_differs=data["cuda_differs"],
+                    divisor=data.get("divisor", 1),
                 ),
                 make=make,
                 dump=lambda p: {
@@ -671,6 +711,7 @@ def _traced_patterns(
                     "segments": p.segments,
                     "per_layer": p.per_layer,
                     "cuda_differs": p.cuda_differs,
+                    "divisor": p.divisor,
                 },
             )
         except TraceError as exc:

@@ -122,8 +122,11 @@ class _Grads:
             reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - self.made(embedding) + copy
         )
 
-    def settle(self, walk: Walk, params: int) -> None:
-        made = self.made(params)
+    def settle(self, walk: Walk, params: int, *, beyond: int = 0) -> None:
+        """After a block's backward over ``params``; ``beyond``: gradient elements its backward made beyond this
+        rank's share (tensor parallel's whole embedding gradient), which the engine reduces away: FSDP2 before it
+        reduce-scatters, a replicated engine before the step (``optimizer_step``)."""
+        made = self.made(params + beyond)
         if self.replicated:
             kept = made  # the gradient itself stays
         else:
@@ -284,7 +287,17 @@ def layer_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Gra
     if shard.fsdp and shard.fsdp.copies_input:
         _gloo_reduce_scatter(walk, step, grads, i, phase)
     grads.settle(walk, step.blocks.layer_sizes[i])
+    walk.add("comm_buffers", _held_reduce_output(step, micro, step.blocks.layer_sizes[i]))
     _all_reduce(walk, shard.zero, f"layer {i}", phase)
+
+
+def _held_reduce_output(step: TrainingStep, micro: MicroStep, params: int) -> int:
+    """Bytes of the reduce-scatter output HSDP holds beside the accumulated gradients of ``params`` until the
+    backward ends (``FsdpReduce.holds_reduce_output``)."""
+    shard = step.shard
+    if shard.fsdp is None or not shard.fsdp.holds_reduce_output or micro.first:
+        return 0
+    return round(params * shard.kept_grad_bytes * shard.grad_keep)
 
 
 def _gloo_reduce_scatter(walk: Walk, step: TrainingStep, grads: _Grads, i: int, phase: str) -> None:
@@ -302,6 +315,7 @@ def embedding_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: 
     shard, blocks = step.shard, step.blocks
     phase = f"backward, {micro.where}"
     embedding = step.edge(Segment.PRE_F, micro)[1]
+    beyond = blocks.pre * (shard.embedding_grad_shares - 1)
     walk.step(
         step.edge(Segment.PRE_B, micro),
         f"{phase}, embedding",
@@ -311,9 +325,9 @@ def embedding_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: 
     )
     if shard.fsdp:
         walk.add("gathered_parameters", -shard.gathering.resident)
-        root = grads.reduce_root(blocks.pre + blocks.post, embedding=blocks.pre)
+        root = grads.reduce_root(blocks.pre + blocks.post, embedding=blocks.pre + beyond)
         walk.visit(0, f"{phase}, root reduce-scatter", comm_buffers=root)
-    grads.settle(walk, blocks.pre + (blocks.post if shard.fsdp else 0))
+    grads.settle(walk, blocks.pre + (blocks.post if shard.fsdp else 0), beyond=beyond)
     _all_reduce(walk, shard.zero, "pre", f"{phase}, embedding")
     _make_partition(walk, shard, "pre", micro, after=True)
 
@@ -323,6 +337,7 @@ def backward_end(walk: Walk, step: TrainingStep, micro: MicroStep) -> None:
     the gradient partition) and releases the bucket; then the gap to the next micro-step."""
     shard, zero = step.shard, step.shard.zero
     phase = f"backward, {micro.where}"
+    walk.add("comm_buffers", -sum(_held_reduce_output(step, micro, n) for n in step.blocks.layer_sizes))
     _all_reduce(walk, zero, "end", f"{phase}, last bucket")
     _make_partition(walk, shard, "end", micro, after=True)
     if micro.last:
@@ -376,8 +391,8 @@ def optimizer_transient(blocks: BlockParams, recipe: Recipe, *, local_params: in
     impl = recipe.optimizer_impl
     if impl == "single":
         largest = blocks.largest
-        if recipe.engine == "fsdp":  # rank 0 holds the first, largest, chunk of the rows
-            largest = -(-blocks.largest_rows // recipe.world) * (blocks.largest // blocks.largest_rows)
+        if recipe.engine == "fsdp" and (shards := recipe.mesh.dp_shard) > 1:  # rank 0: the first, largest rows
+            largest = -(-blocks.largest_rows // shards) * (blocks.largest // blocks.largest_rows)
         return 2 * (flat or largest * recipe.weight_bytes)
     if impl == "foreach":  # one copy of what it steps: the flat partition where the engine steps one
         return flat or local_params

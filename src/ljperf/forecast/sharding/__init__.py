@@ -28,7 +28,10 @@ BY_RANK: dict[str, Callable[[ModelSpec, Recipe], list[Sharding]]] = {"deepspeed"
 
 
 def engine_sharding(spec: ModelSpec, recipe: Recipe) -> Sharding:
-    """``recipe``'s engine's sharding of ``spec`` on one rank."""
+    """``recipe``'s engine's sharding of ``spec`` on one rank; FSDP2 with tensor parallel alone (``--tp`` the world)
+    shards nothing more: replicated states of the tensor-parallel shards, as one device holds them."""
+    if recipe.engine == "fsdp" and recipe.mesh.tp_alone:
+        return ddp.ddp_sharding(spec, recipe)
     return SHARDINGS[recipe.engine](spec, recipe)
 
 

@@ -64,6 +64,10 @@ class FsdpReduce:
     """The process group copies a reduce-scatter's whole input while it runs: gloo (a CPU run) does, NCCL not."""
     prefetched: tuple[int, ...] = ()
     """By decoder layer, bytes of the next layer's all-gather alive while this one's gradients are reduced."""
+    holds_reduce_output: bool = False
+    """HSDP: each group's reduce-scatter output, which it all-reduces over the replicas, is held until the backward
+    ends (``FSDPParamGroup._all_reduce_state``); from micro-step 2 on it is a buffer beside the accumulated
+    gradient (in micro-step 1 it becomes the gradient)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +127,10 @@ class Sharding:
     """Share of each block's traced gradient this rank keeps after backward (1/world when reduce-scattered)."""
     kept_grad_bytes: int = FP32
     """Bytes per element of a kept share (FSDP2 reduces in its master dtype; ZeRO-2 keeps the compute dtype)."""
+    embedding_grad_shares: int = 1
+    """The embedding's gradient as its backward makes it, in this rank's shares: tensor parallel's is whole over
+    the vocabulary (DTensor's embedding backward makes it replicated), ``tp`` shares, until the engine reduces it
+    to this rank's."""
     gathering: Gathering = field(default_factory=Gathering)
     fsdp: FsdpReduce | None = None
     zero: ZeroState | None = None
@@ -143,7 +151,9 @@ class Sizes:
     """What every engine sizes its sharding from."""
 
     blocks: BlockParams
+    """This rank's parameters per block (its tensor-parallel shards under ``--tp``)."""
     world: int
+    """Ranks the parameters are sharded or replicated over (FSDP2 under HSDP: one replica's)."""
     weights: int
     """Bytes of all the parameters the optimizer steps (fp32 master weights, or bf16 ones)."""
     compute: int
@@ -153,10 +163,10 @@ class Sizes:
 
     @classmethod
     def of(cls, spec: ModelSpec, recipe: Recipe) -> Sizes:
-        blocks = block_params(spec)
+        blocks = block_params(spec, tp=recipe.tp)
         return cls(
             blocks=blocks,
-            world=recipe.world,
+            world=recipe.mesh.dp_shard,
             weights=blocks.total * recipe.weight_bytes,
             compute=2 if recipe.precision != "fp32" else FP32,
             step_scalars=blocks.tensors * FP32 if recipe.device == "cpu" else 0,

@@ -48,10 +48,12 @@ def fsdp_sharding(spec: ModelSpec, recipe: Recipe) -> Sharding:
         optimizer=size.moments,
         grad_keep=1 / size.world,
         kept_grad_bytes=master,
+        embedding_grad_shares=recipe.tp,
         gathering=gathering,
         fsdp=FsdpReduce(
             reduce_input=blocks.layer * master,
             copies_input=recipe.device == "cpu",
             prefetched=tuple(layer if recipe.reshard_after_forward and i > 0 else 0 for i in range(n)),
+            holds_reduce_output=recipe.dp_replicate > 1,
         ),
     )
