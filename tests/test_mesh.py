@@ -12,6 +12,7 @@ reference for ``--tp 2`` on 2 ranks (8 sequences each), ``--tp 2`` × FSDP2 on 4
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,19 @@ def test_forecast_within_5_percent_of_each_ranks_peak(runs):
                 predicted,
                 results["peak_allocated_bytes_per_rank"],
             )
+
+
+@pytest.mark.slow
+def test_plan_forecasts_what_the_benchmark_forecast(runs, capsys):
+    """``ljperf plan --tp 2`` (--dp-replicate 2) on the runs' recipes, from the traces the runs cached: the same
+    peak as the benchmark's forecast, the mesh in its JSON and its title."""
+    plan = ["plan", "--model", "fsdp/llama-tiny", "--device", "cpu", "--gpus", "4", "--seq-len", "32"]
+    flags = {"tp2-fsdp2": ["--tp", "2", "--micro-batch", "4"], "hsdp2x2": ["--dp-replicate", "2", "--micro-batch", "2"]}
+    for name, mesh in flags.items():
+        assert main([*plan, *mesh, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        dp_replicate, dp_shard, tp = MESHES[name]
+        assert report["recipe"]["mesh"] == {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        assert report["peak_allocated_bytes"] == runs[name][0]["results"]["forecast"]["peak_allocated_bytes"]
+    assert main([*plan, *flags["hsdp2x2"]]) == 0
+    assert "4 × cpu (2 replicas × 2 shards × tp 1)" in capsys.readouterr().out

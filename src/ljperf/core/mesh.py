@@ -69,3 +69,10 @@ class MeshShape:
 
     def record(self) -> dict[str, int]:
         return asdict(self)
+
+    def describe(self) -> str:
+        """The split for people, e.g. ``2 replicas × 4 shards × tp 8``; empty for FSDP2's one dimension."""
+        if not self.beyond_fsdp:
+            return ""
+        parts = [f"{self.dp_replicate} replicas"] if self.dp_replicate > 1 else []
+        return " × ".join([*parts, f"{self.dp_shard} shards", f"tp {self.tp}"])

@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from ljperf.core import deepspeed as deepspeed_config
 from ljperf.core.console import console, titled_table
+from ljperf.core.mesh import MeshShape
 from ljperf.core.plans import describe
 from ljperf.core.records import SCHEMA_VERSION
 from ljperf.core.units import format_bytes, unit_of
@@ -105,6 +106,8 @@ def plan_record(
     recipe_dict["recompute"] = list(recipe.layer_modes(spec.layers))
     if recipe.engine != "deepspeed":
         del recipe_dict["zero_stage"], recipe_dict["zero"]
+    if recipe.engine == "fsdp":
+        recipe_dict["mesh"] = recipe.mesh.record()
     params = block_params(spec).total  # from a one-layer build: no full-depth model needed
     return {
         "schema_version": SCHEMA_VERSION,
@@ -131,6 +134,8 @@ def plan_record(
 def print_plan(report: dict) -> None:
     recipe = report["recipe"]
     where = f"{recipe['world']} × {recipe['device']}"
+    if mesh := MeshShape(**recipe.get("mesh", {})).describe():
+        where += f" ({mesh})"
     table = titled_table(shape_title(recipe["engine"], report["model"]["name"], where=where, shape=recipe))
     peak = report["peak_allocated_bytes"]
     unit, scale = unit_of(peak)  # one unit for the column, the peak's (tiny models read 0.00 in GiB)
