@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ljperf.cli import main
+from ljperf.run.titles import run_title
 
 from conftest import cli_env, read_record
 
@@ -146,3 +147,12 @@ def test_plan_forecasts_what_the_benchmark_forecast(runs, capsys):
         assert report["peak_allocated_bytes"] == runs[name][0]["results"]["forecast"]["peak_allocated_bytes"]
     assert main([*plan, *flags["hsdp2x2"]]) == 0
     assert "4 × cpu (2 replicas × 2 shards × tp 1)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_benchmark_table_names_the_mesh(runs):
+    titles = {name: run_title(runs[name][0]["config"]) for name in ("ddp", *MESHES)}
+    assert "4 process(es) · mb 2" in titles["ddp"]
+    assert "2 process(es) (1 shard × tp 2)" in titles["tp2"]
+    assert "4 process(es) (2 shards × tp 2)" in titles["tp2-fsdp2"]
+    assert "4 process(es) (2 replicas × 2 shards × tp 1)" in titles["hsdp2x2"]

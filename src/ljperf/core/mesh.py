@@ -75,4 +75,5 @@ class MeshShape:
         if not self.beyond_fsdp:
             return ""
         parts = [f"{self.dp_replicate} replicas"] if self.dp_replicate > 1 else []
-        return " × ".join([*parts, f"{self.dp_shard} shards", f"tp {self.tp}"])
+        shards = f"{self.dp_shard} shard{'s' if self.dp_shard > 1 else ''}"
+        return " × ".join([*parts, shards, f"tp {self.tp}"])

@@ -5,6 +5,7 @@ Run: ``shape_title("torch", "llama-tiny", where="1 process(es)", shape=record["c
 
 from __future__ import annotations
 
+from ljperf.core.mesh import MeshShape
 from ljperf.models.catalog import catalog_names
 
 
@@ -18,6 +19,9 @@ def shape_title(engine: str, model: str, *, where: str, shape: dict) -> str:
 
 
 def run_title(cfg: dict) -> str:
-    """The table title of a benchmark record's ``config``: ``shape_title`` with ``N process(es)``."""
+    """The table title of a benchmark record's ``config``: ``shape_title`` with ``N process(es)`` (and its mesh
+    beyond FSDP2's one dimension)."""
     where = f"{cfg['launch']['world_size']} process(es)"
+    if mesh := MeshShape(**cfg.get("mesh", {})).describe():
+        where += f" ({mesh})"
     return shape_title(cfg["engine"]["name"], cfg["model"]["name"], where=where, shape=cfg["train"])
