@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import sys
 
 from ljperf.benchmark.recovery import launch
 from ljperf.core import options
@@ -44,6 +46,19 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from ljperf.benchmark.record import results_from_progress
 
     cfg = config_from_args(args, argv, flags=flags)
+    if cfg.train.device == "cpu" and args.threads is None:
+        _say_threads(cfg.train.threads)
     if cfg.launch.distributed and not under_torchrun():
         return launch(cfg, record_from_progress=functools.partial(results_from_progress, cfg))
     return run_worker(cfg)
+
+
+def _say_threads(threads: int) -> None:
+    """A CPU run whose thread count nobody chose (no ``--threads``, no ``OMP_NUM_THREADS``) times the machine's
+    load as much as ljperf: 1.26-1.55x apart in two runs of one comparison, 1.009x with one thread each."""
+    if not (os.environ.get("OMP_NUM_THREADS") or under_torchrun()):
+        print(
+            f"ljperf benchmark: {threads} CPU thread(s) per process (this machine's cores shared among its processes):"
+            " step times follow the machine's load; give --threads N (or OMP_NUM_THREADS) to compare runs",
+            file=sys.stderr,
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 from ljperf.core import options
 from ljperf.core.errors import UsageError
@@ -22,7 +23,9 @@ from ljperf.run.config import RunConfig, resolve_train
 class ReportConfig:
     """What compile-report runs: lengths, steps per length, compile mode."""
 
-    seq_lens: str = opt("512,1000,2048", "comma-separated sequence lengths, run in this order")
+    TITLE: ClassVar[str] = "report"
+
+    seq_lens: str = opt("512,1000,2048", "comma-separated sequence lengths, run in this order", metavar="N[,N]")
 
     def __post_init__(self) -> None:
         try:
