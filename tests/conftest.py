@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,32 @@ def run_ljperf(
         preexec_fn=limit if address_space else None,
         check=False,
     )
+
+
+def use_cli_env(monkeypatch: pytest.MonkeyPatch, **extra: str) -> None:
+    """This process's environment made ``cli_env(**extra)`` for the test: what ``run_main`` of a command that
+    starts processes of its own (ablation's benchmark runs) hands them, as a CLI subprocess would."""
+    monkeypatch.delenv("LJPERF_RUN_DIR", raising=False)
+    for key, value in {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}.items():
+        monkeypatch.setenv(key, value)
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """``ljperf ARGS`` through ``ljperf.cli.main`` in this process: (exit code, stdout, stderr). For checks of an
+    exit code and what is printed, where no process of its own is needed (a subprocess first spends seconds
+    importing torch). The signal handlers ``main`` installs are put back."""
+    from ljperf import cli
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @functools.cache
