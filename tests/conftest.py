@@ -58,9 +58,10 @@ def use_cli_env(monkeypatch: pytest.MonkeyPatch, **extra: str) -> None:
 
 
 def run_main(capsys, *args: str) -> tuple[int, str, str]:
-    """``ljperf ARGS`` through ``ljperf.cli.main`` in this process: (exit code, stdout, stderr). For checks of an
-    exit code and what is printed, where no process of its own is needed (a subprocess first spends seconds
-    importing torch). The signal handlers ``main`` installs are put back."""
+    """``ljperf ARGS`` through ``ljperf.cli.main`` in this process: (exit code, stdout, stderr) as ``capsys`` (or
+    ``capfd``: file descriptors too) caught them. For checks of an exit code and what is printed, where no process
+    of its own is needed (a subprocess first spends seconds importing torch). The signal handlers ``main``
+    installs are put back."""
     from ljperf import cli
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -22,7 +22,7 @@ from ljperf.dist.runtime import free_port
 from ljperf.models.catalog import read_config_dict
 from ljperf.models.spec import build_meta, resolve
 
-from conftest import cli_env, read_record, run_ljperf
+from conftest import cli_env, read_record, run_ljperf, run_main, use_cli_env
 
 TINY = ["benchmark", "--model", "torch/llama-tiny", "--seq-len", "64", "--warmup", "1"]
 
@@ -427,22 +427,22 @@ def test_host_memory_running_out_is_an_oom(tmp_path):
     assert res["forecast"]["peak_allocated_bytes"] > 2300 * 10**6 and res["forecast"]["error_pct"] is None
 
 
-def test_unwritable_output_fails_before_the_run(tmp_path):
-    proc = run_ljperf(*TINY, "--steps", "1", "--output", "/sys/ljperf-result.json")
-    assert proc.returncode == 2
-    assert "not writable" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+def test_unwritable_output_fails_before_the_run(capsys):
+    code, _, stderr = run_main(capsys, *TINY, "--steps", "1", "--output", "/sys/ljperf-result.json")
+    assert code == 2
+    assert "not writable" in stderr and len(stderr.strip().splitlines()) == 1
 
 
-def test_full_disk_fails_before_the_run(tmp_path):
+def test_full_disk_fails_before_the_run(tmp_path, capsys):
     mnt = tmp_path / "full"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=False).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
         (mnt / "filler").write_bytes(b"\0" * 60_000)
-        proc = run_ljperf(*TINY, "--steps", "1", "--output", str(mnt / "r.json"))
-        assert proc.returncode == 2
-        assert "No space left" in proc.stderr
+        code, _, stderr = run_main(capsys, *TINY, "--steps", "1", "--output", str(mnt / "r.json"))
+        assert code == 2
+        assert "No space left" in stderr
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 
@@ -486,18 +486,22 @@ def test_records_are_strict_json_when_a_loss_diverges(tmp_path):
     assert data == {"losses": [2.5, None, None], "nested": [{"x": None}]}
 
 
-def test_secrets_never_reach_records_or_logs(tmp_path):
+def test_secrets_never_reach_records_or_logs(tmp_path, monkeypatch, capfd):
+    """In-process: the record and everything written to this process's stdout and stderr (file descriptors 1
+    and 2, so C++ output too)."""
     secrets = {"HF_TOKEN": "hf_s3cr3tvalue", "AWS_SECRET_ACCESS_KEY": "aws-s3cr3t-key", "MY_TEAM_TOKEN": "tok-777"}
     out = tmp_path / "r.json"
-    proc = run_ljperf(*TINY, "--steps", "2", "--output", str(out), env=cli_env(**secrets))
-    assert proc.returncode == 0, proc.stderr
-    written = out.read_text() + proc.stdout + proc.stderr
+    use_cli_env(monkeypatch, **secrets)
+    code, stdout, stderr = run_main(capfd, *TINY, "--steps", "2", "--output", str(out))
+    assert code == 0, stderr
+    written = out.read_text() + stdout + stderr
     for name, value in secrets.items():
         assert value not in written and name not in written
 
 
 @pytest.mark.slow
-def test_a_killed_ablation_leaves_nothing_resume_mistakes_for_finished(tmp_path):
+def test_a_killed_ablation_leaves_nothing_resume_mistakes_for_finished(tmp_path, monkeypatch, capsys):
+    """The killed ablation is a process; the resume runs in this one (its benchmark run is a process)."""
     out = tmp_path / "abl"
     args = [*TINY, "--steps", "60", "--variants", "base", "--repeat", "1", "--out", str(out)]
     args[0] = "ablation"
@@ -515,9 +519,10 @@ def test_a_killed_ablation_leaves_nothing_resume_mistakes_for_finished(tmp_path)
         time.sleep(0.2)
     record = out / "runs" / "local" / "base.r1.json"
     assert not record.exists()
-    resumed = run_ljperf(*args)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "[1/1] local/base.r1: ok" in resumed.stdout  # re-run, not skipped
+    use_cli_env(monkeypatch)
+    code, stdout, stderr = run_main(capsys, *args)
+    assert code == 0, stderr
+    assert "[1/1] local/base.r1: ok" in stdout  # re-run, not skipped
     assert read_record(record)["results"]["status"] == "ok"
 
 
