@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import os
 import resource
@@ -59,21 +61,27 @@ def use_cli_env(monkeypatch: pytest.MonkeyPatch, **extra: str) -> None:
 
 def run_main(capsys, *args: str) -> tuple[int, str, str]:
     """``ljperf ARGS`` through ``ljperf.cli.main`` in this process: (exit code, stdout, stderr) as ``capsys`` (or
-    ``capfd``: file descriptors too) caught them. For checks of an exit code and what is printed, where no process
-    of its own is needed (a subprocess first spends seconds importing torch). The signal handlers ``main``
-    installs are put back."""
+    ``capfd``: file descriptors too) caught them, or ``sys.stdout`` and ``sys.stderr`` when ``capsys`` is None (a
+    module fixture's). For checks of an exit code and what is printed, where no process of its own is needed (a
+    subprocess first spends seconds importing torch). The signal handlers ``main`` installs are put back."""
     from ljperf import cli
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    out, err = io.StringIO(), io.StringIO()
     try:
-        code = cli.main(list(args))
+        with contextlib.ExitStack() as stack:
+            if capsys is None:
+                stack.enter_context(contextlib.redirect_stdout(out))
+                stack.enter_context(contextlib.redirect_stderr(err))
+            code = cli.main(list(args))
     except SystemExit as exc:  # argparse's usage errors
         code = exc.code
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    out, err = capsys.readouterr()
-    return code, out, err
+    if capsys is None:
+        return code, out.getvalue(), err.getvalue()
+    return code, *capsys.readouterr()
 
 
 @functools.cache
