@@ -98,6 +98,27 @@ def read_record(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+LONGEST_FIRST = (
+    "test_forecast.py",
+    "test_reliability.py",
+    "test_hook.py",
+    "test_forecast_engines.py",
+    "test_compile.py",
+    "test_benchmark.py",
+    "test_ablation.py",
+    "test_engines.py",
+    "test_checkpoint_plan.py",
+)
+"""The longest files of a full run (about 2026-12: together ~80% of it), longest first; the others follow in
+their usual order. xdist's ``--dist loadfile`` (with ``--no-loadscope-reorder``, as ``make test`` runs it) hands
+files to the workers in this order, so no long file starts last and leaves one worker running alone."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
 @pytest.fixture(autouse=True, scope="session")
 def fresh_forecast_cache(tmp_path_factory, worker_id):
     """Traced forecast coefficients from an empty cache, inherited by CLI subprocesses: no stale entries from

@@ -243,6 +243,7 @@ def test_the_memory_check_uses_the_devices_calibration(tmp_path, monkeypatch):
         check_memory(run, None)
 
 
+@pytest.mark.slow
 def test_a_gpu_run_over_its_memory_is_told_what_would_fit():
     """On CUDA the check only warns (the run goes on); its fix may add GPUs, which on CPU share one RAM. Only the
     forecast runs here: an 8B recipe on one 80 GB GPU."""

@@ -224,6 +224,7 @@ def test_a_cuda_trace_runs_in_fp32_what_cuda_autocast_runs_in_fp32():
         assert dtypes(op) == (torch.bfloat16, torch.bfloat16, torch.bfloat16, False), name
 
 
+@pytest.mark.slow
 def test_a_cuda_forecast_keeps_the_fp32_copies_of_gpt2s_gelu(tmp_path):
     """GPT-2's tanh GELU cubes its input: CUDA's autocast runs that pow in fp32, so the fp32 copy of the input
     is saved, and the rest of the GELU (tanh, its sum) runs and is saved in fp32: 24 bytes per token and hidden
@@ -242,6 +243,7 @@ def test_a_cuda_forecast_keeps_the_fp32_copies_of_gpt2s_gelu(tmp_path):
     assert extra == {"gelu_new": GPT2_TINY["n_layer"] * tokens * 24 * GPT2_TINY["n_embd"], "gelu": 0}
 
 
+@pytest.mark.slow
 def test_a_cuda_forecast_of_fp32_grouped_query_attention_keeps_the_math_paths_probabilities():
     """CUDA's flash kernel takes bf16 only and its memory-efficient one no grouped K/V heads, so fp32 training of a
     GQA model runs SDPA's math path on CUDA (b·h·s² fp32 probabilities kept), while CPU's flash kernel takes it.
@@ -261,6 +263,7 @@ def test_a_cuda_forecast_of_fp32_grouped_query_attention_keeps_the_math_paths_pr
     assert activations["bf16-mixed", "cuda"] == activations["bf16-mixed", "cpu"]
 
 
+@pytest.mark.slow
 def test_a_cuda_forecast_keeps_what_fused_attention_dropout_keeps(tmp_path):
     """CPU SDPA with dropout keeps the b·h·s² probabilities and mask (its math path: the CPU test above measures
     it); CUDA's flash/efficient kernels fuse the dropout, so GPT-2 on CUDA keeps what it keeps without attention
@@ -301,6 +304,7 @@ DEEPSEEK_TINY |= {"vocab_size": 1024, "max_position_embeddings": 512, "pad_token
 DEEPSEEK_TINY |= {"eos_token_id": 2} | MOE["deepseek_v3"] | {"first_k_dense_replace": 3, "num_hidden_layers": 5}
 
 
+@pytest.mark.slow
 def test_layers_of_different_kinds_are_traced_each(tmp_path):
     """DeepSeek-V3's layout at 5 layers: three dense, then two of experts (micro batch 1: its family traces 4
     shapes, not 7). Copies of 3 and 4 layers had only
@@ -347,6 +351,7 @@ def test_the_recompute_cost_per_layer_is_a_layer_of_the_most_frequent_kind(tmp_p
     assert one_dense == all_experts and all_experts.saved_flops != all_dense.saved_flops
 
 
+@pytest.mark.slow
 def test_a_cuda_forecast_keeps_what_fused_attention_keeps_for_a_narrower_value_head(tmp_path):
     """DeepSeek-V3's MLA: value heads (128) narrower than query heads (192). CPU SDPA runs its math path and
     keeps b·h·s² probabilities; CUDA's memory-efficient kernel does not (DeepSeek-V3 at 4096 tokens under
@@ -391,6 +396,7 @@ def test_per_layer_config_lists_follow_the_layer_count():
     assert with_layers(five, 3, pick=(0, 3, 4)).config.first_k_dense_replace == 1
 
 
+@pytest.mark.slow
 def test_a_sliding_window_the_trace_does_not_reach_gets_a_note(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**read_config_dict(name="mistral-tiny"), "sliding_window": 512}))
@@ -431,7 +437,7 @@ def test_breakdown_adds_up_and_recompute_saves_activations():
     assert costs["full"].saved_bytes == 2 * 64 * spec.hidden * 4
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])  # eager: traces of its own
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen3-tiny"])
 @pytest.mark.parametrize(("engine", "precision"), [("torch", "fp32"), ("torch", "bf16-mixed"), ("fsdp", "bf16-mixed")])
 def test_analytic_formula_cross_checks_the_trace(engine, precision, name, attn):

@@ -345,6 +345,7 @@ def test_a_fully_shard_script_is_planned_in_its_models_dtype(dtype, param_dtype,
     assert (setup["world"], setup["precision"]) == (2, precision)
 
 
+@pytest.mark.slow
 def test_planning_leaves_the_global_random_state_alone(monkeypatch):
     """The plan (rates measured on this device, layers traced, the solver) draws nothing from torch's global
     generator: a model with dropout trained differently under the variable (the rates drew from it)."""

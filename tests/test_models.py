@@ -188,6 +188,7 @@ def test_bad_model_configs_are_usage_errors(tmp_path, content, message):
         resolve(path=path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("refused", [True, False])
 def test_transformers_warnings_show_only_for_an_accepted_config(tmp_path, refused):
     """eos_token_id outside the vocabulary (and an unknown rope type) make transformers warn; with a refused
@@ -234,6 +235,7 @@ def test_a_config_seen_before_is_read_from_the_cache_and_built_when_first_asked_
     assert "config" in resolve(path=config).__dict__
 
 
+@pytest.mark.slow
 def test_a_warm_plan_imports_no_transformers(capsys):
     """``ljperf plan`` answers from cached facts and coefficients without transformers (70B: 8.7 s, now 3.7)."""
     argv = ["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--precision", "fp32", "--micro-batch", "2"]

@@ -206,6 +206,7 @@ def test_a_node_alone_at_the_rendezvous_fails_after_the_timeout_with_a_reason(tm
     assert lines[-1].startswith("ljperf benchmark: failed: the nodes did not all join the rendezvous in time")
 
 
+@pytest.mark.slow
 def test_a_plan_that_cannot_fit_is_exit_2_in_one_line_with_two_ranks(tmp_path):
     """A usage error only the ranks can find keeps exit 2 through the launcher (it was 1), in one line (each
     rank, the agent's own log and the launcher each printed one; whichever rank exits first, and a rank's exit
@@ -301,7 +302,10 @@ def test_single_process_sigterm_keeps_the_record(tmp_path):
     assert res["forecast"]["error_pct"] is not None
 
 
-@pytest.mark.parametrize("delay", [0.5, 2.5, 4.5])  # importing torch; resolving the config; building the model
+# importing torch; resolving the config; building the model (later: seconds of a process each)
+@pytest.mark.parametrize(
+    "delay", [0.5, pytest.param(2.5, marks=pytest.mark.slow), pytest.param(4.5, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_during_start_up_exits_with_one_line(tmp_path, sig, code, delay):
     """Ctrl-C or SIGTERM before the first step: its exit code and one line, never a traceback (a signal inside
@@ -314,6 +318,7 @@ def test_a_signal_during_start_up_exits_with_one_line(tmp_path, sig, code, delay
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_signal_that_lands_inside_a_destructor_still_ends_the_run(tmp_path):
     """Python swallows an exception raised inside a ``__del__`` (the garbage collector runs them at any
     allocation), so a signal handled there once let the run go on to its end with status 0 and a printed
@@ -346,6 +351,7 @@ def test_a_signal_that_lands_inside_a_destructor_still_ends_the_run(tmp_path):
     assert res["reason"] == "interrupted by SIGTERM" and res["steps_completed"] == 0
 
 
+@pytest.mark.slow
 def test_a_signal_while_a_failure_is_handled_still_leaves_the_record(tmp_path):
     """torchrun sends SIGTERM to every rank once one failed; it lands while the others handle their own error
     (rank 0 saw its peer vanish). It once escaped from there and rank 0 wrote no record: the launcher rebuilt one
@@ -413,6 +419,7 @@ def test_ctrl_c_inside_an_exec_of_source_still_exits_130(tmp_path):
     assert (proc.returncode, proc.stderr) == (130, "ljperf models: interrupted\n")
 
 
+@pytest.mark.slow
 def test_host_memory_running_out_is_an_oom(tmp_path):
     """The CPU allocator raises a plain RuntimeError, not torch.OutOfMemoryError; the run is still ``oom``."""
     out = tmp_path / "r.json"
