@@ -120,6 +120,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """One intra-op thread in the test process too, as ``cli_env`` gives each CLI subprocess: two workers share
+    the 2-core machines with the processes they start."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
 def fresh_forecast_cache(tmp_path_factory, worker_id):
     """Traced forecast coefficients from an empty cache, inherited by CLI subprocesses: no stale entries from
     development runs on this machine. pytest-xdist's workers share one per test run, so each architecture and
