@@ -231,6 +231,7 @@ def test_parser_never_tracebacks_on_invalid_values(flags, capsys):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--json"], []])
 def test_a_reader_that_stops_early_gets_no_traceback(args):
     """``ljperf models --json | head``: the closed pipe ends the command quietly (141, as a shell reports it);

@@ -54,9 +54,12 @@ def run_script(tmp_path, *args: str, hook: bool) -> tuple[dict, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
 
 
-def test_without_the_variable_the_trainer_is_untouched(tmp_path):
-    result, _ = run_script(tmp_path, "compile", "--no-train", hook=False)
-    assert result["regions"] == "method"
+@pytest.mark.parametrize(("hook", "regions"), [(False, "method"), (True, "Region")])
+def test_the_trainer_is_compiled_by_region_only_under_the_variable(tmp_path, hook, regions):
+    """``torch_compile=True``: the decoder layers' forwards become regions when the Trainer is made under the
+    variable, and stay methods without it (no training: what the slow test below trains)."""
+    result, _ = run_script(tmp_path, "compile", "--no-train", hook=hook)
+    assert result["regions"] == regions
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import torch
 
 from ljperf.hooks.checkpoint import REPLACES
 
-from conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
+from conftest import cli_env, own_cache, read_record, run_ljperf, stale_calibration_cache
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LINE = re.compile(r"\[ljperf\] recomputing (\d+)/(\d+) layers \(selective (\d+), full (\d+)\)[^\n]*")
@@ -253,6 +253,8 @@ def test_each_fsdp2_rank_corrects_its_own_plan(tmp_path):
     the budget does not need, rank 0's does not. Rank 1 alone re-plans before step 3, says so, and both ranks
     end without recompute."""
     stale = stale_calibration_cache(tmp_path, scale=1.25)
+    (tmp_path / "rank0").mkdir()
+    clean = own_cache(tmp_path / "rank0")  # no calibration saved; the run's traced coefficients, as rank 1's
     none, full = forecasts_none_and_full("fsdp", world=2)
     budget = round(1.1 * none)  # as in the test above: fits no recompute, but not ×1.25
     assert 1.25 * full < budget < 1.25 * none
@@ -262,7 +264,7 @@ def test_each_fsdp2_rank_corrects_its_own_plan(tmp_path):
         nproc=2,
         CHECKPOINT_OPTIMIZATION="true",
         LJPERF_MEMORY_BUDGET=str(budget),
-        LJPERF_CACHE_DIR_BY_RANK=f"{tmp_path / 'clean'},{stale}",
+        LJPERF_CACHE_DIR_BY_RANK=f"{clean},{stale}",
     )
     assert hooked["checkpointed_by_rank"] == [[False] * 6] * 2, stderr[-2000:]
     assert re.search(r"\[ljperf\] closed loop: [^\n]*; the plan stands", stderr), stderr[-2000:]
@@ -359,6 +361,7 @@ def test_a_fully_shard_script_is_planned_in_its_models_dtype(dtype, param_dtype,
     assert (setup["world"], setup["precision"]) == (2, precision)
 
 
+@pytest.mark.slow
 def test_planning_leaves_the_global_random_state_alone(monkeypatch):
     """The plan (rates measured on this device, layers traced, the solver) draws nothing from torch's global
     generator: a model with dropout trained differently under the variable (the rates drew from it)."""
