@@ -312,18 +312,18 @@ def test_timeout_force_and_sigterm(tmp_path, monkeypatch, capsys):
     out = tmp_path / "t"
     args = ("ablation", *SHORT, "--repeat", "1", "--out", str(out))
     use_cli_env(monkeypatch)
-    code, _, stderr = run_main(capsys, *args, "--variants", "base,ckpt-full", "--timeout", "0.5")
+    code, _, stderr = run_main(capsys, *args, "--variants", "base,ckpt-full", "--run-timeout", "0.5")
     assert code == 1 and "2 of 2 runs failed" in stderr
     path = out / "runs" / "local" / "base.r1.json"
     rec = read_record(path)
-    assert rec["results"]["status"] == "timeout" and "--timeout 0.5 s" in rec["results"]["reason"]
+    assert rec["results"]["status"] == "timeout" and "stopped after --run-timeout 0.5 s" in rec["results"]["reason"]
     assert rec["ablation"]["wall_s"] < 20
     assert not list(out.glob("runs/local/.*"))  # no pending file left behind
 
     # --force re-runs every run, and deletes those of another command (here ckpt-full, which it does not run):
     # what ljperf report shows is this command's runs.
     before = path.stat().st_mtime_ns
-    code, stdout, _ = run_main(capsys, *args, "--variants", "base", "--timeout", "0.5", "--force")
+    code, stdout, _ = run_main(capsys, *args, "--variants", "base", "--run-timeout", "0.5", "--force")
     assert code == 1 and "already finished" not in stdout
     assert path.stat().st_mtime_ns > before
     assert sorted(p.name for p in path.parent.iterdir()) == ["base.r1.json", "base.r1.log"]
@@ -346,6 +346,25 @@ def test_timeout_force_and_sigterm(tmp_path, monkeypatch, capsys):
     assert path.stat().st_mtime_ns == before
     assert sorted(p.name for p in path.parent.glob("*.json")) == ["base.r1.json"]  # no pending, no ckpt-full
 
+    # SIGKILL: the ablation cleans nothing up, yet its benchmark ends with it (parent-death signal) and nothing of
+    # theirs is left in $TMPDIR (a run's compile cache lives in --out; it was an ljperf-ablation-* folder there).
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ljperf", *args, "--variants", "base,ckpt-full"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=cli_env(TMPDIR=str(tmpdir)),
+    )
+    child = _wait_for_child(proc.pid, b"benchmark")
+    proc.kill()
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while not _ended(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ended(child)
+    assert sorted(p.name for p in tmpdir.iterdir() if p.name.startswith(("ljperf-", "torchelastic_"))) == []
+
 
 def test_a_signal_while_a_run_starts_is_raised_once_it_has_started():
     # A SIGTERM raised inside Popen once the benchmark existed left it unstopped and unreaped: the ablation exited
@@ -360,6 +379,14 @@ def test_a_signal_while_a_run_starts_is_raised_once_it_has_started():
         assert reached and raised.value.exit_code == 143
     finally:
         restore_signals(previous)
+
+
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` has exited (gone, or a zombie nobody has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
 
 
 def _wait_for_child(pid: int, word: bytes, timeout: float = 120) -> int:

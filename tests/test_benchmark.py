@@ -177,7 +177,7 @@ def test_a_cpu_run_beyond_the_ram_is_refused_as_oom_with_its_record(tmp_path, ca
     res = read_record(out)["results"]
     assert res["status"] == "oom" and res["forecast"]["peak_allocated_bytes"] > 2**40
     assert "of RAM available: not started, the kernel would kill it; even one sequence" in res["reason"]
-    assert stderr.strip().splitlines() == [f"ljperf benchmark: oom: {res['reason']}"]
+    assert stderr.strip().splitlines() == [f"ljperf benchmark: oom: {res['reason']}; result record: {out}"]
 
 
 @pytest.mark.parametrize(

@@ -108,7 +108,7 @@ def run_worker(cfg: RunConfig) -> int:
             print_result_table(record)
         if status != "ok" and not reporter.watched:
             interrupted = exit_code in (EXIT_SIGINT, EXIT_SIGTERM)
-            print(last_line(reason, interrupted=interrupted, output=cfg.output), file=sys.stderr)
+            print(last_line(reason, interrupted=interrupted, output=cfg.output, status=status), file=sys.stderr)
     if status == "ok" or run.world == 1:  # a failed group is kept: its barrier could wait on a lost peer
         shutdown_process()
     if (folder := RunFolder.watching()) is not None and launcher_gone():  # killed: nobody else removes it

@@ -66,9 +66,11 @@ def forecast_line(results: dict[str, Any]) -> str | None:
     return text
 
 
-def last_line(reason: str, *, interrupted: bool, output: str | None) -> str:
-    """The line a failed or interrupted run ends with, the same for one process and for ljperf's launcher."""
+def last_line(reason: str, *, interrupted: bool, output: str | None, status: str = "error") -> str:
+    """The line a failed or interrupted run ends with, the same for one process and for ljperf's launcher; an
+    out-of-memory run says ``oom``."""
     kept = output not in (None, STDOUT)
     if interrupted:
         return f"ljperf benchmark: {reason}" + (f"; partial result kept: {output}" if kept else "")
-    return f"ljperf benchmark: failed: {reason}" + (f"; result record: {output}" if kept else "")
+    word = "oom" if status == "oom" else "failed"
+    return f"ljperf benchmark: {word}: {reason}" + (f"; result record: {output}" if kept else "")

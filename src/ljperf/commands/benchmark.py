@@ -46,11 +46,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from ljperf.benchmark.record import results_from_progress
 
     cfg = config_from_args(args, argv, flags=flags)
-    if cfg.train.device == "cpu" and args.threads is None:
-        _say_threads(cfg.train.threads)
     if cfg.launch.distributed and not under_torchrun():
-        return launch(cfg, record_from_progress=functools.partial(results_from_progress, cfg))
-    return run_worker(cfg)
+        code = launch(cfg, record_from_progress=functools.partial(results_from_progress, cfg))
+    else:
+        code = run_worker(cfg)
+    if code == 0 and cfg.train.device == "cpu" and args.threads is None:  # under the table: a refusal stays one line
+        _say_threads(cfg.train.threads)
+    return code
 
 
 def _say_threads(threads: int) -> None:

@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from ljperf.core import options
+from ljperf.core.console import check_output
 from ljperf.core.errors import UsageError
 from ljperf.core.options import LARGEST, OptimConfig, TrainConfig, opt
-from ljperf.core.records import check_output, write_json
+from ljperf.core.records import write_json
 from ljperf.models.flags import add_model_arguments, engine_from_args, model_files, spec_from_args
 from ljperf.run.config import RunConfig, resolve_train
 
