@@ -9,7 +9,14 @@ TORCH ?= torch==2.13.0
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: run test test-quick lint format clean
+# make test-floor: the quick suite at the lowest versions pyproject.toml admits, in a venv of its own. PyPI's
+# torch 2.10.0 is a CUDA build (about 3 GB with its libraries; it runs on a CPU); elsewhere pass
+# FLOOR_TORCH='torch==2.10.0 --index-url https://download.pytorch.org/whl/cpu'.
+FLOOR_VENV ?= .venv-floor
+FLOOR_TORCH ?= torch==2.10.0
+FLOOR := transformers==5.17.0 accelerate==1.1.0 deepspeed==0.17.0 rich==13.0.0 matplotlib==3.8.0 numpy==1.26.4
+
+.PHONY: run test test-quick test-floor lint format clean
 
 $(VENV)/.installed: pyproject.toml Makefile src/ljperf/hooks/ljperf_startup.pth
 	$(PYTHON) -m venv $(VENV)
@@ -38,5 +45,14 @@ test: lint
 test-quick: lint
 	$(PYTEST) -m "not slow"
 
+$(FLOOR_VENV)/.installed: pyproject.toml Makefile src/ljperf/hooks/ljperf_startup.pth
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q $(FLOOR_TORCH)
+	DS_BUILD_OPS=0 $(FLOOR_VENV)/bin/python -m pip install -q $(FLOOR) -e '.[dev]'
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed
+	$(FLOOR_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
+
 clean:
-	rm -rf $(VENV) build dist .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) build dist .pytest_cache
