@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ljperf.core.plans import Plan, summary
-from ljperf.core.units import format_part
+from ljperf.core.units import format_bytes, format_part
 from ljperf.forecast.api import forecast
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.models.spec import ModelSpec
@@ -217,8 +217,8 @@ def solve_for_plan(
         source = f"{name} datasheet"
         if rates is None:
             rates, source = Rates.datasheet(REFERENCE_GPU), f"{REFERENCE_GPU} datasheet ({name} is not in the table)"
-        elif device_name is None:
-            source += " (give --gpu NAME for another GPU's)"
+        elif device_name is None:  # --gpu-memory alone: no GPU named, none here
+            source += f" rates; the device: the given {format_bytes(memory)} (--gpu-memory), uncalibrated overheads"
     return solve_recipe(spec, recipe, budget=budget, rates=rates, device_name=device_name), source
 
 
