@@ -11,7 +11,9 @@ import json
 import pytest
 
 from ljperf import cli
+from ljperf.benchmark.compile_report import length_row, print_report
 from ljperf.core.errors import EXIT_DOES_NOT_FIT
+from ljperf.core.spread import OVERLAP_NOTE
 
 TINY = ["--model", "torch/llama-tiny", "--precision", "fp32", "--seq-len", "64"]
 """Traced once at micro batch 1 (none and full recompute), as other tests trace it: plans here that do not fit
@@ -57,3 +59,26 @@ def test_plan_names_the_gpu_only_when_it_was_not_given(capsys):
     rates = unnamed["recompute"]["rates"]
     assert "give --gpu NAME" not in rates and "the given 80.00 GiB (--gpu-memory), uncalibrated overheads" in rates
     assert not cli.COMMANDS["plan"].help.endswith("--calibrate") and "(--calibrate)" in cli.COMMANDS["plan"].help
+
+
+# --- item 2: ljperf compile-report ----------------------------------------------------------------------------------
+
+
+def test_compile_report_shows_each_cells_spread_and_marks_overlapping_ranges(capsys):
+    """One number per cell read as a 12.37× speed-up at 512 tokens while eager time fell as the sequence grew
+    (8.1 s at 512, 3.1 s at 2048): a slow first round, noise. Three rounds of each (seconds per step)."""
+    noisy = length_row(512, [8.1, 0.62, 0.70], [0.65, 0.66, 0.70], compile_s=20.0, recompiles=[])
+    clear = length_row(2048, [3.1, 3.0, 3.2], [1.5, 1.4, 1.6], compile_s=1.5, recompiles=["a guard"])
+    assert noisy["eager_step_s_repeats"] == [8.1, 0.62, 0.70] and noisy["compiled_step_s_repeats"][0] == 0.65
+    assert (noisy["eager_step_s"], noisy["speedup"], noisy["overlap"]) == (0.70, pytest.approx(0.70 / 0.66), True)
+    assert (clear["eager_step_s"], clear["speedup"], clear["overlap"]) == (3.1, pytest.approx(3.1 / 1.5), False)
+    config = {"model": "llama-tiny", "compile_mode": "regional", "precision": "fp32", "repeats": 3}
+    compiled = {"time_s_per_region": {"model.layers.0": 21.5}, "time_s": 21.5, "fallbacks": []}
+    breaks = {"count": 0, "graphs": 1, "reasons": []}
+    print_report({"config": config, "lengths": [noisy, clear], "compile": compiled, "graph_breaks": breaks})
+    out = capsys.readouterr().out
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.split("│")[1:-1]] for line in out.splitlines())
+            if cells and cells[0].isdigit()}  # fmt: skip
+    assert rows["512"][:6] == ["512", "700.0", "620.0–8100.0", "660.0", "650.0–700.0", "×1.06 ≈"]
+    assert rows["2048"][:6] == ["2048", "3100.0", "3000.0–3200.0", "1500.0", "1400.0–1600.0", "×2.07"]
+    assert OVERLAP_NOTE in out and "3 repeat(s)" in out

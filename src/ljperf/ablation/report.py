@@ -15,17 +15,16 @@ from rich.markup import escape
 
 from ljperf import __version__
 from ljperf.ablation import runner
-from ljperf.ablation.stats import Ratio, Spread, VariantStats, summarize
+from ljperf.ablation.stats import VariantStats, summarize
 from ljperf.compile.line import compile_line
 from ljperf.core.console import console, titled_table, warn
 from ljperf.core.errors import UsageError
 from ljperf.core.records import SCHEMA_VERSION, now_iso, write_atomic, write_json
+from ljperf.core.spread import OVERLAP_NOTE, format_ratio, format_spread
 from ljperf.core.units import format_bytes
 from ljperf.run.titles import run_title
 
 SUMMARY, MARKDOWN, CHART = "summary.json", "report.md", "ablation.png"
-OVERLAP = "≈"
-OVERLAP_NOTE = f"{OVERLAP}: the min–max ranges of the two variants overlap; these repeats do not show a difference."
 
 
 def load_records(out: Path) -> list[dict[str, Any]]:
@@ -86,19 +85,6 @@ def _run_file(record: dict) -> str:
 # --- formatting -----------------------------------------------------------------------------------------
 
 
-def _spread(s: Spread | None, scale: float = 1.0, spec: str = ",.0f") -> tuple[str, str]:
-    """(median, "min–max") as text."""
-    if s is None:
-        return "-", "-"
-    return format(s.median * scale, spec), f"{format(s.low * scale, spec)}–{format(s.high * scale, spec)}"
-
-
-def _ratio(r: Ratio | None) -> str:
-    if r is None:
-        return "-"
-    return f"×{r.value:.2f}" + (f" {OVERLAP}" if r.overlaps else "")
-
-
 def _status(s: VariantStats) -> str:
     return ", ".join(f"{name} ×{n}" if n > 1 else name for name, n in s.statuses.items())
 
@@ -121,7 +107,7 @@ def rows(stats: list[VariantStats]) -> tuple[list[str], list[list[str]]]:
     ]
     body = []
     for s in stats:
-        tps, tps_range = _spread(s.tokens_per_s)
+        tps, tps_range = format_spread(s.tokens_per_s)
         body.append(
             [
                 s.label,
@@ -129,13 +115,13 @@ def rows(stats: list[VariantStats]) -> tuple[list[str], list[list[str]]]:
                 _status(s),
                 tps,
                 tps_range,
-                _spread(s.step_time_s, 1e3, ".1f")[0],
+                format_spread(s.step_time_s, 1e3, ".1f")[0],
                 format_bytes(s.peak_allocated_bytes.median) if s.peak_allocated_bytes else "-",
-                _spread(s.mfu, 100, ".1f")[0],
-                _ratio(s.speedup),
-                _ratio(s.gain),
+                format_spread(s.mfu, 100, ".1f")[0],
+                format_ratio(s.speedup),
+                format_ratio(s.gain),
                 "-" if s.loss_max_abs_diff is None else f"{s.loss_max_abs_diff:.1e}",
-                _spread(s.wall_s, 1, ".1f")[0],
+                format_spread(s.wall_s, 1, ".1f")[0],
             ]
         )
     return header, body
@@ -316,7 +302,11 @@ def chart(stats: list[VariantStats], path: Path) -> None:
                 ax.text(i, 0, _status(s), ha="center", va="bottom", color="tab:red")
         elif s.speedup is not None:
             left.annotate(
-                _ratio(s.speedup), (i, s.tokens_per_s.high), xytext=(0, 4), textcoords="offset points", ha="center"
+                format_ratio(s.speedup),
+                (i, s.tokens_per_s.high),
+                xytext=(0, 4),
+                textcoords="offset points",
+                ha="center",
             )
     for ax in (left, right):
         ax.set_xticks(x, labels, rotation=20 if len(stats) > 3 else 0, ha="right" if len(stats) > 3 else "center")
