@@ -11,6 +11,8 @@ import json
 import pytest
 
 from ljperf import cli
+from ljperf.ablation import report
+from ljperf.ablation.stats import summarize
 from ljperf.benchmark.compile_report import length_row, print_report
 from ljperf.core.errors import EXIT_DOES_NOT_FIT
 from ljperf.core.spread import OVERLAP_NOTE
@@ -82,3 +84,38 @@ def test_compile_report_shows_each_cells_spread_and_marks_overlapping_ranges(cap
     assert rows["512"][:6] == ["512", "700.0", "620.0–8100.0", "660.0", "650.0–700.0", "×1.06 ≈"]
     assert rows["2048"][:6] == ["2048", "3100.0", "3000.0–3200.0", "1500.0", "1400.0–1600.0", "×2.07"]
     assert OVERLAP_NOTE in out and "3 repeat(s)" in out
+
+
+# --- item 10: the ablation chart -----------------------------------------------------------------------------------
+
+
+def ablation_run(variant: str, index: int, repeat: int, tokens_per_s: float) -> dict:
+    """A finished run's record, as much of it as the report reads."""
+    config = {
+        "engine": {"name": "fsdp"},
+        "model": {"name": "llama-tiny"},
+        "launch": {"world_size": 2},
+        "train": {"micro_batch": 4, "seq_len": 256, "grad_accum": 1, "precision": "fp32", "steps": 5, "warmup": 1},
+    }
+    env = {"name": "local", "python": "python", "prefix": "/", "versions": {}}
+    meta = {"variant": variant, "variant_index": index, "flags": "", "repeat": repeat, "environment": env}
+    meta |= {"environment_index": 0, "command": [], "wall_s": 9.0, "log": f"{variant}.r{repeat}.log"}
+    results = {"status": "ok", "tokens_per_s": tokens_per_s, "peak_allocated_bytes": 2**30, "losses": [1.0]}
+    return {"ablation": meta, "config": config, "env": {"devices": ["cpu"]}, "results": results}
+
+
+def test_the_ablation_chart_is_titled_and_its_bars_are_the_mean_of_fewer_than_3_repeats(tmp_path):
+    """The chart had no title, and with 2 repeats its "median" bar sat on the slower run (4,096 of 4,096 and
+    20,480 tokens/s)."""
+    from PIL import Image
+
+    two = [ablation_run("base", 0, 1, 20480.0), ablation_run("base", 0, 2, 4096.0)]
+    three = [ablation_run("compile", 1, k, tps) for k, tps in enumerate([100.0, 90.0, 250.0], start=1)]
+    base, compiled = summarize(two + three)
+    assert (report.bar_height(base.tokens_per_s), report.bar_height(compiled.tokens_per_s)) == (12288.0, 100.0)
+    assert report.bar_kind([base]) == "mean of the repeats" and report.bar_kind([compiled]).startswith("median")
+    report.chart(two + three, [base, compiled], tmp_path / "chart.png")
+    meta = Image.open(tmp_path / "chart.png").text
+    assert meta["Title"].startswith("fsdp/llama-tiny · 2 process(es) · mb 4 × seq 256 × accum 1 · fp32 · ")
+    assert meta["Title"].endswith(" · device: cpu")
+    assert meta["Description"] == "throughput bars: median of the repeats; mean where fewer than 3"

@@ -20,7 +20,7 @@ from ljperf.compile.line import compile_line
 from ljperf.core.console import console, titled_table, warn
 from ljperf.core.errors import UsageError
 from ljperf.core.records import SCHEMA_VERSION, now_iso, write_atomic, write_json
-from ljperf.core.spread import OVERLAP_NOTE, format_ratio, format_spread
+from ljperf.core.spread import OVERLAP_NOTE, Spread, format_ratio, format_spread
 from ljperf.core.units import format_bytes
 from ljperf.run.titles import run_title
 
@@ -46,7 +46,7 @@ def render(out: Path, records: list[dict[str, Any]], *, command: list[str] | Non
     stats = summarize(records)
     write_json(out / SUMMARY, summary(records, stats, command=command))
     write_atomic(out / MARKDOWN, lambda f: f.write(markdown(records, stats, command=command).encode()))
-    chart(stats, out / CHART)
+    chart(records, stats, out / CHART)
     print_table(records, stats)
     console.print(f"report: {out / MARKDOWN} · chart: {out / CHART} · summary: {out / SUMMARY}")
     return stats
@@ -273,8 +273,37 @@ def _quote(arg: str) -> str:
     return arg if arg and all(c.isalnum() or c in "-_./=+,:@" for c in arg) else repr(arg)
 
 
-def chart(stats: list[VariantStats], path: Path) -> None:
-    """Throughput per variant (median, min–max error bars) and peak memory beside it."""
+MEDIAN_FROM = 3
+"""Repeats from which a chart's bar is their median; with fewer it is their mean (the median of two runs, as the
+table takes it, is the slower one's)."""
+
+
+def bar_height(s: Spread | None) -> float:
+    """A chart's bar for ``s``: the median of 3 or more repeats, else their mean; 0 for none."""
+    if s is None:
+        return 0.0
+    return s.median if s.count >= MEDIAN_FROM else s.mean
+
+
+def bar_kind(stats: list[VariantStats]) -> str:
+    """What the throughput bars are, for the chart's axis: the mean or median of the repeats, or both."""
+    counts = {s.tokens_per_s.count >= MEDIAN_FROM for s in stats if s.tokens_per_s}
+    if counts == {True}:
+        return "median of the repeats"
+    if counts == {False}:
+        return "mean of the repeats"
+    return f"median of the repeats; mean where fewer than {MEDIAN_FROM}"
+
+
+def chart_title(records: list[dict]) -> str:
+    """The table's title (model, engine, shape, precision, repeats) and, on a second line, the devices."""
+    devices = ", ".join(dict.fromkeys(d for r in records for d in (r.get("env") or {}).get("devices") or []))
+    return f"{title(records)}\ndevice: {devices or '-'}"
+
+
+def chart(records: list[dict], stats: list[VariantStats], path: Path) -> None:
+    """Throughput per variant (median of 3+ repeats, mean of fewer; min–max error bars) and peak memory beside it,
+    titled with the model, engine, shape and device (also the PNG's ``Title``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,19 +311,23 @@ def chart(stats: list[VariantStats], path: Path) -> None:
 
     labels = [s.label for s in stats]
     x = list(range(len(stats)))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(stats) + 3), 4.5))
-    tps = [s.tokens_per_s.median if s.tokens_per_s else 0.0 for s in stats]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(stats) + 3), 5.0))
+    heading = chart_title(records)
+    fig.suptitle(heading, fontsize=10)
+    tps = [bar_height(s.tokens_per_s) for s in stats]
     err = [
-        [s.tokens_per_s.median - s.tokens_per_s.low if s.tokens_per_s else 0.0 for s in stats],
-        [s.tokens_per_s.high - s.tokens_per_s.median if s.tokens_per_s else 0.0 for s in stats],
+        [tps[i] - s.tokens_per_s.low if s.tokens_per_s else 0.0 for i, s in enumerate(stats)],
+        [s.tokens_per_s.high - tps[i] if s.tokens_per_s else 0.0 for i, s in enumerate(stats)],
     ]
-    left.bar(x, tps, yerr=err, capsize=6, color="tab:blue")
-    left.set_title("throughput (median, min–max)")
+    kind = bar_kind(stats)
+    left.bar(x, tps, yerr=err, capsize=6, color="tab:blue", label=f"bar: {kind}\nwhiskers: min–max")
+    left.set_title("throughput", fontsize=10)
     left.set_ylabel("tokens/s")
-    peaks = [s.peak_allocated_bytes.median if s.peak_allocated_bytes else 0.0 for s in stats]
+    left.legend(loc="best", fontsize=8)
+    peaks = [bar_height(s.peak_allocated_bytes) for s in stats]
     scale, unit = (1024**3, "GiB") if max(peaks, default=0) >= 1024**3 else (1024**2, "MiB")
     right.bar(x, [p / scale for p in peaks], color="tab:orange")
-    right.set_title("peak memory (median)")
+    right.set_title("peak memory (bar: as throughput's)", fontsize=10)
     right.set_ylabel(unit)
     for i, s in enumerate(stats):
         if s.tokens_per_s is None:
@@ -302,16 +335,14 @@ def chart(stats: list[VariantStats], path: Path) -> None:
                 ax.text(i, 0, _status(s), ha="center", va="bottom", color="tab:red")
         elif s.speedup is not None:
             left.annotate(
-                format_ratio(s.speedup),
-                (i, s.tokens_per_s.high),
-                xytext=(0, 4),
-                textcoords="offset points",
+                format_ratio(s.speedup), (i, s.tokens_per_s.high), xytext=(0, 4), textcoords="offset points",
                 ha="center",
-            )
+            )  # fmt: skip
     for ax in (left, right):
         ax.set_xticks(x, labels, rotation=20 if len(stats) > 3 else 0, ha="right" if len(stats) > 3 else "center")
         ax.grid(axis="y", alpha=0.3)
         ax.margins(y=0.12)
     fig.tight_layout()
-    write_atomic(path, lambda f: fig.savefig(f, dpi=120, format="png"))
+    meta = {"Title": heading.replace("\n", " · "), "Description": f"throughput bars: {kind}"}
+    write_atomic(path, lambda f: fig.savefig(f, dpi=120, format="png", metadata=meta))
     plt.close(fig)

@@ -16,15 +16,20 @@ OVERLAP_NOTE = f"{OVERLAP}: the min–max ranges of the two overlap; these repea
 
 @dataclass(frozen=True, kw_only=True)
 class Spread:
-    """Median and range of one figure over the successful repeats."""
+    """Median and range of one figure over the successful repeats, and their mean and count."""
 
     median: float
     low: float
     high: float
+    mean: float
+    count: int
 
     @classmethod
     def of(cls, values: list[float]) -> Spread | None:
-        return cls(median=statistics.median(values), low=min(values), high=max(values)) if values else None
+        if not values:
+            return None
+        median, mean = statistics.median(values), statistics.fmean(values)
+        return cls(median=median, low=min(values), high=max(values), mean=mean, count=len(values))
 
     def overlaps(self, other: Spread) -> bool:
         return self.low <= other.high and other.low <= self.high
