@@ -133,7 +133,7 @@ def test_plan_auto_nothing_fits_exits_4_with_what_would(capsys):
 def test_plan_auto_optimizer_bound_says_checkpointing_cannot_help(capsys):
     rc, out, err = plan_json(capsys, "--model", "torch/llama-tiny", "--device", "cpu", "--seq-len", "16",
                              "--gpu-memory", "16MiB")  # fmt: skip
-    assert rc == 2
+    assert rc == EXIT_DOES_NOT_FIT
     assert (
         out["recompute"]["advice"][0] == "the optimizer step, not activations, sets the peak: checkpointing cannot help"
     )
