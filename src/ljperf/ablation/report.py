@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,15 @@ from ljperf.ablation.stats import VariantStats, summarize
 from ljperf.compile.line import compile_line
 from ljperf.core.console import console, titled_table, warn
 from ljperf.core.errors import UsageError
+from ljperf.core.plans import no_recompute_line
 from ljperf.core.records import SCHEMA_VERSION, now_iso, write_atomic, write_json
 from ljperf.core.spread import OVERLAP_NOTE, Spread, format_ratio, format_spread
 from ljperf.core.units import format_bytes
 from ljperf.run.titles import run_title
 
 SUMMARY, MARKDOWN, CHART = "summary.json", "report.md", "ablation.png"
+IDLE = "†"
+"""Marks a variant whose ``--recompute auto`` recomputed nothing (its budget held the whole run)."""
 
 
 def load_records(out: Path) -> list[dict[str, Any]]:
@@ -89,8 +93,9 @@ def _status(s: VariantStats) -> str:
     return ", ".join(f"{name} ×{n}" if n > 1 else name for name, n in s.statuses.items())
 
 
-def rows(stats: list[VariantStats]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows shared by the terminal and the markdown tables."""
+def rows(stats: list[VariantStats], *, marked: Collection[str] = ()) -> tuple[list[str], list[list[str]]]:
+    """Header and rows shared by the terminal and the markdown tables; the variants ``marked`` (labels) get
+    ``IDLE``: their ``--recompute auto`` recomputed nothing."""
     header = [
         "variant",
         "flags",
@@ -110,7 +115,7 @@ def rows(stats: list[VariantStats]) -> tuple[list[str], list[list[str]]]:
         tps, tps_range = format_spread(s.tokens_per_s)
         body.append(
             [
-                s.label,
+                f"{s.label} {IDLE}" if s.label in marked else s.label,
                 s.flags or "(none)",
                 _status(s),
                 tps,
@@ -156,14 +161,17 @@ def _overlap_note(stats: list[VariantStats]) -> str | None:
 
 
 def print_table(records: list[dict], stats: list[VariantStats]) -> None:
-    header, body = rows(stats)
+    idle = no_recompute(records, stats)
+    header, body = rows(stats, marked=idle)
     table = titled_table(title(records), caption=_overlap_note(stats))
     for i, name in enumerate(header):
         if name != "flags":  # in report.md; too wide for a terminal
-            table.add_column(name, justify="left" if i < 3 else "right")
+            table.add_column(name, justify="left" if i < 3 else "right", no_wrap=i == 0)
     for row in body:
         table.add_row(*(escape(cell) for name, cell in zip(header, row, strict=True) if name != "flags"))
     console.print(table)
+    for label, line in idle.items():
+        console.print(escape(f"{IDLE} {label}: {line}"), highlight=False, soft_wrap=True)
     revisions = _revisions(records)
     if len(revisions) > 1:
         warn(f"the runs span git revisions {', '.join(revisions)}")
@@ -174,17 +182,33 @@ def print_table(records: list[dict], stats: list[VariantStats]) -> None:
             console.print(f"[red]{escape(s.label)}[/red]: {escape(_status(s))}: {escape(s.reason)}")
 
 
+def no_recompute(records: list[dict], stats: list[VariantStats]) -> dict[str, str]:
+    """``{variant: line}`` for each variant whose ``--recompute auto`` chose no recompute, because its budget holds
+    the whole run (its first successful run's plan): the row alone reads as if it had been tested."""
+    out = {}
+    for s in stats:
+        runs = _ok_runs(records, s)
+        if runs and (line := no_recompute_line(min(runs, key=_order)["results"].get("recompute") or {})):
+            out[s.label] = line
+    return out
+
+
+def _ok_runs(records: list[dict], s: VariantStats) -> list[dict]:
+    """The successful runs of variant ``s``."""
+    return [
+        r
+        for r in records
+        if (r["ablation"]["environment"]["name"], r["ablation"]["variant"]) == (s.environment, s.variant)
+        and r["results"]["status"] == "ok"
+    ]
+
+
 def applied(records: list[dict], stats: list[VariantStats]) -> list[tuple[str, str]]:
     """(variant, what its first successful run recomputed and what compiling cost) for each variant that did
     either: an optimization that changed nothing (``--recompute auto`` whose plan recomputes no layer) shows."""
     out = []
     for s in stats:
-        runs = [
-            r
-            for r in records
-            if (r["ablation"]["environment"]["name"], r["ablation"]["variant"]) == (s.environment, s.variant)
-            and r["results"]["status"] == "ok"
-        ]
+        runs = _ok_runs(records, s)
         if not runs:
             continue
         res = min(runs, key=_order)["results"]
@@ -202,7 +226,8 @@ def applied(records: list[dict], stats: list[VariantStats]) -> list[tuple[str, s
 def markdown(records: list[dict], stats: list[VariantStats], *, command: list[str] | None) -> str:
     ref = _reference(records)
     env = ref.get("env", {})
-    header, body = rows(stats)
+    idle = no_recompute(records, stats)
+    header, body = rows(stats, marked=idle)
     lines = [
         f"# Ablation: {title(records)}",
         "",
@@ -216,6 +241,7 @@ def markdown(records: list[dict], stats: list[VariantStats], *, command: list[st
     if command:
         lines += ["```", "ljperf " + " ".join(_quote(a) for a in command), "```", ""]
     lines += ["## Results", "", _md_row(header), _md_row(["---"] * len(header)), *map(_md_row, body), ""]
+    lines += [*(f"{IDLE} `{label}`: {line}" for label, line in idle.items()), *([""] if idle else [])]
     memory_method = ref.get("results", {}).get("memory_method")
     lines += [
         f"Speedup: median tokens/s vs `{stats[0].label}`; gain: vs the variant above it (the added optimization). "

@@ -38,6 +38,9 @@ class Decision:
     """Forecast peak of the plan (device bytes)."""
     fits: bool | None = None
     """Whether the plan's forecast is within the budget (False: even full recompute does not fit)."""
+    none_bytes: int | None = None
+    full_bytes: int | None = None
+    """Forecast peaks (device bytes) with no layer and with every layer recomputed (None: a fixed plan)."""
     recompute_s: float = 0.0
     """Estimated recompute seconds per micro-step."""
     recompute_flops_per_token: float = 0.0
@@ -63,6 +66,8 @@ class Decision:
             "forecast_peak_bytes": self.forecast_bytes,
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
+            "forecast_none_bytes": self.none_bytes,
+            "forecast_full_bytes": self.full_bytes,
             "recompute_s_estimate": self.recompute_s,
             "recompute_flops_per_token": self.recompute_flops_per_token,
             "advice": self.advice,
@@ -129,11 +134,16 @@ def solve(
         return best[2], best[3]
 
     lowest, phase = forecast_of(layers, 0)
-    if lowest <= budget:
-        f, s = cheapest(budget)
+
+    def decided(f: int, s: int, **kw: Any) -> Decision:
+        plan, peak_bytes = ordered_plan(layers, f, s), forecast_of(f, s)[0]
         return decision_of(
-            ordered_plan(layers, f, s), budget=budget, bytes_=forecast_of(f, s)[0], cost=cost, rates=rates, fits=True
-        )
+            plan, budget=budget, bytes_=peak_bytes, cost=cost, rates=rates, none_bytes=forecast_of(0, 0)[0],
+            full_bytes=lowest, **kw,
+        )  # fmt: skip
+
+    if lowest <= budget:
+        return decided(*cheapest(budget), fits=True)
     none_bytes, _ = forecast_of(0, 0)
     advice = advise()
     useless = none_bytes - lowest < 0.02 * none_bytes
@@ -141,16 +151,7 @@ def solve(
         advice.insert(0, "the optimizer step, not activations, sets the peak: checkpointing cannot help")
     elif useless:
         advice.insert(0, f"activations are under 2% of the peak ({phase}): checkpointing cannot help")
-    f, s = (0, 0) if useless else cheapest(lowest)
-    return decision_of(
-        ordered_plan(layers, f, s),
-        budget=budget,
-        bytes_=forecast_of(f, s)[0],
-        cost=cost,
-        rates=rates,
-        fits=False,
-        advice=advice,
-    )
+    return decided(*((0, 0) if useless else cheapest(lowest)), fits=False, advice=advice)
 
 
 def decision_of(
