@@ -19,6 +19,7 @@ import torch
 
 from ljperf.core.plans import Plan, summary
 from ljperf.core.units import format_bytes, format_part
+from ljperf.forecast.advice import dominant_term
 from ljperf.forecast.api import forecast
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.models.spec import ModelSpec
@@ -192,14 +193,14 @@ def solve_recipe(
     if cost is None:
         cost = layer_cost(spec, micro_batch=recipe.micro_batch, seq_len=recipe.seq_len, attn=recipe.attn_implementation)
     full = ordered_plan(spec.layers, spec.layers, 0)
-    return solve(
-        layers=spec.layers,
-        budget=budget,
-        peak=peak,
-        cost=cost,
-        rates=rates,
-        advise=lambda: advice(recipe, budget, lambda r: peak(full, r)[0], flags=flags),
-    )
+
+    def advise() -> list[str]:
+        """The term that dominates full recompute's peak, if one does, then what would fit."""
+        at_full = forecast(spec, recipe.with_(recompute=full), device_name=device_name)
+        dominant = dominant_term(spec, recipe.with_(recompute=full), at_full, device_name=device_name, flags=flags)
+        return [*([dominant] if dominant else []), *advice(recipe, budget, lambda r: peak(full, r)[0], flags=flags)]
+
+    return solve(layers=spec.layers, budget=budget, peak=peak, cost=cost, rates=rates, advise=advise)
 
 
 def solve_for_plan(
