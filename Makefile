@@ -4,10 +4,12 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 # pytest workers: two keep both of CI's cores busy while a test waits on a subprocess's start-up; a test file
-# runs in one worker, which makes its module-scoped runs once
+# runs in one worker, which makes its module-scoped runs once. Files are handed out longest first
+# (tests/conftest.py's LONGEST_FIRST; xdist would order them by their number of tests).
 TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: run test lint format clean
+.PHONY: run test test-quick lint format clean
 
 $(VENV)/.installed: pyproject.toml Makefile src/ljperf/hooks/ljperf_startup.pth
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +31,12 @@ format: $(VENV)/.installed
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST)
+
+# The inner loop (2-3 minutes): the tests not marked slow, which still import and exercise every module of
+# src/ljperf (tests/test_imports.py imports each)
+test-quick: lint
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache

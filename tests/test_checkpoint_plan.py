@@ -149,6 +149,7 @@ def test_plan_auto_without_recompute_needed_and_bad_budget(capsys):
     assert "--memory-budget is the budget of --recompute auto" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_plan_auto_70b_on_64_gpus_answers_in_seconds(capsys):
     argv = ("--model", "deepspeed/llama3.1-70b", "--gpus", "64", "--gpu-memory", "80GiB")
     plan_json(capsys, *argv)  # traces the architecture once (cached on disk for later runs)
@@ -192,6 +193,7 @@ def test_replan_with_a_larger_activation_coefficient_recomputes_more():
     assert again.forecast_bytes == plain.device_bytes + round(0.3 * activation_bytes(plain))
 
 
+@pytest.mark.slow
 def test_advice_names_the_least_change_of_each_kind():
     """The largest micro batch that fits (it said half of it), and on one GPU FSDP2 over the fewest GPUs that fit
     (it said only a larger budget would fit); in words for a user's script."""

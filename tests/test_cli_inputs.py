@@ -50,8 +50,9 @@ CASES = [
     (["benchmark", *TINY, "--warmup", "-1"], {}, "--warmup"),
     (["benchmark", *TINY, "--seq-len", "10000000"], {}, "max positions"),
     (["benchmark", *TINY, "--lr", "-1"], {}, "--lr"),
-    (["benchmark", *TINY, "--timeout", "0"], {}, "--timeout"),
-    (["benchmark", *TINY, "--timeout", "inf"], {}, "--timeout"),  # OverflowError when the group formed
+    (["benchmark", *TINY, "--collective-timeout", "0"], {}, "--collective-timeout"),
+    # inf: an OverflowError when the group formed
+    (["benchmark", *TINY, "--collective-timeout", "inf"], {}, "--collective-timeout"),
     (["benchmark", *TINY, "--lr", "nan"], {}, "--lr"),
     (["benchmark", *TINY, "--seed", "1180591620717411303424"], {}, "--seed must be in"),  # a ValueError in the run
     (["benchmark", *TINY, "--micro-batch", "99999999999999999999"], {}, "--micro-batch"),
@@ -117,7 +118,7 @@ CASES = [
     (["ablation", *TINY, "--variants", "base,nope"], {}, "nope"),
     (["ablation", *TINY, "--variant", "novalue"], {}, "--variant"),
     (["ablation", *TINY, "--repeat", "0"], {}, "--repeat"),
-    (["ablation", *TINY, "--timeout", "nan"], {}, "--timeout"),
+    (["ablation", *TINY, "--run-timeout", "nan"], {}, "--run-timeout"),
     (["ablation", *TINY, "--out", "/proc/ljperf-ablation"], {}, "--out"),
     (["ablation", *TINY, "--variants", ""], {}, "has an empty name"),
     (["ablation", *TINY, "--variants", "base,,compile"], {}, "has an empty name"),
@@ -225,6 +226,7 @@ def test_parser_never_tracebacks_on_invalid_values(flags, capsys):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--json"], []])
 def test_a_reader_that_stops_early_gets_no_traceback(args):
     """``ljperf models --json | head``: the closed pipe ends the command quietly (141, as a shell reports it);

@@ -28,6 +28,7 @@ from ljperf.core.errors import (
     UsageError,
     interruption,
 )
+from ljperf.core.options import deprecations
 from ljperf.core.parser import Parser, unrecognized
 from ljperf.dist.launch import LAUNCHER_ENV, RunFolder, end_with_parent
 
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if unknown:
         _refuse_unknown(parser, args.command, unknown)
+    if os.environ.get("RANK", "0") == "0":  # said once, not by every rank
+        for line in deprecations(args):
+            print(f"ljperf {args.command}: {line}", file=sys.stderr)
     module = importlib.import_module(COMMANDS[args.command].module)
     signal.signal(signal.SIGINT, signal.default_int_handler if interrupt is None else interrupt)  # None: set in C
     return _run_command(module, args, argv)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 from ljperf.core import options
+from ljperf.core.console import check_output
 from ljperf.core.errors import UsageError
 from ljperf.core.options import LARGEST, OptimConfig, TrainConfig, opt, positive
-from ljperf.core.records import check_output, write_json
+from ljperf.core.records import write_json
 from ljperf.models.flags import add_model_arguments, engine_from_args, model_files, spec_from_args
 from ljperf.run.config import RunConfig, resolve_train
 
@@ -23,7 +25,9 @@ from ljperf.run.config import RunConfig, resolve_train
 class ReportConfig:
     """What compile-report runs: lengths, rounds, steps per length, compile mode."""
 
-    seq_lens: str = opt("512,1000,2048", "comma-separated sequence lengths, run in this order")
+    TITLE: ClassVar[str] = "report"
+
+    seq_lens: str = opt("512,1000,2048", "comma-separated sequence lengths, run in this order", metavar="N[,N]")
     repeats: int = opt(
         3,
         "rounds of eager then compiled steps at each length, interleaved; the table shows min–max over them and"

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_arguments(m, OptimConfig, only=("memory_budget",))
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    out.add_argument("--calibrate", nargs="+", metavar="RECORD", help="fit device overheads from benchmark records")
+    out.add_argument("--calibrate", nargs="+", metavar="FILE", help="fit device overheads from benchmark records")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
