@@ -46,7 +46,11 @@ COMMANDS: dict[str, Command] = {
         "train a model on synthetic tokens and measure throughput, MFU and memory", "ljperf.commands.benchmark"
     ),
     "models": Command("list the model catalog with parameter counts", "ljperf.commands.models"),
-    "plan": Command("forecast peak memory per GPU of a recipe before it runs; --calibrate", "ljperf.commands.plan"),
+    "plan": Command(
+        "forecast peak memory per GPU of a recipe before it runs, or fit the forecast's device overheads to"
+        " benchmark records (--calibrate)",
+        "ljperf.commands.plan",
+    ),
     "doctor": Command(
         "check driver, NCCL, DeepSpeed config, versions, compile; each with a fix", "ljperf.commands.doctor"
     ),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ljperf.ablation import report, runner
 from ljperf.ablation.variants import BUILTIN, DEFAULT_VARIANTS, Variant, parse_environments, parse_variants
 from ljperf.commands import benchmark as benchmark_command
+from ljperf.core.console import say
 from ljperf.core.errors import EXIT_ERROR, EXIT_OK, RunFailed, UsageError
 from ljperf.core.options import LARGEST, Deprecated
 from ljperf.core.parser import Parser, unrecognized
@@ -106,6 +107,16 @@ def check_variant(shared: list[str], variant: Variant) -> RunConfig:
         raise UsageError(f"{where}: {exc}") from None
 
 
+def warn_untested_recompute(variants: list[Variant], configs: list[RunConfig]) -> None:
+    """Before the runs: each CPU variant whose ``--recompute auto`` has no budget, the RAM holding the whole run,
+    would recompute nothing; say so, with a budget that would test it (forecast here, cached for the runs)."""
+    from ljperf.recompute.run import untested_auto
+
+    for variant, cfg in zip(variants, configs, strict=True):
+        if line := untested_auto(cfg):
+            say(f"variant {variant.name}: {line}")
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``ljperf ablation``."""
     if args.repeat < 1:
@@ -115,6 +126,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     shared = split_argv(argv, args.command)
     variants = parse_variants(args.variants, args.variant)
     configs = [check_variant(shared, v) for v in variants]
+    warn_untested_recompute(variants, configs)
     environments = parse_environments(args.env, default_python=sys.executable)
     # A --model-config path names its folder or file, not a folder tree under the working directory.
     out = Path(args.out or f"ablation-{configs[0].engine}-{Path(configs[0].model.name).name.removesuffix('.json')}")
