@@ -318,10 +318,10 @@ def test_compile_report_explains_times_and_names_the_recompile(tmp_path):
     out = tmp_path / "report.json"
     lens = f"{SEQ_LENS[0]},{SEQ_LENS[1]}"
     proc = run_ljperf("compile-report", "--model-config", str(config), "--seq-lens", lens, "--steps", "1",
-                      "--output", str(out), timeout=900)  # fmt: skip
+                      "--threads", "1", "--output", str(out), timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = read_record(out)
-    assert report["kind"] == "compile-report"
+    assert report["kind"] == "compile-report" and report["config"]["threads"] == 1
     assert report["graph_breaks"] == {"count": 0, "graphs": 1, "reasons": []}
     first, second = report["lengths"]
     assert first["recompiles"] == [] and first["eager_step_s"] > 0 and first["compiled_step_s"] > 0

@@ -53,7 +53,7 @@ class ReportConfig:
         return [int(x) for x in self.seq_lens.split(",") if x.strip()]
 
 
-SHARED = ("micro_batch", "steps", "device", "precision")
+SHARED = ("micro_batch", "steps", "device", "precision", "threads")
 """The benchmark's flags compile-report takes: ``--steps`` timed steps per length (after one untimed step),
 eager and compiled."""
 
@@ -89,7 +89,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     # the engine trains eager first; the report compiles it in place afterwards
     run_ctx = init_process(RunContext(config=RunConfig(engine="torch", model=spec, train=train)), need_group=False)
     given = {**asdict(cfg), **{name: getattr(args, name) for name in SHARED}, "compile_mode": optim.compile_mode}
-    keys = ("seq_lens", "repeats", "steps", "micro_batch", "compile_mode", "device", "precision")
+    given["threads"] = train.threads  # as resolved: the threads that ran on a CPU
+    keys = ("seq_lens", "repeats", "steps", "micro_batch", "compile_mode", "device", "precision", "threads")
     given = {key: given[key] for key in keys}
     report = compile_report(run_ctx, cfg.lengths, mode=optim.compile_mode, repeats=cfg.repeats, config=given, argv=argv)
     print_report(report)
