@@ -152,7 +152,7 @@ def test_plan_forecasts_what_the_benchmark_forecast(runs, capsys):
 @pytest.mark.slow
 def test_the_benchmark_table_names_the_mesh(runs):
     titles = {name: run_title(runs[name][0]["config"]) for name in ("ddp", *MESHES)}
-    assert "4 process(es) · mb 2" in titles["ddp"]
-    assert "2 process(es) (1 shard × tp 2)" in titles["tp2"]
-    assert "4 process(es) (2 shards × tp 2)" in titles["tp2-fsdp2"]
-    assert "4 process(es) (2 replicas × 2 shards × tp 1)" in titles["hsdp2x2"]
+    assert "4 process(es) × 1 thread(s) · mb 2" in titles["ddp"]
+    assert "2 process(es) × 1 thread(s) (1 shard × tp 2) ·" in titles["tp2"]
+    assert "4 process(es) × 1 thread(s) (2 shards × tp 2) ·" in titles["tp2-fsdp2"]
+    assert "4 process(es) × 1 thread(s) (2 replicas × 2 shards × tp 1) ·" in titles["hsdp2x2"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ljperf.core.records import check_output
+from ljperf.core.console import check_output
 from ljperf.dist.launch import under_torchrun
 from ljperf.dist.runtime import check_process_count
 from ljperf.engines.deepspeed_engine import resolved_config

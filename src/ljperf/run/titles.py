@@ -19,9 +19,11 @@ def shape_title(engine: str, model: str, *, where: str, shape: dict) -> str:
 
 
 def run_title(cfg: dict) -> str:
-    """The table title of a benchmark record's ``config``: ``shape_title`` with ``N process(es)`` (and its mesh
-    beyond FSDP2's one dimension)."""
+    """The table title of a benchmark record's ``config``: ``shape_title`` with ``N process(es)`` (their CPU
+    threads on a CPU, and the mesh beyond FSDP2's one dimension)."""
     where = f"{cfg['launch']['world_size']} process(es)"
+    if cfg["train"].get("device") == "cpu" and cfg["train"].get("threads"):
+        where += f" × {cfg['train']['threads']} thread(s)"
     if mesh := MeshShape(**cfg.get("mesh", {})).describe():
         where += f" ({mesh})"
     return shape_title(cfg["engine"]["name"], cfg["model"]["name"], where=where, shape=cfg["train"])
