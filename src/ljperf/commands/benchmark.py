@@ -11,7 +11,7 @@ import functools
 
 from ljperf.benchmark.recovery import launch
 from ljperf.core import options
-from ljperf.core.options import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
+from ljperf.core.options import EngineConfig, ExplainConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.core.switches import enabled
 from ljperf.dist.launch import under_torchrun
 from ljperf.models.flags import add_model_arguments
@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) 
     parser.add_argument("--compile", action="store_true", help="same as --compile-mode regional")
     parser.set_defaults(compile_mode=None, warmup=None)  # to tell an explicit flag from the default
     options.add_arguments(parser, LaunchConfig)
+    options.add_arguments(parser, ExplainConfig)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -46,4 +47,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = config_from_args(args, argv, flags=flags)
     if cfg.launch.distributed and not under_torchrun():
         return launch(cfg, record_from_progress=functools.partial(results_from_progress, cfg))
-    return run_worker(cfg)
+    picture = None
+    if cfg.explain.plot is not None:
+        from ljperf.plan.plot import benchmark_picture
+
+        picture = functools.partial(benchmark_picture, cfg.explain.plot)
+    return run_worker(cfg, picture=picture)

@@ -13,8 +13,10 @@ import json
 from dataclasses import asdict
 
 from ljperf.core import hardware, options
+from ljperf.core.console import say
 from ljperf.core.errors import UsageError
-from ljperf.core.options import EngineConfig, OptimConfig, TrainConfig, positive
+from ljperf.core.options import EngineConfig, ExplainConfig, OptimConfig, TrainConfig, positive
+from ljperf.core.records import check_writable
 from ljperf.core.units import format_bytes
 from ljperf.forecast.calibrate import calibrate, calibration_path
 from ljperf.forecast.recipe import OPTIMIZER_IMPLS
@@ -47,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     out.add_argument("--calibrate", nargs="+", metavar="RECORD", help="fit device overheads from benchmark records")
+    options.add_arguments(out, ExplainConfig, only=("plot",))
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -54,9 +57,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.calibrate:
         if args.model or args.model_config:
             raise UsageError("--calibrate fits the GPUs of the records it reads: it takes no --model or --model-config")
+        if args.plot:
+            raise UsageError("--plot draws the memory of a plan: it takes a --model, not --calibrate")
         return calibrate_command(args)
     positive("gpus", args.gpus)
     flags = run_config.check_flags(args)  # a bad value is refused before torch is imported
+    if args.plot is not None:
+        check_writable(args.plot, what="--plot")
+    from ljperf.plan.plot import plan_picture
     from ljperf.plan.record import planned, print_plan
 
     cfg = run_config.from_args(args, argv, device_type=args.device, flags=flags)
@@ -66,6 +74,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(json.dumps(report, indent=2))
     else:
         print_plan(report)
+    if args.plot is not None:
+        plan_picture(args.plot, cfg=cfg, report=report, optimizer=args.optimizer, device_name=device_name)
+        if not args.json:  # standard output holds the JSON alone
+            say(f"memory picture: {args.plot}")
     if decision is not None and not decision.fits:
         raise UsageError(decision.line())
     return 0

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ljperf.core.phases import phase
 from ljperf.engines.common import adamw, decoder_blocks, parameter_names
 from ljperf.engines.parallelize import apply_optimizations
 from ljperf.models.build import cast_parameters, init_value, parameter_slots
@@ -51,8 +52,9 @@ class FSDPEngine:
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         loss = accumulate(self.model, micro_batches, autocast=self.run.autocast)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss
 
     def describe(self) -> dict:

@@ -16,7 +16,14 @@ from ljperf.core import deepspeed as deepspeed_config
 from ljperf.core import options
 from ljperf.core.console import say
 from ljperf.core.errors import UsageError
-from ljperf.core.options import DEEPCOMPILE_WARMUP, EngineConfig, LaunchConfig, OptimConfig, TrainConfig
+from ljperf.core.options import (
+    DEEPCOMPILE_WARMUP,
+    EngineConfig,
+    ExplainConfig,
+    LaunchConfig,
+    OptimConfig,
+    TrainConfig,
+)
 from ljperf.core.plans import Plan, fixed_plan, parse_recompute
 from ljperf.models.catalog import split_model_arg
 from ljperf.models.flags import engine_from_args, spec_from_args
@@ -39,6 +46,8 @@ class RunConfig:
     """FSDP2 / DeepSpeed options."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizations (activation checkpoint, compile), as given."""
+    explain: ExplainConfig = field(default_factory=ExplainConfig)
+    """The profiler trace and the memory picture asked for (``--profile``, ``--plot``)."""
     deepspeed_user: dict = field(default_factory=dict)
     """The ``--deepspeed-config`` file as loaded (deepspeed engine; ``{}``: none)."""
     output: str | None = None
@@ -129,7 +138,8 @@ def check_flags(args: argparse.Namespace) -> Flags:
     if hasattr(args, "compile"):
         resolved.compile_mode = given.compile_mode = _compile_mode(args)
         given.warmup = TrainConfig.warmup if args.warmup is None else args.warmup  # its default waits for the device
-    groups = {cls: options.from_args(cls, given) for cls in (TrainConfig, LaunchConfig, EngineConfig, OptimConfig)}
+    kinds = (TrainConfig, LaunchConfig, EngineConfig, OptimConfig, ExplainConfig)
+    groups = {cls: options.from_args(cls, given) for cls in kinds}
     model = split_model_arg(args.model)[1] if args.model else "MODEL"
     check_together(engine, groups[TrainConfig], groups[OptimConfig], model=model)
     return Flags(engine=engine, deepspeed_user=user, args=resolved)
@@ -153,7 +163,10 @@ def from_args(
         for name, cls in (("train", TrainConfig), ("launch", LaunchConfig), ("engine_opts", EngineConfig))
     }
     optim = options.from_args(OptimConfig, args)
+    explain = options.from_args(ExplainConfig, args)
     spec = spec_from_args(args)  # after the flags: reading the model takes seconds
     groups["train"] = resolve_train(groups["train"], model=spec, device_type=device_type)
     output = getattr(args, "output", None)
-    return RunConfig(engine=engine, model=spec, optim=optim, deepspeed_user=user, output=output, argv=argv, **groups)
+    return RunConfig(
+        engine=engine, model=spec, optim=optim, explain=explain, deepspeed_user=user, output=output, argv=argv, **groups
+    )
