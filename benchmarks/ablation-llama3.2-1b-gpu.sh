@@ -9,4 +9,4 @@ out="${1:-benchmarks/ablation-llama3.2-1b-gpu}"
 export LJPERF_MEMORY_BUDGET="${LJPERF_MEMORY_BUDGET:-35GiB}"
 exec ljperf ablation --model torch/llama3.2-1b --device cuda \
     --variants base,compile,compile+ckpt,ckpt-full --repeat 3 \
-    --micro-batch 2 --seq-len 4096 --steps 20 --warmup 5 --timeout 1800 --out "$out"
+    --micro-batch 2 --seq-len 4096 --steps 20 --warmup 5 --run-timeout 1800 --out "$out"

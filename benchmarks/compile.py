@@ -34,13 +34,14 @@ DEEPSPEED_MODES = ("off", "regional", "deepspeed")
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path, index: int) -> dict | str:
     """The mode's benchmark record, or why it failed."""
     out = workdir / f"{mode}-{index}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     if not args.warm_cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-", dir=workdir)
     cmd = [
         sys.executable, "-m", "ljperf", "benchmark", "--model", args.model, "--device", args.device,
         "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--compile-mode", mode, "--output", str(out), *args.extra,
+        "--warmup", str(args.warmup), "--compile-mode", mode, "--threads", str(args.threads), "--output", str(out),
+        *args.extra,
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -102,6 +103,13 @@ def main() -> None:
         help="comma-separated subset of off,regional,whole,deepspeed (default: off,regional,whole; for a "
         "deepspeed/ model off,regional,deepspeed)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0))),
+        help="CPU threads of every benchmark process, the same for all modes (default: $OMP_NUM_THREADS, else all"
+        " cores)",
+    )
     parser.add_argument("--warm-cache", action="store_true", help="reuse the inductor cache (warm compile times)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table (with versions) to this file")
     parser.add_argument("extra", nargs="*", help="more ljperf benchmark flags, after --")
@@ -143,7 +151,7 @@ def render(records: dict[str, list[dict]], failed: dict[str, str], args: argpars
     ver = versions()
     header = (
         f"## torch.compile: {args.model} · {device} · mb {args.micro_batch} × seq {args.seq_len} · "
-        f"{precision} · {args.steps} steps × {args.repeat} round(s) · "
+        f"{precision} · {args.steps} steps × {args.repeat} round(s) · {args.threads} CPU thread(s) · "
         f"{'warm' if args.warm_cache else 'cold'} inductor cache\n\n"
         f"torch {ver.get('torch')}, transformers {ver.get('transformers')}, ljperf {ver.get('ljperf')}; "
         f"extra flags: {' '.join(args.extra) or 'none'}"

@@ -37,9 +37,10 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank, every engine (default: 1)")
     args = parser.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    common = [
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    common = ["--threads", str(args.threads),
         "--nproc-per-node", str(args.nproc_per_node), "--device", args.device, "--seq-len", str(args.seq_len),
         "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--warmup", "3",
     ]  # fmt: skip
@@ -54,8 +55,8 @@ def main() -> int:
                 console.print(f"[red]{name} failed (exit {proc.returncode})[/]: {proc.stderr.strip()[-500:]}")
                 continue
             records[name] = read_json(out)["results"]
-    print_table(records, title=f"{args.model} · {args.nproc_per_node} × {args.device} · mb {args.micro_batch} × seq "
-                f"{args.seq_len} · median of {args.steps} steps")  # fmt: skip
+    print_table(records, title=f"{args.model} · {args.nproc_per_node} × {args.device} ({args.threads} thread(s) each)"
+                f" · mb {args.micro_batch} × seq {args.seq_len} · median of {args.steps} steps")  # fmt: skip
     return 0 if len(records) == len(ENGINES) else 1
 
 

@@ -26,8 +26,9 @@ from ljperf.models.build import materialize
 from ljperf.models.spec import build_meta, resolve
 
 
-def bare_loop(name: str, *, micro_batch: int, seq_len: int, warmup: int, steps: int) -> list[float]:
+def bare_loop(name: str, *, micro_batch: int, seq_len: int, warmup: int, steps: int, threads: int) -> list[float]:
     """Step times (s) of the plainest training loop over the same model and token shape."""
+    torch.set_num_threads(threads)  # as ljperf's --threads does for its run
     spec = resolve(name=name)
     model = materialize(build_meta(spec), device=torch.device("cpu"), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -44,12 +45,13 @@ def bare_loop(name: str, *, micro_batch: int, seq_len: int, warmup: int, steps: 
     return times
 
 
-def ljperf_run(name: str, *, micro_batch: int, seq_len: int, warmup: int, steps: int) -> list[float]:
+def ljperf_run(name: str, *, micro_batch: int, seq_len: int, warmup: int, steps: int, threads: int) -> list[float]:
     """Step times (s) that ``ljperf benchmark`` measures for the same work."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         argv = ["benchmark", "--model", f"torch/{name}", "--micro-batch", str(micro_batch), "--seq-len", str(seq_len)]
-        argv += ["--warmup", str(warmup), "--steps", str(steps), "--device", "cpu", "--output", str(out)]
+        argv += ["--warmup", str(warmup), "--steps", str(steps), "--device", "cpu", "--threads", str(threads)]
+        argv += ["--output", str(out)]
         shown = io.StringIO()
         with contextlib.redirect_stdout(shown):  # its own table: only the step times are compared here
             code = cli.main(argv)
@@ -66,10 +68,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of both loops (default: 1)")
     args = parser.parse_args()
-    work = dict(micro_batch=args.micro_batch, seq_len=args.seq_len, warmup=args.warmup, steps=args.steps)
+    work = dict(
+        micro_batch=args.micro_batch, seq_len=args.seq_len, warmup=args.warmup, steps=args.steps, threads=args.threads
+    )
     ratios, bare_all, ours_all = [], [], []
-    print(f"model {args.model}, micro batch {args.micro_batch}, seq {args.seq_len}, {args.steps} steps, CPU")
+    print(f"model {args.model}, micro batch {args.micro_batch}, seq {args.seq_len}, {args.steps} steps, CPU", end=" ")
+    print(f"({args.threads} thread(s) in both)")
     print(f"{'repeat':>6} {'bare p50 ms':>12} {'ljperf p50 ms':>14} {'ratio':>7}")
     for i in range(args.repeat):
         bare = bare_loop(args.model, **work)

@@ -1,4 +1,4 @@
-"""Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/recompute.py --model llama-tiny --micro-batch 4 --seq-len 1024``
+"""Run: ``.venv/bin/python benchmarks/recompute.py --model llama-tiny --micro-batch 4 --seq-len 1024``
 (GPU: ``.venv/bin/python benchmarks/recompute.py --device cuda --model llama3.2-1b --micro-batch 4 --seq-len 4096``).
 
 The auto recompute plan against every "first K layers full" plan (K = 0..L), side by side, under a budget
@@ -40,6 +40,7 @@ def main() -> int:
     parser.add_argument("--budget", help="memory budget, e.g. 60MiB (default: half-way between none and full)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved repeats of every plan")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of every benchmark process (default: 1)")
     parser.add_argument(
         "--ks", help="comma-separated K to run (default: every K = 0..L; a subset on a short GPU lease)"
     )
@@ -117,7 +118,8 @@ def render(
     lines = [
         f"# recompute: {args.model}, micro batch {args.micro_batch}, seq {args.seq_len}, {device_name(device)}",
         "",
-        f"budget {format_bytes(budget)} of device memory; {time.strftime('%Y-%m-%d')}; torch {torch.__version__}",
+        f"budget {format_bytes(budget)} of device memory; {args.threads} CPU thread(s) per run;"
+        f" {time.strftime('%Y-%m-%d')}; torch {torch.__version__}",
         "",
         "| plan | layers recomputed | forecast peak allocated | allocated within the budget | measured peak "
         "allocated | fits | step time p50 (ms) | vs auto |",
@@ -164,8 +166,8 @@ def render(
 def run_benchmark(args: argparse.Namespace, recompute: str, output: Path) -> dict:
     cmd = [sys.executable, "-m", "ljperf", "benchmark", "--model", f"torch/{args.model}", "--device", args.device]
     cmd += ["--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
-    cmd += ["--warmup", "2", "--recompute", recompute, "--output", str(output)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd += ["--warmup", "2", "--recompute", recompute, "--threads", str(args.threads), "--output", str(output)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     output.unlink(missing_ok=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode == 0:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +51,39 @@ def run_ljperf(
     )
 
 
+def use_cli_env(monkeypatch: pytest.MonkeyPatch, **extra: str) -> None:
+    """This process's environment made ``cli_env(**extra)`` for the test: what ``run_main`` of a command that
+    starts processes of its own (ablation's benchmark runs) hands them, as a CLI subprocess would."""
+    monkeypatch.delenv("LJPERF_RUN_DIR", raising=False)
+    for key, value in {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}.items():
+        monkeypatch.setenv(key, value)
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """``ljperf ARGS`` through ``ljperf.cli.main`` in this process: (exit code, stdout, stderr) as ``capsys`` (or
+    ``capfd``: file descriptors too) caught them, or ``sys.stdout`` and ``sys.stderr`` when ``capsys`` is None (a
+    module fixture's). For checks of an exit code and what is printed, where no process of its own is needed (a
+    subprocess first spends seconds importing torch). The signal handlers ``main`` installs are put back."""
+    from ljperf import cli
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.ExitStack() as stack:
+            if capsys is None:
+                stack.enter_context(contextlib.redirect_stdout(out))
+                stack.enter_context(contextlib.redirect_stderr(err))
+            code = cli.main(list(args))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if capsys is None:
+        return code, out.getvalue(), err.getvalue()
+    return code, *capsys.readouterr()
+
+
 @functools.cache
 def imported_address_space() -> int:
     """Bytes of address space a process maps once torch and ljperf's commands are imported: about 0.7 GB with
@@ -60,6 +96,36 @@ def imported_address_space() -> int:
 
 def read_record(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+LONGEST_FIRST = (
+    "test_forecast.py",
+    "test_reliability.py",
+    "test_hook.py",
+    "test_forecast_engines.py",
+    "test_compile.py",
+    "test_benchmark.py",
+    "test_ablation.py",
+    "test_engines.py",
+    "test_checkpoint_plan.py",
+)
+"""The longest files of a full run (about 2026-12: together ~80% of it), longest first; the others follow in
+their usual order. xdist's ``--dist loadfile`` (with ``--no-loadscope-reorder``, as ``make test`` runs it) hands
+files to the workers in this order, so no long file starts last and leaves one worker running alone."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """One intra-op thread in the test process too, as ``cli_env`` gives each CLI subprocess: two workers share
+    the 2-core machines with the processes they start."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -21,7 +21,7 @@ from ljperf.ablation.variants import BUILTIN, parse_environments, parse_variants
 from ljperf.commands.ablation import check_variant, split_argv
 from ljperf.core.errors import Interrupted, UsageError, interrupt_on_signals, interrupts_held, restore_signals
 
-from conftest import cli_env, read_record, run_ljperf
+from conftest import cli_env, read_record, run_ljperf, run_main, use_cli_env
 
 SHORT = ("--model", "torch/llama-tiny", "--seq-len", "64", "--steps", "2", "--warmup", "1")
 # Three variants, the third fails at run time (its recompute plan cannot fit 1 MiB): it must not stop the others.
@@ -177,9 +177,9 @@ def test_the_title_counts_the_repeats_in_the_table():
     assert report.title(runs[1:]) == "ablation · 2 repeat(s)"
 
 
-def test_usage_errors_exit_2(tmp_path, monkeypatch):
-    unknown = run_ljperf("ablation", *SHORT, "--variants", "base,turbo", "--out", str(tmp_path / "a"))
-    assert unknown.returncode == 2 and "unknown variant 'turbo'" in unknown.stderr and "ckpt-full" in unknown.stderr
+def test_usage_errors_exit_2(tmp_path, monkeypatch, capsys):
+    code, _, err = run_main(capsys, "ablation", *SHORT, "--variants", "base,turbo", "--out", str(tmp_path / "a"))
+    assert code == 2 and "unknown variant 'turbo'" in err and "ckpt-full" in err
     assert not (tmp_path / "a").exists()
     # Each variant's command is validated before anything runs, naming the variant.
     with pytest.raises(UsageError, match=r"variant x \(--micro-batch 0\): --micro-batch must be larger"):
@@ -209,9 +209,10 @@ def test_usage_errors_exit_2(tmp_path, monkeypatch):
     )
 
 
-def test_default_out_of_a_model_config_is_one_folder_named_after_it(tmp_path):
+def test_default_out_of_a_model_config_is_one_folder_named_after_it(tmp_path, monkeypatch, capsys):
     """No --out: the folder is ``ablation-ENGINE-NAME`` in the working directory, also for a --model-config path
     (a file of that name is refused before any run, which shows the folder chosen)."""
+    monkeypatch.chdir(tmp_path)
     configs = tmp_path / "configs"
     configs.mkdir()
     (configs / "my-model.json").write_text(
@@ -219,13 +220,15 @@ def test_default_out_of_a_model_config_is_one_folder_named_after_it(tmp_path):
     )
     (tmp_path / "ablation-fsdp-my-model").write_text("")
     args = ["--model-config", "configs/my-model.json", "--engine", "fsdp", "--variants", "base", "--steps", "1"]
-    proc = run_ljperf("ablation", *args, cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == "ljperf ablation: error: --out 'ablation-fsdp-my-model' is a file; give a folder"
+    code, _, err = run_main(capsys, "ablation", *args)
+    assert code == 2, err
+    assert err.strip() == "ljperf ablation: error: --out 'ablation-fsdp-my-model' is a file; give a folder"
 
 
 @pytest.mark.slow
-def test_ablation_report_failure_and_resume(tmp_path):
+def test_ablation_report_failure_and_resume(tmp_path, monkeypatch, capsys):
+    """The runs are processes; after the first ablation (a process, under the hook's variables) the commands that
+    resume, refuse or report run in this one."""
     out = tmp_path / "abl"
     # A variant is its flags: the runs must not inherit CHECKPOINT_OPTIMIZATION (auto under a budget of 1 MiB
     # would exit 2 with "does not fit")
@@ -271,51 +274,57 @@ def test_ablation_report_failure_and_resume(tmp_path):
     rewritten = ["--steps=2", "--warmup", "1", "--model=torch/llama-tiny", "--seq-len", "64"]
     rewritten += ["--variant", "mb1=--micro-batch=1", "--variant", "mb2=--micro-batch 2"]
     rewritten += ["--variant", "broken=--memory-budget 1MiB --recompute auto", "--repeat=2"]
-    again = run_ljperf("ablation", *rewritten, "--out", str(out))
-    assert again.returncode == 1 and "6 of 6 runs already finished" in again.stdout, again.stderr
+    use_cli_env(monkeypatch)
+    code, stdout, stderr = run_main(capsys, "ablation", *rewritten, "--out", str(out))
+    assert code == 1 and "6 of 6 runs already finished" in stdout, stderr
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*.json")} == mtimes
     # A missing run (as if killed before it finished) is the only one that runs.
     (out / "runs" / "local" / "mb2.r2.json").unlink()
-    third = run_ljperf("ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out))
-    assert "5 of 6 runs already finished" in third.stdout and "[1/1] local/mb2.r2: ok" in third.stdout
+    _, stdout, _ = run_main(capsys, "ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out))
+    assert "5 of 6 runs already finished" in stdout and "[1/1] local/mb2.r2: ok" in stdout
     assert read_record(out / "runs" / "local" / "mb2.r2.json")["results"]["status"] == "ok"
     # Other flags with the same folder: refused rather than mixed.
-    other = run_ljperf("ablation", *SHORT, "--lr", "1e-3", *VARIANTS, "--repeat", "2", "--out", str(out))
-    assert other.returncode == 2 and "--force" in other.stderr
+    code, _, stderr = run_main(
+        capsys, "ablation", *SHORT, "--lr", "1e-3", *VARIANTS, "--repeat", "2", "--out", str(out)
+    )
+    assert code == 2 and "--force" in stderr
     # So are runs of other variants: the report would show them beside (or instead of) this command's.
-    renamed = run_ljperf("ablation", *SHORT, "--variants", "base", "--repeat", "2", "--out", str(out))
-    assert renamed.returncode == 2 and renamed.stderr.count("\n") == 1, renamed.stderr
-    assert "broken.r1: not among this command's runs" in renamed.stderr and "--force" in renamed.stderr
+    code, _, stderr = run_main(capsys, "ablation", *SHORT, "--variants", "base", "--repeat", "2", "--out", str(out))
+    assert code == 2 and stderr.count("\n") == 1, stderr
+    assert "broken.r1: not among this command's runs" in stderr and "--force" in stderr
     assert not list(out.glob("runs/local/base.*"))
 
     # ljperf report rebuilds everything from the JSON, skipping a file that is not a run record.
     for name in ("summary.json", "report.md", "ablation.png"):
         (out / name).unlink()
     (out / "runs" / "local" / "junk.json").write_text('{"ablation": {}, "results": {}}')
-    rebuilt = run_ljperf("report", str(out))
-    assert rebuilt.returncode == 0, rebuilt.stderr
-    assert "junk.json: no valid ablation.variant" in rebuilt.stderr.splitlines()[0]
+    code, _, stderr = run_main(capsys, "report", str(out))
+    assert code == 0, stderr
+    assert "junk.json: no valid ablation.variant" in stderr.splitlines()[0]
     assert (out / "ablation.png").exists() and "| mb2 |" in (out / "report.md").read_text()
     assert read_record(out / "summary.json")["args"] is None
 
 
 @pytest.mark.slow
-def test_timeout_force_and_sigterm(tmp_path):
+def test_timeout_force_and_sigterm(tmp_path, monkeypatch, capsys):
+    """The timed-out and forced ablations run in this process (their runs are processes); the one that gets
+    SIGTERM is a process."""
     out = tmp_path / "t"
     args = ("ablation", *SHORT, "--repeat", "1", "--out", str(out))
-    first = run_ljperf(*args, "--variants", "base,ckpt-full", "--timeout", "0.5")
-    assert first.returncode == 1 and "2 of 2 runs failed" in first.stderr
+    use_cli_env(monkeypatch)
+    code, _, stderr = run_main(capsys, *args, "--variants", "base,ckpt-full", "--run-timeout", "0.5")
+    assert code == 1 and "2 of 2 runs failed" in stderr
     path = out / "runs" / "local" / "base.r1.json"
     rec = read_record(path)
-    assert rec["results"]["status"] == "timeout" and "--timeout 0.5 s" in rec["results"]["reason"]
+    assert rec["results"]["status"] == "timeout" and "stopped after --run-timeout 0.5 s" in rec["results"]["reason"]
     assert rec["ablation"]["wall_s"] < 20
     assert not list(out.glob("runs/local/.*"))  # no pending file left behind
 
     # --force re-runs every run, and deletes those of another command (here ckpt-full, which it does not run):
     # what ljperf report shows is this command's runs.
     before = path.stat().st_mtime_ns
-    forced = run_ljperf(*args, "--variants", "base", "--timeout", "0.5", "--force")
-    assert forced.returncode == 1 and "already finished" not in forced.stdout
+    code, stdout, _ = run_main(capsys, *args, "--variants", "base", "--run-timeout", "0.5", "--force")
+    assert code == 1 and "already finished" not in stdout
     assert path.stat().st_mtime_ns > before
     assert sorted(p.name for p in path.parent.iterdir()) == ["base.r1.json", "base.r1.log"]
     assert [r["ablation"]["variant"] for r in report.load_records(out)] == ["base"]
@@ -337,6 +346,25 @@ def test_timeout_force_and_sigterm(tmp_path):
     assert path.stat().st_mtime_ns == before
     assert sorted(p.name for p in path.parent.glob("*.json")) == ["base.r1.json"]  # no pending, no ckpt-full
 
+    # SIGKILL: the ablation cleans nothing up, yet its benchmark ends with it (parent-death signal) and nothing of
+    # theirs is left in $TMPDIR (a run's compile cache lives in --out; it was an ljperf-ablation-* folder there).
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ljperf", *args, "--variants", "base,ckpt-full"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=cli_env(TMPDIR=str(tmpdir)),
+    )
+    child = _wait_for_child(proc.pid, b"benchmark")
+    proc.kill()
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while not _ended(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ended(child)
+    assert sorted(p.name for p in tmpdir.iterdir() if p.name.startswith(("ljperf-", "torchelastic_"))) == []
+
 
 def test_a_signal_while_a_run_starts_is_raised_once_it_has_started():
     # A SIGTERM raised inside Popen once the benchmark existed left it unstopped and unreaped: the ablation exited
@@ -351,6 +379,14 @@ def test_a_signal_while_a_run_starts_is_raised_once_it_has_started():
         assert reached and raised.value.exit_code == 143
     finally:
         restore_signals(previous)
+
+
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` has exited (gone, or a zombie nobody has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
 
 
 def _wait_for_child(pid: int, word: bytes, timeout: float = 120) -> int:
@@ -385,23 +421,15 @@ def _second_environment(root: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_env_runs_under_another_interpreter(tmp_path):
+def test_env_runs_under_another_interpreter(tmp_path, monkeypatch, capsys):
+    """The ablation runs in this process; its runs are processes of the other interpreter."""
     python = _second_environment(tmp_path / "venv2")
     out = tmp_path / "e"
     # The built-in ckpt-full variant too: checkpointing must not change the losses (bitwise on CPU).
-    result = run_ljperf(
-        "ablation",
-        *SHORT,
-        "--variants",
-        "base,ckpt-full",
-        "--repeat",
-        "1",
-        "--env",
-        f"other={python}",
-        "--out",
-        str(out),
-    )
-    assert result.returncode == 0, result.stderr
+    use_cli_env(monkeypatch)
+    args = ["--variants", "base,ckpt-full", "--repeat", "1", "--env", f"other={python}", "--out", str(out)]
+    code, _, stderr = run_main(capsys, "ablation", *SHORT, *args)
+    assert code == 0, stderr
     rec = read_record(out / "runs" / "other" / "base.r1.json")
     env = rec["ablation"]["environment"]
     assert env["name"] == "other" and env["python"] == str(python)

@@ -26,7 +26,7 @@ from ljperf.models.spec import build_meta, resolve
 from ljperf.models.step import causal_lm_loss
 from ljperf.run.context import unjoined
 
-from conftest import cli_env, read_record, run_ljperf
+from conftest import cli_env, read_record, run_ljperf, run_main
 
 TINY = ["--model", "torch/llama-tiny", "--seq-len", "128"]
 
@@ -37,10 +37,13 @@ def schema() -> dict:
 
 @pytest.fixture(scope="module")
 def twenty_steps(tmp_path_factory):
+    """A 20-step run in this process: its record and what it printed."""
     out = tmp_path_factory.mktemp("bench") / "result.json"
-    proc = run_ljperf("benchmark", *TINY, "--micro-batch", "2", "--steps", "20", "--output", str(out))
-    assert proc.returncode == 0, proc.stderr
-    return read_record(out), proc
+    code, stdout, stderr = run_main(
+        None, "benchmark", *TINY, "--micro-batch", "2", "--steps", "20", "--output", str(out)
+    )
+    assert code == 0, stderr
+    return read_record(out), stdout
 
 
 def test_record_validates_against_the_documented_schema(twenty_steps):
@@ -82,9 +85,9 @@ def test_loss_decreases_over_twenty_steps(twenty_steps):
 
 
 def test_table_is_printed(twenty_steps):
-    _, proc = twenty_steps
+    _, stdout = twenty_steps
     for text in ("tokens/s", "step time p50", "peak allocated", "ok"):
-        assert text in proc.stdout
+        assert text in stdout
 
 
 def test_peak_memory_at_least_the_training_state(twenty_steps):
@@ -117,12 +120,13 @@ def test_cpu_memory_measurement_agrees_with_torch_memtracker():
 
 
 @pytest.mark.slow
-def test_ddp_matches_single_process_for_the_same_global_batch(tmp_path):
+def test_ddp_matches_single_process_for_the_same_global_batch(tmp_path, capsys):
+    """The one-process runs run in this process; DDP's two ranks are processes."""
     single, ddp, accum = tmp_path / "single.json", tmp_path / "ddp.json", tmp_path / "accum.json"
     common = [*TINY, "--steps", "5", "--warmup", "1"]
-    assert run_ljperf("benchmark", *common, "--micro-batch", "4", "--output", str(single)).returncode == 0
+    assert run_main(capsys, "benchmark", *common, "--micro-batch", "4", "--output", str(single))[0] == 0
     assert (
-        run_ljperf("benchmark", *common, "--micro-batch", "2", "--grad-accum", "2", "--output", str(accum)).returncode
+        run_main(capsys, "benchmark", *common, "--micro-batch", "2", "--grad-accum", "2", "--output", str(accum))[0]
         == 0
     )
     proc = run_ljperf("benchmark", *common, "--micro-batch", "2", "--nproc-per-node", "2", "--output", str(ddp))
@@ -144,11 +148,12 @@ def test_every_accepted_seed_draws_a_token_stream(seed):
     assert not torch.equal(first[0], data.micro_batches(4, 0, torch.device("cpu"))[0])
 
 
-def test_injected_oom_is_recorded_with_exit_3(tmp_path):
+def test_injected_oom_is_recorded_with_exit_3(tmp_path, monkeypatch, capsys):
     out = tmp_path / "oom.json"
-    proc = run_ljperf("benchmark", *TINY, "--steps", "3", "--output", str(out), env=cli_env(LJPERF_FAULT="oom,step=3"))
-    assert proc.returncode == 3
-    assert "Traceback" not in proc.stderr
+    monkeypatch.setenv("LJPERF_FAULT", "oom,step=3")
+    code, stdout, stderr = run_main(capsys, "benchmark", *TINY, "--steps", "3", "--output", str(out))
+    assert code == 3
+    assert "Traceback" not in stderr
     record = read_record(out)
     jsonschema.validate(record, schema())
     res = record["results"]
@@ -158,19 +163,21 @@ def test_injected_oom_is_recorded_with_exit_3(tmp_path):
     assert all(res[key] is None for key in (*figures, "peak_tflops_per_device"))
     # The forecast is kept beside the peak measured before the OOM (step 2, untimed).
     assert abs(res["forecast"]["error_pct"]) < 5
-    assert "memory forecast" in proc.stdout
+    assert "memory forecast" in stdout
 
 
-def test_a_cpu_run_beyond_the_ram_is_refused_as_oom_with_its_record(tmp_path):
+def test_a_cpu_run_beyond_the_ram_is_refused_as_oom_with_its_record(tmp_path, capsys):
     """70B in fp32 on CPU: the forecast (over 1 TiB) says no machine here holds it, so the run ends as oom at
     once with a record, instead of being killed by the kernel minutes into building the model."""
     out = tmp_path / "r.json"
-    proc = run_ljperf("benchmark", "--model", "torch/llama3.1-70b", "--device", "cpu", "--output", str(out))
-    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+    code, _, stderr = run_main(
+        capsys, "benchmark", "--model", "torch/llama3.1-70b", "--device", "cpu", "--output", str(out)
+    )
+    assert code == 3 and "Traceback" not in stderr, stderr
     res = read_record(out)["results"]
     assert res["status"] == "oom" and res["forecast"]["peak_allocated_bytes"] > 2**40
     assert "of RAM available: not started, the kernel would kill it; even one sequence" in res["reason"]
-    assert proc.stderr.strip().splitlines() == [f"ljperf benchmark: oom: {res['reason']}"]
+    assert stderr.strip().splitlines() == [f"ljperf benchmark: oom: {res['reason']}; result record: {out}"]
 
 
 @pytest.mark.parametrize(
@@ -236,6 +243,7 @@ def test_the_memory_check_uses_the_devices_calibration(tmp_path, monkeypatch):
         check_memory(run, None)
 
 
+@pytest.mark.slow
 def test_a_gpu_run_over_its_memory_is_told_what_would_fit():
     """On CUDA the check only warns (the run goes on); its fix may add GPUs, which on CPU share one RAM. Only the
     forecast runs here: an 8B recipe on one 80 GB GPU."""
@@ -273,7 +281,7 @@ def test_a_forecast_that_fails_is_one_warning_line_and_no_figure(capsys):
     ]
 
 
-# End to end in a subprocess (the full matrix runs in-process in test_cli_inputs.py).
+# The full matrix runs in test_cli_inputs.py; the first here also end to end, in a process of its own.
 BAD_INPUTS = [
     (["--model", "torch/llama-tinyy"], "closest: llama-tiny"),
     (["--model", "torch/llama-tiny", "--nproc-per-node", "64"], "--nproc-per-node 64"),
@@ -282,11 +290,17 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_INPUTS)
-def test_bad_input_is_one_line_and_exit_2(args, message):
-    proc = run_ljperf("benchmark", *args, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    """Exit 2 and one line, from ``ljperf.cli.main``; the first input also from a ``python -m ljperf`` process (its
+    exit status, and nothing else on its stderr)."""
+    if args == BAD_INPUTS[0][0]:
+        proc = run_ljperf("benchmark", *args, timeout=120)
+        code, stderr = proc.returncode, proc.stderr
+    else:
+        code, _, stderr = run_main(capsys, "benchmark", *args)
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], stderr
 
 
 @pytest.mark.slow

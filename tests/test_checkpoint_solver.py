@@ -8,7 +8,7 @@ from ljperf.forecast import Recipe, forecast
 from ljperf.models.spec import resolve
 from ljperf.recompute.solver import Decision
 
-from conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
+from conftest import read_record, run_main, stale_calibration_cache
 
 SHAPE = ("--seq-len", "512", "--micro-batch", "2")
 
@@ -20,36 +20,35 @@ def forecasts() -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_auto_plan_fits_the_budget_in_a_real_run(tmp_path):
+def test_auto_plan_fits_the_budget_in_a_real_run(tmp_path, capsys):
     none, full = forecasts()
     budget = (none + full) // 2
     out = tmp_path / "r.json"
-    proc = run_ljperf(
-        "benchmark", "--model", "torch/llama-tiny", *SHAPE, "--steps", "1", "--warmup", "2",
+    code, stdout, stderr = run_main(
+        capsys, "benchmark", "--model", "torch/llama-tiny", *SHAPE, "--steps", "1", "--warmup", "2",
         "--recompute", "auto", "--memory-budget", str(budget), "--output", str(out),
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert code == 0, stderr[-2000:]
     results = read_record(out)["results"]
     plan = results["recompute"]["plan"]
     assert results["recompute"]["fits"] and results["recompute"]["forecast_peak_bytes"] <= budget
     assert 0 < plan.count("none") < len(plan) or "selective" in plan
     assert results["peak_allocated_bytes"] <= budget  # measured, not forecast
-    assert "recomputing" in proc.stdout
+    assert "recomputing" in stdout
     # On CPU the closed loop needs --warmup 3 (its plan's first step is measured before timing): off, and said.
     assert "closed_loop" not in results["recompute"]
-    assert "closed loop off: it needs --warmup 3 or more here" in proc.stdout
+    assert "closed loop off: it needs --warmup 3 or more here" in stdout
 
 
-def test_budget_nothing_fits_exits_2_with_advice():
-    proc = run_ljperf(
-        "benchmark", "--model", "torch/llama-tiny", *SHAPE, "--recompute", "auto", "--memory-budget", "1MiB"
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "does not fit" in proc.stderr
+def test_budget_nothing_fits_exits_2_with_advice(capsys):
+    argv = ["benchmark", "--model", "torch/llama-tiny", *SHAPE, "--recompute", "auto", "--memory-budget", "1MiB"]
+    code, _, stderr = run_main(capsys, *argv)
+    assert code == 2, stderr[-2000:]
+    assert "does not fit" in stderr
 
 
 @pytest.mark.slow
-def test_closed_loop_replans_from_the_measured_peak(tmp_path):
+def test_closed_loop_replans_from_the_measured_peak(tmp_path, monkeypatch, capsys):
     """A stale calibration (CPU scale 1.25) makes the first plan recompute layers that fit without it; the closed
     loop measures step 2, re-plans before the timed steps, and the run's measured peak and losses are the
     no-recompute run's (which fits the budget)."""
@@ -58,12 +57,12 @@ def test_closed_loop_replans_from_the_measured_peak(tmp_path):
     budget = round(1.1 * none)  # the true no-recompute peak fits; ×1.25 it does not, full recompute does
     assert 1.25 * full < budget < 1.25 * none
     args = ("benchmark", "--model", "torch/llama-tiny", *SHAPE, "--steps", "2", "--warmup", "3")
-    env = cli_env(LJPERF_CACHE_DIR=str(cache))
+    monkeypatch.setenv("LJPERF_CACHE_DIR", str(cache))
     runs, stdout = {}, {}
     for name, extra in (("auto", ("--recompute", "auto", "--memory-budget", str(budget))), ("plain", ())):
-        proc = run_ljperf(*args, *extra, "--output", str(tmp_path / f"{name}.json"), env=env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        runs[name], stdout[name] = read_record(tmp_path / f"{name}.json")["results"], proc.stdout
+        code, stdout[name], stderr = run_main(capsys, *args, *extra, "--output", str(tmp_path / f"{name}.json"))
+        assert code == 0, stderr[-2000:]
+        runs[name] = read_record(tmp_path / f"{name}.json")["results"]
     recompute = runs["auto"]["recompute"]
     loop = recompute["closed_loop"]
     assert loop["first"]["plan"].count("none") < len(loop["first"]["plan"])  # the stale forecast recomputed

@@ -144,6 +144,7 @@ def test_two_process_gloo_run(tmp_path):
         assert value == pytest.approx(sum(r["busbw_gbps"] for r in rows if r["op"] == op) / 4)
 
 
+@pytest.mark.slow
 def test_memory_running_out_keeps_the_sizes_measured_before(tmp_path):
     """A real allocation failure under 1.3 GB of address space above the imports (at 256 or 512 MiB: thread
     arenas vary the room left): exit 3, one line, and the record and table hold the sizes done before it."""

@@ -51,20 +51,24 @@ def run_script(tmp_path, *args: str, hook: bool) -> tuple[dict, str]:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
-def test_without_the_variable_the_trainer_is_untouched(tmp_path):
-    result, _ = run_script(tmp_path, "compile", "--no-train", hook=False)
-    assert result["regions"] == "method"
+@pytest.mark.parametrize(("hook", "regions"), [(False, "method"), (True, "Region")])
+def test_the_trainer_is_compiled_by_region_only_under_the_variable(tmp_path, hook, regions):
+    """``torch_compile=True``: the decoder layers' forwards become regions when the Trainer is made under the
+    variable, and stay methods without it (no training: what the slow test below trains)."""
+    result, _ = run_script(tmp_path, "compile", "--no-train", hook=hook)
+    assert result["regions"] == regions
 
 
 @pytest.mark.slow
 def test_trainer_torch_compile_becomes_regional_and_matches_eager(tmp_path):
-    compiled, out = run_script(tmp_path, "compile", hook=True)
+    compiled, stderr = run_script(tmp_path, "compile", hook=True)
     eager, _ = run_script(tmp_path, "eager", hook=True)
     assert compiled["regions"] == "Region" and eager["regions"] == "method"
-    assert "[ljperf] regional compile: 3 regions, 0 graph breaks, 0 recompiles" in out
+    assert "[ljperf] regional compile: 3 regions, 0 graph breaks, 0 recompiles" in stderr
+    assert "[ljperf] COMPILE_OPTIMIZATION: compiling 2 decoder blocks and the loss in place" in stderr
     assert len(compiled["losses"]) == 3
     for got, want in zip(compiled["losses"], eager["losses"], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)

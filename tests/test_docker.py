@@ -49,7 +49,7 @@ def test_parses_into_known_instructions(parsed):
     assert [i["instruction"] for i in parsed.structure if i["instruction"] != "COMMENT"][:2] == ["ARG", "FROM"]
 
 
-def test_base_is_a_multi_arch_ngc_pytorch_image_with_cuda_12_8(parsed):
+def test_base_is_a_multi_arch_ngc_pytorch_image_with_cuda_13_1(parsed):
     base = parsed.args["BASE_IMAGE"]
     assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", base), base
     assert parsed.baseimage == base  # FROM ${BASE_IMAGE}, resolved
@@ -57,7 +57,7 @@ def test_base_is_a_multi_arch_ngc_pytorch_image_with_cuda_12_8(parsed):
     assert not any("--platform" in v for v in instructions(parsed, "FROM"))
     assert not re.search(r"x86_64|amd64|aarch64|arm64", " ".join(instructions(parsed, "RUN")))
     cuda = parsed.labels["ljperf.base.cuda"]
-    assert cuda == "12.8" and cuda in DRIVER_RULES  # doctor has the driver rule for the image's CUDA
+    assert cuda == "13.1" and cuda in DRIVER_RULES  # doctor has the driver rule for the image's CUDA
 
 
 def test_pins_agree_with_pyproject(parsed, pyproject):

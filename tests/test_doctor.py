@@ -78,6 +78,12 @@ def test_driver_against_cuda_13_0(driver, status, words):
     assert (result.status, words in result.finding) == (status, True), result
 
 
+@pytest.mark.parametrize(("driver", "status"), [("580.65.06", OK), ("590.44.01", OK), ("575.57.08", FAIL)])
+def test_the_images_cuda_13_1_runs_on_the_r580_driver(driver, status):
+    """The image's base (NGC 25.12, CUDA 13.1) on a driver of the R580 branch: minor-version compatibility."""
+    assert checks.driver_compatibility(driver, "13.1", datacenter=True).status == status
+
+
 def test_driver_unknown_cuda_and_bad_version():
     assert checks.driver_compatibility("580.65.06", "14.0", datacenter=True).status == INFO
     with pytest.raises(ValueError):

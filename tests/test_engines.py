@@ -20,7 +20,7 @@ from ljperf.core.errors import UsageError
 from ljperf.dist.runtime import free_port
 from ljperf.models.catalog import read_config_dict
 
-from conftest import cli_env, read_record, run_ljperf
+from conftest import cli_env, read_record, run_main
 
 WORKER = Path(__file__).parent / "scripts" / "engines_worker.py"
 COMMON = "--seq-len 32 --micro-batch 1 --grad-accum 2 --steps 5 --warmup 1 --device cpu"
@@ -163,19 +163,19 @@ def test_user_config_merges_and_contradictions_are_usage_errors():
         dsc.resolve(dsc.merge({"train_batch_size": 16}), opts(), source="my.json")
 
 
-def test_cli_wrong_batch_identity_exits_2_before_any_process_starts(tmp_path):
+def test_cli_wrong_batch_identity_exits_2_before_any_process_starts(tmp_path, capsys):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1}))
-    proc = run_ljperf(
-        "benchmark", "--model", "deepspeed/llama-tiny", "--nproc-per-node", "2", "--device", "cpu",
-        "--deepspeed-config", str(bad), timeout=120,
+    code, _, stderr = run_main(
+        capsys, "benchmark", "--model", "deepspeed/llama-tiny", "--nproc-per-node", "2", "--device", "cpu",
+        "--deepspeed-config", str(bad),
     )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr
-    assert "train_batch_size 16 ≠ 1 (micro) × 1 (accumulation) × 2 (world) = 2" in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert code == 2, stderr
+    assert "train_batch_size 16 ≠ 1 (micro) × 1 (accumulation) × 2 (world) = 2" in stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
 
 
-def test_benchmark_takes_batch_and_stage_from_the_deepspeed_config_unless_a_flag_is_given(tmp_path):
+def test_benchmark_takes_batch_and_stage_from_the_deepspeed_config_unless_a_flag_is_given(tmp_path, capsys):
     """The same rules as ``ljperf plan`` (``deepspeed_config.settings``): checked before any process starts."""
     path = tmp_path / "ds.json"
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 2}}
@@ -185,9 +185,9 @@ def test_benchmark_takes_batch_and_stage_from_the_deepspeed_config_unless_a_flag
     argv = ["--model", "deepspeed/llama-tiny", "--device", "cpu", "--deepspeed-config", str(path)]
     cfg = config_from_args(parser.parse_args(argv), argv)
     assert (cfg.train.micro_batch, cfg.train.grad_accum, cfg.engine_opts.zero_stage) == (4, 8, 2)
-    proc = run_ljperf("benchmark", *argv, "--zero-stage", "3", timeout=120)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "zero_optimization.stage is 2 but ljperf runs --zero-stage 3" in proc.stderr
+    code, _, stderr = run_main(capsys, "benchmark", *argv, "--zero-stage", "3")
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "zero_optimization.stage is 2 but ljperf runs --zero-stage 3" in stderr
 
 
 # --- real runs: every engine once, 2 processes, gloo ---
@@ -259,6 +259,7 @@ def test_resolved_deepspeed_config_and_prefetch_warning_are_recorded(runs):
     (warning,) = (line for line in stderr.splitlines() if "stage3_prefetch_bucket_size" in line)
     assert warning.startswith("warning: zero_optimization.stage3_prefetch_bucket_size is a fixed number (50000000)")
     assert '; fix: leave it out or set it to "auto"' in warning
+    assert stderr.count("Setting accelerator to") <= 1, stderr[-3000:]  # said by rank 0 only (was once per rank)
 
 
 @pytest.mark.slow
@@ -286,7 +287,7 @@ def test_two_nodes_on_localhost(tmp_path):
                 "1",
                 "--output",
                 str(tmp_path / f"node{rank}.json"),
-                "--timeout",
+                "--collective-timeout",
                 "120",
             ],
             stdout=subprocess.PIPE,

@@ -15,10 +15,10 @@ import torch
 
 from ljperf.hooks.checkpoint import REPLACES
 
-from conftest import cli_env, read_record, run_ljperf, stale_calibration_cache
+from conftest import cli_env, own_cache, read_record, run_ljperf, stale_calibration_cache
 
 SCRIPTS = Path(__file__).parent / "scripts"
-LINE = re.compile(r"\[ljperf\] recomputing (\d+)/(\d+) layers \(selective (\d+), full (\d+)\)[^\n]*")
+LINE = re.compile(r"\[ljperf\] (?:warning: )?recomputing (\d+)/(\d+) layers \(selective (\d+), full (\d+)\)[^\n]*")
 
 
 def run_script(tmp_path: Path, script: str = "hf_trainer.py", *, nproc: int = 1, **env: str) -> tuple[dict, str]:
@@ -94,8 +94,11 @@ def test_failing_plan_warns_once_and_training_is_unchanged(tmp_path, plain_train
     assert plain["ljperf_imported"] is False
     hooked, stderr = run_script(tmp_path, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET="banana")
     assert stderr.count("CHECKPOINT_OPTIMIZATION left training unchanged") == 1
-    # told at the script's own line (it was torch's eval_frame.py, where dynamo.disable runs the hook)
-    assert re.search(r"hf_trainer\.py:\d+: UserWarning: ljperf: CHECKPOINT_OPTIMIZATION left", stderr), stderr[-2000:]
+    # one line of its own (a UserWarning pointed into the script, and the script's simplefilter could hide it)
+    # (the Trainer's progress bar may share its line: it ends its lines with \r)
+    lines = [line for line in stderr.splitlines() if "CHECKPOINT_OPTIMIZATION left" in line]
+    assert "[ljperf] warning: CHECKPOINT_OPTIMIZATION left training unchanged: " in lines[0], lines
+    assert "UserWarning" not in stderr, stderr[-2000:]
     assert hooked["losses"] == plain["losses"]
     assert hooked["checkpointed"] == plain["checkpointed"] == [False] * 6
     assert hooked["mlp_calls_per_step"] == plain["mlp_calls_per_step"]
@@ -189,7 +192,7 @@ def test_the_scripts_own_gradient_checkpointing_is_told_apart_from_a_plan():
 def test_budget_nothing_fits_recomputes_every_layer_and_warns(tmp_path, plain_trainer):
     hooked, stderr = run_script(tmp_path, CHECKPOINT_OPTIMIZATION="true", LJPERF_MEMORY_BUDGET="1MiB")
     assert assert_planned(hooked, plain_trainer, stderr) == (6, 6)
-    warning = [line for line in stderr.splitlines() if "UserWarning: [ljperf] recomputing 6/6" in line]
+    warning = [line for line in stderr.splitlines() if "[ljperf] warning: recomputing 6/6" in line]
     assert len(warning) == 1 and "(does not fit: " in warning[0], stderr[-2000:]
     assert REPLACES not in stderr  # the script left checkpointing off
 
@@ -253,6 +256,8 @@ def test_each_fsdp2_rank_corrects_its_own_plan(tmp_path):
     the budget does not need, rank 0's does not. Rank 1 alone re-plans before step 3, says so, and both ranks
     end without recompute."""
     stale = stale_calibration_cache(tmp_path, scale=1.25)
+    (tmp_path / "rank0").mkdir()
+    clean = own_cache(tmp_path / "rank0")  # no calibration saved; the run's traced coefficients, as rank 1's
     none, full = forecasts_none_and_full("fsdp", world=2)
     budget = round(1.1 * none)  # as in the test above: fits no recompute, but not ×1.25
     assert 1.25 * full < budget < 1.25 * none
@@ -262,7 +267,7 @@ def test_each_fsdp2_rank_corrects_its_own_plan(tmp_path):
         nproc=2,
         CHECKPOINT_OPTIMIZATION="true",
         LJPERF_MEMORY_BUDGET=str(budget),
-        LJPERF_CACHE_DIR_BY_RANK=f"{tmp_path / 'clean'},{stale}",
+        LJPERF_CACHE_DIR_BY_RANK=f"{clean},{stale}",
     )
     assert hooked["checkpointed_by_rank"] == [[False] * 6] * 2, stderr[-2000:]
     assert re.search(r"\[ljperf\] closed loop: [^\n]*; the plan stands", stderr), stderr[-2000:]
@@ -359,6 +364,7 @@ def test_a_fully_shard_script_is_planned_in_its_models_dtype(dtype, param_dtype,
     assert (setup["world"], setup["precision"]) == (2, precision)
 
 
+@pytest.mark.slow
 def test_planning_leaves_the_global_random_state_alone(monkeypatch):
     """The plan (rates measured on this device, layers traced, the solver) draws nothing from torch's global
     generator: a model with dropout trained differently under the variable (the rates drew from it)."""
@@ -393,20 +399,18 @@ def test_a_model_the_forecast_cannot_plan_is_named_in_the_warning():
 def test_no_fit_is_warned_once_and_a_replan_for_a_longer_batch_is_logged(monkeypatch, capsys):
     """Each longer batch re-plans; when nothing fits, only the first plan warns (a warning per re-plan was noise
     in every longer batch's log), the later ones print their line."""
-    from ljperf.hooks.planner import PREFIX, attach
+    from ljperf.hooks.messages import PREFIX
+    from ljperf.hooks.planner import attach
     from scripts.tiny_llama import build
 
     model = build().train()
     monkeypatch.setenv("LJPERF_MEMORY_BUDGET", "1MiB")
     attach(model, lambda: {"engine": "torch", "world": 1, "precision": "fp32"})
-    with pytest.warns(UserWarning) as caught:
-        for seq_len in (32, 64):
-            model(input_ids=torch.randint(0, 512, (1, seq_len)))
-    warned = [str(w.message) for w in caught if str(w.message).startswith(PREFIX)]
-    assert len(warned) == 1 and "does not fit" in warned[0], warned
-    logged = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PREFIX)]
-    assert len(logged) == 1 and "does not fit" in logged[0], logged
-    assert [w.filename for w in caught if str(w.message).startswith(PREFIX)] == [__file__]  # not torch's line
+    for seq_len in (32, 64):
+        model(input_ids=torch.randint(0, 512, (1, seq_len)))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PREFIX)]
+    assert len(lines) == 2 and all("does not fit" in line for line in lines), lines
+    assert lines[0].startswith(f"{PREFIX} warning: ") and not lines[1].startswith(f"{PREFIX} warning: "), lines
 
 
 def test_the_scripts_adamw_implementation_is_planned():

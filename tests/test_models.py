@@ -16,7 +16,7 @@ from ljperf.models.catalog import catalog_names, read_config_dict, split_model_a
 from ljperf.models.layout import decoder_layers
 from ljperf.models.spec import build_meta, format_params, resolve
 
-from conftest import MOE, run_ljperf
+from conftest import MOE, run_ljperf, run_main
 
 REQUIRED = [
     "llama3-8b",
@@ -188,6 +188,7 @@ def test_bad_model_configs_are_usage_errors(tmp_path, content, message):
         resolve(path=path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("refused", [True, False])
 def test_transformers_warnings_show_only_for_an_accepted_config(tmp_path, refused):
     """eos_token_id outside the vocabulary (and an unknown rope type) make transformers warn; with a refused
@@ -234,14 +235,16 @@ def test_a_config_seen_before_is_read_from_the_cache_and_built_when_first_asked_
     assert "config" in resolve(path=config).__dict__
 
 
-def test_a_warm_plan_imports_no_transformers():
+@pytest.mark.slow
+def test_a_warm_plan_imports_no_transformers(capsys):
     """``ljperf plan`` answers from cached facts and coefficients without transformers (70B: 8.7 s, now 3.7)."""
     argv = ["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--precision", "fp32", "--micro-batch", "2"]
     argv += ["--seq-len", "64", "--recompute", "auto", "--memory-budget", "40MiB", "--json"]
+    # This process fills the cache where the session's other tests have not; a fresh process then plans warm
+    assert run_main(capsys, *argv)[0] == 0
     code = f"import sys; from ljperf.cli import main; code = main({argv!r}); print(sorted(sys.modules)); sys.exit(code)"
-    for _ in range(2):  # the first fills the cache where the session's other tests have not
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
     assert "'transformers'" not in proc.stdout.splitlines()[-1]
 
 
@@ -252,7 +255,7 @@ def test_unknown_model_names_the_closest():
         split_model_arg("jax/llama-tiny")
 
 
-def test_a_model_without_sdpa_runs_eager_by_default_and_refuses_sdpa(tmp_path):
+def test_a_model_without_sdpa_runs_eager_by_default_and_refuses_sdpa(tmp_path, capsys):
     """A transformers class with no SDPA attention (BLOOM's; Gemma 2's in transformers 5.24, not 5.17): with
     ljperf's sdpa default Gemma 2's run failed after the model was built (ValueError, status error) and it got
     no forecast; transformers itself picks eager."""
@@ -271,8 +274,8 @@ def test_a_model_without_sdpa_runs_eager_by_default_and_refuses_sdpa(tmp_path):
         spec.attention("sdpa")
     out = tmp_path / "r.json"
     args = ("--model-config", str(config), "--device", "cpu", "--seq-len", "32", "--steps", "1", "--warmup", "1")
-    proc = run_ljperf("benchmark", *args, "--output", str(out))
-    assert proc.returncode == 0, proc.stderr
+    code, _, stderr = run_main(capsys, "benchmark", *args, "--output", str(out))
+    assert code == 0, stderr
     record = json.loads(out.read_text())
     assert record["config"]["train"]["attn_implementation"] == "eager"
     assert abs(record["results"]["forecast"]["error_pct"]) < 5

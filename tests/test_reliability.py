@@ -22,7 +22,7 @@ from ljperf.dist.runtime import free_port
 from ljperf.models.catalog import read_config_dict
 from ljperf.models.spec import build_meta, resolve
 
-from conftest import cli_env, read_record, run_ljperf
+from conftest import cli_env, read_record, run_ljperf, run_main, use_cli_env
 
 TINY = ["benchmark", "--model", "torch/llama-tiny", "--seq-len", "64", "--warmup", "1"]
 
@@ -195,9 +195,9 @@ def test_an_error_on_another_rank_is_named_with_its_reason(tmp_path):
 
 
 def test_a_node_alone_at_the_rendezvous_fails_after_the_timeout_with_a_reason(tmp_path):
-    """--nnodes 2 and only one node comes: it says what it waits for, gives up after --timeout (it waited
-    torch's 600 s whatever --timeout said) and names the cause (torch's error has an empty message)."""
-    args = [*TINY, "--steps", "1", "--nnodes", "2", "--node-rank", "0", "--timeout", "5"]
+    """--nnodes 2 and only one node comes: it says what it waits for, gives up after --collective-timeout (it
+    waited torch's 600 s whatever the limit said) and names the cause (torch's error has an empty message)."""
+    args = [*TINY, "--steps", "1", "--nnodes", "2", "--node-rank", "0", "--collective-timeout", "5"]
     proc = start([*args, "--rdzv-endpoint", f"127.0.0.1:{free_port()}"], tmp_path)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-2000:]
@@ -206,6 +206,7 @@ def test_a_node_alone_at_the_rendezvous_fails_after_the_timeout_with_a_reason(tm
     assert lines[-1].startswith("ljperf benchmark: failed: the nodes did not all join the rendezvous in time")
 
 
+@pytest.mark.slow
 def test_a_plan_that_cannot_fit_is_exit_2_in_one_line_with_two_ranks(tmp_path):
     """A usage error only the ranks can find keeps exit 2 through the launcher (it was 1), in one line (each
     rank, the agent's own log and the launcher each printed one; whichever rank exits first, and a rank's exit
@@ -226,14 +227,15 @@ def test_a_plan_that_cannot_fit_is_exit_2_in_one_line_with_two_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_a_hung_rank_ends_the_run_after_the_timeout(tmp_path):
+    """A rank stopped by SIGSTOP (as a rank hung in a driver call: it ignores SIGTERM) is killed and named."""
     out = tmp_path / "r.json"
     proc = start(
-        [*TINY, "--nproc-per-node", "2", "--steps", "50", "--timeout", "15", "--output", str(out)],
+        [*TINY, "--nproc-per-node", "2", "--steps", "400", "--collective-timeout", "15", "--output", str(out)],
         tmp_path,
-        LJPERF_FAULT="sleep,step=3,rank=1,seconds=3600",
     )
     wait_for_steps(tmp_path, 2)
     workers = children(proc.pid)
+    os.kill(rank_pid(proc.pid, 1), signal.SIGSTOP)
     stdout, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 1
     assert "Traceback" not in stdout + stderr, stdout[-3000:]  # gloo's error quotes "[/path.cc:N]": not markup
@@ -254,8 +256,12 @@ def test_signals_keep_a_partial_record_and_end_the_children(tmp_path, sig, code)
     wait_for_steps(tmp_path, 3)
     workers = children(proc.pid)
     os.kill(proc.pid, sig)
-    proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == code
+    name = signal.Signals(sig).name
+    # the same last line as one process's (tested below), and none of the agent's 'death signal' lines
+    assert stderr.strip().splitlines()[-1] == f"ljperf benchmark: interrupted by {name}; partial result kept: {out}"
+    assert "death signal" not in stderr, stderr[-2000:]
     res = read_record(out)["results"]
     assert res["status"] == "error" and res["steps_completed"] >= 1
     assert signal.Signals(sig).name in res["reason"]
@@ -277,7 +283,7 @@ def test_a_signal_while_inductor_runs_the_cpp_compiler_ends_the_run(tmp_path):
     os.kill(proc.pid, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, stderr[-2000:]
-    assert stderr.strip().splitlines()[-1] == "ljperf benchmark: error: interrupted by SIGTERM"
+    assert stderr.strip().splitlines()[-1] == f"ljperf benchmark: interrupted by SIGTERM; partial result kept: {out}"
     assert read_record(out)["results"]["reason"] == "interrupted by SIGTERM"
 
 
@@ -301,7 +307,10 @@ def test_single_process_sigterm_keeps_the_record(tmp_path):
     assert res["forecast"]["error_pct"] is not None
 
 
-@pytest.mark.parametrize("delay", [0.5, 2.5, 4.5])  # importing torch; resolving the config; building the model
+# importing torch; resolving the config; building the model (later: seconds of a process each)
+@pytest.mark.parametrize(
+    "delay", [0.5, pytest.param(2.5, marks=pytest.mark.slow), pytest.param(4.5, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_during_start_up_exits_with_one_line(tmp_path, sig, code, delay):
     """Ctrl-C or SIGTERM before the first step: its exit code and one line, never a traceback (a signal inside
@@ -314,6 +323,7 @@ def test_a_signal_during_start_up_exits_with_one_line(tmp_path, sig, code, delay
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_signal_that_lands_inside_a_destructor_still_ends_the_run(tmp_path):
     """Python swallows an exception raised inside a ``__del__`` (the garbage collector runs them at any
     allocation), so a signal handled there once let the run go on to its end with status 0 and a printed
@@ -341,11 +351,13 @@ def test_a_signal_that_lands_inside_a_destructor_still_ends_the_run(tmp_path):
         [sys.executable, "-m", "stand_in"], capture_output=True, text=True, timeout=120, env=cli_env(), cwd=tmp_path
     )
     assert proc.returncode == 143, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines() == ["ljperf benchmark: error: interrupted by SIGTERM"], proc.stderr
+    last = f"ljperf benchmark: interrupted by SIGTERM; partial result kept: {out}"
+    assert proc.stderr.strip().splitlines() == [last], proc.stderr
     res = read_record(out)["results"]
     assert res["reason"] == "interrupted by SIGTERM" and res["steps_completed"] == 0
 
 
+@pytest.mark.slow
 def test_a_signal_while_a_failure_is_handled_still_leaves_the_record(tmp_path):
     """torchrun sends SIGTERM to every rank once one failed; it lands while the others handle their own error
     (rank 0 saw its peer vanish). It once escaped from there and rank 0 wrote no record: the launcher rebuilt one
@@ -413,6 +425,7 @@ def test_ctrl_c_inside_an_exec_of_source_still_exits_130(tmp_path):
     assert (proc.returncode, proc.stderr) == (130, "ljperf models: interrupted\n")
 
 
+@pytest.mark.slow
 def test_host_memory_running_out_is_an_oom(tmp_path):
     """The CPU allocator raises a plain RuntimeError, not torch.OutOfMemoryError; the run is still ``oom``."""
     out = tmp_path / "r.json"
@@ -422,27 +435,28 @@ def test_host_memory_running_out_is_an_oom(tmp_path):
     assert proc.returncode == 3, proc.stderr[-3000:]
     res = read_record(out)["results"]
     assert res["status"] == "oom" and res["reason"].startswith("out of host memory (DefaultCPUAllocator"), res
-    assert proc.stderr.strip().splitlines()[-1] == f"ljperf benchmark: oom: {res['reason']}"
+    last = f"ljperf benchmark: oom: {res['reason']}; result record: {out}"
+    assert proc.stderr.strip().splitlines()[-1] == last
     # What the forecast expected is kept; nothing was measured to compare it with.
     assert res["forecast"]["peak_allocated_bytes"] > 2300 * 10**6 and res["forecast"]["error_pct"] is None
 
 
-def test_unwritable_output_fails_before_the_run(tmp_path):
-    proc = run_ljperf(*TINY, "--steps", "1", "--output", "/sys/ljperf-result.json")
-    assert proc.returncode == 2
-    assert "not writable" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+def test_unwritable_output_fails_before_the_run(capsys):
+    code, _, stderr = run_main(capsys, *TINY, "--steps", "1", "--output", "/sys/ljperf-result.json")
+    assert code == 2
+    assert "not writable" in stderr and len(stderr.strip().splitlines()) == 1
 
 
-def test_full_disk_fails_before_the_run(tmp_path):
+def test_full_disk_fails_before_the_run(tmp_path, capsys):
     mnt = tmp_path / "full"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=False).returncode:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
         (mnt / "filler").write_bytes(b"\0" * 60_000)
-        proc = run_ljperf(*TINY, "--steps", "1", "--output", str(mnt / "r.json"))
-        assert proc.returncode == 2
-        assert "No space left" in proc.stderr
+        code, _, stderr = run_main(capsys, *TINY, "--steps", "1", "--output", str(mnt / "r.json"))
+        assert code == 2
+        assert "No space left" in stderr
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 
@@ -486,18 +500,22 @@ def test_records_are_strict_json_when_a_loss_diverges(tmp_path):
     assert data == {"losses": [2.5, None, None], "nested": [{"x": None}]}
 
 
-def test_secrets_never_reach_records_or_logs(tmp_path):
+def test_secrets_never_reach_records_or_logs(tmp_path, monkeypatch, capfd):
+    """In-process: the record and everything written to this process's stdout and stderr (file descriptors 1
+    and 2, so C++ output too)."""
     secrets = {"HF_TOKEN": "hf_s3cr3tvalue", "AWS_SECRET_ACCESS_KEY": "aws-s3cr3t-key", "MY_TEAM_TOKEN": "tok-777"}
     out = tmp_path / "r.json"
-    proc = run_ljperf(*TINY, "--steps", "2", "--output", str(out), env=cli_env(**secrets))
-    assert proc.returncode == 0, proc.stderr
-    written = out.read_text() + proc.stdout + proc.stderr
+    use_cli_env(monkeypatch, **secrets)
+    code, stdout, stderr = run_main(capfd, *TINY, "--steps", "2", "--output", str(out))
+    assert code == 0, stderr
+    written = out.read_text() + stdout + stderr
     for name, value in secrets.items():
         assert value not in written and name not in written
 
 
 @pytest.mark.slow
-def test_a_killed_ablation_leaves_nothing_resume_mistakes_for_finished(tmp_path):
+def test_a_killed_ablation_leaves_nothing_resume_mistakes_for_finished(tmp_path, monkeypatch, capsys):
+    """The killed ablation is a process; the resume runs in this one (its benchmark run is a process)."""
     out = tmp_path / "abl"
     args = [*TINY, "--steps", "60", "--variants", "base", "--repeat", "1", "--out", str(out)]
     args[0] = "ablation"
@@ -515,9 +533,10 @@ def test_a_killed_ablation_leaves_nothing_resume_mistakes_for_finished(tmp_path)
         time.sleep(0.2)
     record = out / "runs" / "local" / "base.r1.json"
     assert not record.exists()
-    resumed = run_ljperf(*args)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "[1/1] local/base.r1: ok" in resumed.stdout  # re-run, not skipped
+    use_cli_env(monkeypatch)
+    code, stdout, stderr = run_main(capsys, *args)
+    assert code == 0, stderr
+    assert "[1/1] local/base.r1: ok" in stdout  # re-run, not skipped
     assert read_record(record)["results"]["status"] == "ok"
 
 

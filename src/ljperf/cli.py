@@ -28,6 +28,7 @@ from ljperf.core.errors import (
     UsageError,
     interruption,
 )
+from ljperf.core.options import deprecations
 from ljperf.core.parser import Parser, unrecognized
 from ljperf.dist.launch import LAUNCHER_ENV, RunFolder, end_with_parent
 
@@ -45,7 +46,11 @@ COMMANDS: dict[str, Command] = {
         "train a model on synthetic tokens and measure throughput, MFU and memory", "ljperf.commands.benchmark"
     ),
     "models": Command("list the model catalog with parameter counts", "ljperf.commands.models"),
-    "plan": Command("forecast peak memory per GPU of a recipe before it runs; --calibrate", "ljperf.commands.plan"),
+    "plan": Command(
+        "forecast peak memory per GPU of a recipe before it runs, or fit the forecast's device overheads to"
+        " benchmark records (--calibrate)",
+        "ljperf.commands.plan",
+    ),
     "doctor": Command(
         "check driver, NCCL, DeepSpeed config, versions, compile; each with a fix", "ljperf.commands.doctor"
     ),
@@ -117,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if unknown:
         _refuse_unknown(parser, args.command, unknown)
+    if os.environ.get("RANK", "0") == "0":  # said once, not by every rank
+        for line in deprecations(args):
+            print(f"ljperf {args.command}: {line}", file=sys.stderr)
     module = importlib.import_module(COMMANDS[args.command].module)
     signal.signal(signal.SIGINT, signal.default_int_handler if interrupt is None else interrupt)  # None: set in C
     return _run_command(module, args, argv)

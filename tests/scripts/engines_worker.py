@@ -3,10 +3,13 @@
 Run: ``torchrun --nproc-per-node 2 tests/scripts/engines_worker.py OUT_DIR NAME=ARGS...``, e.g.
 ``ddp="--model torch/llama-tiny --seq-len 32"``; each run writes ``OUT_DIR/NAME.json`` through the real CLI
 path (parse, ``config_from_args``, ``run_worker``). The process group is kept between runs and left at the end.
+``python tests/scripts/engines_worker.py ...`` (no torchrun) runs one-process runs the same way. Rank 0 prints
+``MARK + NAME`` before each run, so a test can tell each run's output (its table) from the others'.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -16,6 +19,8 @@ from ljperf.benchmark.config import config_from_args
 from ljperf.benchmark.loop import run_worker
 from ljperf.cli import build_parser
 
+MARK = "[engines_worker] run "
+
 
 def main() -> int:
     out = Path(sys.argv[1])
@@ -23,6 +28,8 @@ def main() -> int:
     benchmark.shutdown_process = lambda: None  # the next run reuses the group
     for spec in sys.argv[2:]:
         name, _, args = spec.partition("=")
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{MARK}{name}", flush=True)
         argv = ["benchmark", *shlex.split(args), "--output", str(out / f"{name}.json")]
         args_ns = build_parser("benchmark").parse_args(argv)
         code = run_worker(config_from_args(args_ns, argv))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +17,19 @@ from rich.markup import escape
 
 from ljperf import __version__
 from ljperf.ablation import runner
-from ljperf.ablation.stats import Ratio, Spread, VariantStats, summarize
+from ljperf.ablation.stats import VariantStats, summarize
 from ljperf.compile.line import compile_line
 from ljperf.core.console import console, titled_table, warn
 from ljperf.core.errors import UsageError
+from ljperf.core.plans import no_recompute_line
 from ljperf.core.records import SCHEMA_VERSION, now_iso, write_atomic, write_json
+from ljperf.core.spread import OVERLAP_NOTE, Spread, format_ratio, format_spread
 from ljperf.core.units import format_bytes
 from ljperf.run.titles import run_title
 
 SUMMARY, MARKDOWN, CHART = "summary.json", "report.md", "ablation.png"
-OVERLAP = "≈"
-OVERLAP_NOTE = f"{OVERLAP}: the min–max ranges of the two variants overlap; these repeats do not show a difference."
+IDLE = "†"
+"""Marks a variant whose ``--recompute auto`` recomputed nothing (its budget held the whole run)."""
 
 
 def load_records(out: Path) -> list[dict[str, Any]]:
@@ -48,7 +51,7 @@ def render(out: Path, records: list[dict[str, Any]], *, command: list[str] | Non
     stats = summarize(records)
     write_json(out / SUMMARY, summary(records, stats, command=command))
     write_atomic(out / MARKDOWN, lambda f: f.write(markdown(records, stats, command=command).encode()))
-    chart(stats, out / CHART)
+    chart(records, stats, out / CHART)
     print_table(records, stats)
     console.print(f"report: {out / MARKDOWN} · chart: {out / CHART} · summary: {out / SUMMARY}")
     return stats
@@ -87,25 +90,13 @@ def _run_file(record: dict) -> str:
 # --- formatting -----------------------------------------------------------------------------------------
 
 
-def _spread(s: Spread | None, scale: float = 1.0, spec: str = ",.0f") -> tuple[str, str]:
-    """(median, "min–max") as text."""
-    if s is None:
-        return "-", "-"
-    return format(s.median * scale, spec), f"{format(s.low * scale, spec)}–{format(s.high * scale, spec)}"
-
-
-def _ratio(r: Ratio | None) -> str:
-    if r is None:
-        return "-"
-    return f"×{r.value:.2f}" + (f" {OVERLAP}" if r.overlaps else "")
-
-
 def _status(s: VariantStats) -> str:
     return ", ".join(f"{name} ×{n}" if n > 1 else name for name, n in s.statuses.items())
 
 
-def rows(stats: list[VariantStats]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows shared by the terminal and the markdown tables."""
+def rows(stats: list[VariantStats], *, marked: Collection[str] = ()) -> tuple[list[str], list[list[str]]]:
+    """Header and rows shared by the terminal and the markdown tables; the variants ``marked`` (labels) get
+    ``IDLE``: their ``--recompute auto`` recomputed nothing."""
     header = [
         "variant",
         "flags",
@@ -122,21 +113,21 @@ def rows(stats: list[VariantStats]) -> tuple[list[str], list[list[str]]]:
     ]
     body = []
     for s in stats:
-        tps, tps_range = _spread(s.tokens_per_s)
+        tps, tps_range = format_spread(s.tokens_per_s)
         body.append(
             [
-                s.label,
+                f"{s.label} {IDLE}" if s.label in marked else s.label,
                 s.flags or "(none)",
                 _status(s),
                 tps,
                 tps_range,
-                _spread(s.step_time_s, 1e3, ".1f")[0],
+                format_spread(s.step_time_s, 1e3, ".1f")[0],
                 format_bytes(s.peak_allocated_bytes.median) if s.peak_allocated_bytes else "-",
-                _spread(s.mfu, 100, ".1f")[0],
-                _ratio(s.speedup),
-                _ratio(s.gain),
+                format_spread(s.mfu, 100, ".1f")[0],
+                format_ratio(s.speedup),
+                format_ratio(s.gain),
                 "-" if s.loss_max_abs_diff is None else f"{s.loss_max_abs_diff:.1e}",
-                _spread(s.wall_s, 1, ".1f")[0],
+                format_spread(s.wall_s, 1, ".1f")[0],
             ]
         )
     return header, body
@@ -171,14 +162,17 @@ def _overlap_note(stats: list[VariantStats]) -> str | None:
 
 
 def print_table(records: list[dict], stats: list[VariantStats]) -> None:
-    header, body = rows(stats)
+    idle = no_recompute(records, stats)
+    header, body = rows(stats, marked=idle)
     table = titled_table(title(records), caption=_overlap_note(stats))
     for i, name in enumerate(header):
         if name != "flags":  # in report.md; too wide for a terminal
-            table.add_column(name, justify="left" if i < 3 else "right")
+            table.add_column(name, justify="left" if i < 3 else "right", no_wrap=i == 0)
     for row in body:
         table.add_row(*(escape(cell) for name, cell in zip(header, row, strict=True) if name != "flags"))
     console.print(table)
+    for label, line in idle.items():
+        console.print(escape(f"{IDLE} {label}: {line}"), highlight=False, soft_wrap=True)
     revisions = _revisions(records)
     if len(revisions) > 1:
         warn(f"the runs span git revisions {', '.join(revisions)}")
@@ -187,6 +181,17 @@ def print_table(records: list[dict], stats: list[VariantStats]) -> None:
     for s in stats:
         if s.reason:
             console.print(f"[red]{escape(s.label)}[/red]: {escape(_status(s))}: {escape(s.reason)}")
+
+
+def no_recompute(records: list[dict], stats: list[VariantStats]) -> dict[str, str]:
+    """``{variant: line}`` for each variant whose ``--recompute auto`` chose no recompute, because its budget holds
+    the whole run (its first successful run's plan): the row alone reads as if it had been tested."""
+    out = {}
+    for s in stats:
+        runs = _ok_runs(records, s)
+        if runs and (line := no_recompute_line(min(runs, key=_order)["results"].get("recompute") or {})):
+            out[s.label] = line
+    return out
 
 
 def _ok_runs(records: list[dict], s: VariantStats) -> list[dict]:
@@ -218,7 +223,7 @@ def breakdown_section(records: list[dict], stats: list[VariantStats]) -> list[st
         ref = base if s is not stats[0] else None
         cells = [_delta(mine["ms"][part], ref and ref["ms"][part]) for part in BREAKDOWN_PARTS]
         cells.append(_delta(mine["step_ms"], ref and ref["step_ms"]))
-        lines.append(_md_row([s.label, _spread(s.tokens_per_s)[0], *cells, mine["source"]]))
+        lines.append(_md_row([s.label, format_spread(s.tokens_per_s)[0], *cells, mine["source"]]))
     lines += [
         "",
         "Median ms per part of a step over the repeats; in brackets, the change from the baseline. Timers count a"
@@ -270,7 +275,8 @@ def applied(records: list[dict], stats: list[VariantStats]) -> list[tuple[str, s
 def markdown(records: list[dict], stats: list[VariantStats], *, command: list[str] | None) -> str:
     ref = _reference(records)
     env = ref.get("env", {})
-    header, body = rows(stats)
+    idle = no_recompute(records, stats)
+    header, body = rows(stats, marked=idle)
     lines = [
         f"# Ablation: {title(records)}",
         "",
@@ -284,6 +290,7 @@ def markdown(records: list[dict], stats: list[VariantStats], *, command: list[st
     if command:
         lines += ["```", "ljperf " + " ".join(_quote(a) for a in command), "```", ""]
     lines += ["## Results", "", _md_row(header), _md_row(["---"] * len(header)), *map(_md_row, body), ""]
+    lines += [*(f"{IDLE} `{label}`: {line}" for label, line in idle.items()), *([""] if idle else [])]
     memory_method = ref.get("results", {}).get("memory_method")
     lines += [
         f"Speedup: median tokens/s vs `{stats[0].label}`; gain: vs the variant above it (the added optimization). "
@@ -342,8 +349,37 @@ def _quote(arg: str) -> str:
     return arg if arg and all(c.isalnum() or c in "-_./=+,:@" for c in arg) else repr(arg)
 
 
-def chart(stats: list[VariantStats], path: Path) -> None:
-    """Throughput per variant (median, min–max error bars) and peak memory beside it."""
+MEDIAN_FROM = 3
+"""Repeats from which a chart's bar is their median; with fewer it is their mean (the median of two runs, as the
+table takes it, is the slower one's)."""
+
+
+def bar_height(s: Spread | None) -> float:
+    """A chart's bar for ``s``: the median of 3 or more repeats, else their mean; 0 for none."""
+    if s is None:
+        return 0.0
+    return s.median if s.count >= MEDIAN_FROM else s.mean
+
+
+def bar_kind(stats: list[VariantStats]) -> str:
+    """What the throughput bars are, for the chart's axis: the mean or median of the repeats, or both."""
+    counts = {s.tokens_per_s.count >= MEDIAN_FROM for s in stats if s.tokens_per_s}
+    if counts == {True}:
+        return "median of the repeats"
+    if counts == {False}:
+        return "mean of the repeats"
+    return f"median of the repeats; mean where fewer than {MEDIAN_FROM}"
+
+
+def chart_title(records: list[dict]) -> str:
+    """The table's title (model, engine, shape, precision, repeats) and, on a second line, the devices."""
+    devices = ", ".join(dict.fromkeys(d for r in records for d in (r.get("env") or {}).get("devices") or []))
+    return f"{title(records)}\ndevice: {devices or '-'}"
+
+
+def chart(records: list[dict], stats: list[VariantStats], path: Path) -> None:
+    """Throughput per variant (median of 3+ repeats, mean of fewer; min–max error bars) and peak memory beside it,
+    titled with the model, engine, shape and device (also the PNG's ``Title``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -351,19 +387,23 @@ def chart(stats: list[VariantStats], path: Path) -> None:
 
     labels = [s.label for s in stats]
     x = list(range(len(stats)))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(stats) + 3), 4.5))
-    tps = [s.tokens_per_s.median if s.tokens_per_s else 0.0 for s in stats]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(stats) + 3), 5.0))
+    heading = chart_title(records)
+    fig.suptitle(heading, fontsize=10)
+    tps = [bar_height(s.tokens_per_s) for s in stats]
     err = [
-        [s.tokens_per_s.median - s.tokens_per_s.low if s.tokens_per_s else 0.0 for s in stats],
-        [s.tokens_per_s.high - s.tokens_per_s.median if s.tokens_per_s else 0.0 for s in stats],
+        [tps[i] - s.tokens_per_s.low if s.tokens_per_s else 0.0 for i, s in enumerate(stats)],
+        [s.tokens_per_s.high - tps[i] if s.tokens_per_s else 0.0 for i, s in enumerate(stats)],
     ]
-    left.bar(x, tps, yerr=err, capsize=6, color="tab:blue")
-    left.set_title("throughput (median, min–max)")
+    kind = bar_kind(stats)
+    left.bar(x, tps, yerr=err, capsize=6, color="tab:blue", label=f"bar: {kind}\nwhiskers: min–max")
+    left.set_title("throughput", fontsize=10)
     left.set_ylabel("tokens/s")
-    peaks = [s.peak_allocated_bytes.median if s.peak_allocated_bytes else 0.0 for s in stats]
+    left.legend(loc="best", fontsize=8)
+    peaks = [bar_height(s.peak_allocated_bytes) for s in stats]
     scale, unit = (1024**3, "GiB") if max(peaks, default=0) >= 1024**3 else (1024**2, "MiB")
     right.bar(x, [p / scale for p in peaks], color="tab:orange")
-    right.set_title("peak memory (median)")
+    right.set_title("peak memory (bar: as throughput's)", fontsize=10)
     right.set_ylabel(unit)
     for i, s in enumerate(stats):
         if s.tokens_per_s is None:
@@ -371,12 +411,14 @@ def chart(stats: list[VariantStats], path: Path) -> None:
                 ax.text(i, 0, _status(s), ha="center", va="bottom", color="tab:red")
         elif s.speedup is not None:
             left.annotate(
-                _ratio(s.speedup), (i, s.tokens_per_s.high), xytext=(0, 4), textcoords="offset points", ha="center"
-            )
+                format_ratio(s.speedup), (i, s.tokens_per_s.high), xytext=(0, 4), textcoords="offset points",
+                ha="center",
+            )  # fmt: skip
     for ax in (left, right):
         ax.set_xticks(x, labels, rotation=20 if len(stats) > 3 else 0, ha="right" if len(stats) > 3 else "center")
         ax.grid(axis="y", alpha=0.3)
         ax.margins(y=0.12)
     fig.tight_layout()
-    write_atomic(path, lambda f: fig.savefig(f, dpi=120, format="png"))
+    meta = {"Title": heading.replace("\n", " · "), "Description": f"throughput bars: {kind}"}
+    write_atomic(path, lambda f: fig.savefig(f, dpi=120, format="png", metadata=meta))
     plt.close(fig)

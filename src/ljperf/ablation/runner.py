@@ -306,7 +306,7 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
     record = read_json(pending) if pending.exists() else _crash_record(run)
     results = record["results"]
     if timed_out:
-        results["status"], results["reason"] = "timeout", f"stopped after --timeout {timeout:g} s"
+        results["status"], results["reason"] = "timeout", f"stopped after --run-timeout {timeout:g} s"
     elif not pending.exists():
         results["reason"] = _last_line(log) or f"exited with code {exit_code}"
     record["ablation"] = {**run.meta(), "exit_code": exit_code, "wall_s": wall_s, "log": log.name}

@@ -2,48 +2,17 @@
 
 Throughput ratios use median tokens/s: the median run's (the slower of the middle two for an even count),
 whose step time and MFU the table shows beside it. A ratio is marked as within noise when the min–max ranges of the
-two variants overlap: the repeats do not separate them, so the difference is not shown.
+two variants overlap: the repeats do not separate them, so the difference is not shown (``core.spread``).
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ljperf.ablation.variants import LOCAL_ENV
-
-
-@dataclass(frozen=True, kw_only=True)
-class Spread:
-    """Median and range of one figure over the successful repeats."""
-
-    median: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, values: list[float]) -> Spread | None:
-        return cls(median=statistics.median(values), low=min(values), high=max(values)) if values else None
-
-    def overlaps(self, other: Spread) -> bool:
-        return self.low <= other.high and other.low <= self.high
-
-
-@dataclass(frozen=True, kw_only=True)
-class Ratio:
-    """``value`` = median of a variant / median of the reference; ``overlaps``: their ranges overlap."""
-
-    value: float
-    reference: str
-    overlaps: bool
-
-
-def ratio(of: Spread | None, to: Spread | None, *, reference: str) -> Ratio | None:
-    if of is None or to is None:
-        return None
-    return Ratio(value=of.median / to.median, reference=reference, overlaps=of.overlaps(to))
+from ljperf.core.spread import Ratio, Spread, ratio
 
 
 @dataclass(kw_only=True)

@@ -2,8 +2,9 @@
 
 Run: ``ljperf compile-report --model torch/llama-tiny --seq-lens 512,1000,2048 [--output r.json]``
 One process: graph breaks with their reasons and source lines (``torch._dynamo.explain`` of the whole forward),
-then eager steps at each length, then the same model compiled in place (``ljperf.compile``) at each length:
-compile time per region, recompiles with the guard that failed, eager vs compiled step time (medians).
+then the same model compiled in place (``ljperf.compile``) and ``--repeats`` rounds of eager then compiled steps at
+each length, interleaved: compile time per region, recompiles with the guard that failed, eager vs compiled step
+time (the median of each round's median, min–max over the rounds; a speedup whose ranges overlap is marked ``≈``).
 """
 
 from __future__ import annotations
@@ -20,16 +21,19 @@ from ljperf.compile.regional import compile_model
 from ljperf.core import hardware
 from ljperf.core.console import console, titled_table
 from ljperf.core.records import record_header
+from ljperf.core.spread import OVERLAP_NOTE, Spread, format_ratio, format_spread, ratio
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.models.spec import build_meta
 from ljperf.run.context import RunContext
 
 
 def compile_report(
-    run: RunContext, lengths: list[int], *, mode: str, config: dict[str, Any], argv: list[str]
+    run: RunContext, lengths: list[int], *, mode: str, repeats: int, config: dict[str, Any], argv: list[str]
 ) -> dict[str, Any]:
-    """Explain, time eager, compile in place (``mode``: regional or whole), time compiled at each of ``lengths``;
-    returns the report record, whose ``config`` is ``config`` (the flags as given) with the precision that ran."""
+    """Explain, compile in place (``mode``: regional or whole), then ``repeats`` rounds that time eager and compiled
+    steps at each of ``lengths``, interleaved (eager under ``torch.compiler.set_stance("force_eager")``) so machine
+    drift hits both alike; returns the report record, whose ``config`` is ``config`` (the flags as given) with the
+    precision that ran."""
     header = record_header("compile-report", args=argv, devices=[run.device.name], world_size=1)
     engine = TorchEngine(run)
     engine.setup(build_meta(run.model, attn_implementation=run.train.attn_implementation))
@@ -38,30 +42,49 @@ def compile_report(
     batches = {seq: _batches(run, seq) for seq in lengths}
 
     explained = explain_breaks(model, batches[lengths[0]][0], run)
-    eager = {seq: _timed_steps(engine, batches[seq], steps=steps, device=device) for seq in lengths}
-
     session = compile_model(model, mode)
-    rows = []
-    for seq in lengths:
-        before_time = sum(session.region_time_s.values())
-        before_recompiles = len(session.recompile_reasons)
-        compiled = _timed_steps(engine, batches[seq], steps=steps, device=device)
-        rows.append(
-            {
-                "seq_len": seq,
-                "eager_step_s": eager[seq],
-                "compiled_step_s": compiled,
-                "speedup": eager[seq] / compiled if compiled else None,
-                "compile_s": round(sum(session.region_time_s.values()) - before_time, 3),
-                "recompiles": session.recompile_reasons[before_recompiles:],
-            }
-        )
+    eager: dict[int, list[float]] = {seq: [] for seq in lengths}
+    compiled: dict[int, list[float]] = {seq: [] for seq in lengths}
+    compile_s = dict.fromkeys(lengths, 0.0)
+    recompiles: dict[int, list[str]] = {seq: [] for seq in lengths}
+    for _ in range(repeats):
+        for seq in lengths:
+            with torch.compiler.set_stance("force_eager"):
+                eager[seq].append(_timed_steps(engine, batches[seq], steps=steps, device=device))
+            before_time = sum(session.region_time_s.values())
+            before_recompiles = len(session.recompile_reasons)
+            compiled[seq].append(_timed_steps(engine, batches[seq], steps=steps, device=device))
+            compile_s[seq] += sum(session.region_time_s.values()) - before_time
+            recompiles[seq] += session.recompile_reasons[before_recompiles:]
+    rows = [
+        length_row(seq, eager[seq], compiled[seq], compile_s=compile_s[seq], recompiles=recompiles[seq])
+        for seq in lengths
+    ]
     return {
         **header,
         "config": {"model": run.model.name, **config, "precision": run.train.precision},
         "graph_breaks": explained,
         "lengths": rows,
         "compile": session.results(),
+    }
+
+
+def length_row(
+    seq: int, eager: list[float], compiled: list[float], *, compile_s: float, recompiles: list[str]
+) -> dict[str, Any]:
+    """One length's row of the record: each repeat's median step time, eager and compiled, their medians, and the
+    speedup of the medians with ``overlap`` set where the two min–max ranges overlap (``core.spread``)."""
+    speedup = ratio(Spread.of(eager), Spread.of(compiled), reference="compiled")
+    return {
+        "seq_len": seq,
+        "eager_step_s": statistics.median(eager),
+        "compiled_step_s": statistics.median(compiled),
+        "eager_step_s_repeats": eager,
+        "compiled_step_s_repeats": compiled,
+        "speedup": speedup.value if speedup else None,
+        "overlap": bool(speedup and speedup.overlaps),
+        "compile_s": round(compile_s, 3),
+        "recompiles": recompiles,
     }
 
 
@@ -105,16 +128,22 @@ def explain_breaks(model: torch.nn.Module, tokens: torch.Tensor, run: RunContext
 
 def print_report(report: dict[str, Any]) -> None:
     cfg = report["config"]
-    table = titled_table(f"compile-report · {cfg['model']} · {cfg['compile_mode']} · {cfg['precision']}")
-    for col in ("seq len", "eager step", "compiled step", "speedup", "compile time", "recompiles"):
+    repeats = cfg.get("repeats", 1)
+    title = f"compile-report · {cfg['model']} · {cfg['compile_mode']} · {cfg['precision']} · {repeats} repeat(s)"
+    overlapping = any(row.get("overlap") for row in report["lengths"])
+    table = titled_table(title, caption=OVERLAP_NOTE if overlapping else None)
+    columns = ("seq len", "eager step", "min–max", "compiled step", "min–max", "speedup", "compile time", "recompiles")
+    for col in columns:
         table.add_column(col, justify="right")
-    table.add_row("", "ms", "ms", "×", "s", "")
+    table.add_row("", "ms", "ms", "ms", "ms", "×", "s", "")
     for row in report["lengths"]:
+        eager = Spread.of(row.get("eager_step_s_repeats") or [row["eager_step_s"]])
+        compiled = Spread.of(row.get("compiled_step_s_repeats") or [row["compiled_step_s"]])
         table.add_row(
             str(row["seq_len"]),
-            f"{row['eager_step_s'] * 1e3:.1f}",
-            f"{row['compiled_step_s'] * 1e3:.1f}",
-            f"{row['speedup']:.2f}",
+            *format_spread(eager, 1e3, ".1f"),
+            *format_spread(compiled, 1e3, ".1f"),
+            format_ratio(ratio(eager, compiled, reference="compiled")),
             f"{row['compile_s']:.1f}",
             str(len(row["recompiles"])),
         )

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ljperf.core.records import check_output, check_output_folder, check_writable
+from ljperf.core.console import check_output
+from ljperf.core.records import check_output_folder, check_writable
 from ljperf.dist.launch import under_torchrun
 from ljperf.dist.runtime import check_process_count
 from ljperf.engines.deepspeed_engine import resolved_config

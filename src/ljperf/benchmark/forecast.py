@@ -16,6 +16,7 @@ from ljperf.core.errors import describe
 from ljperf.core.units import format_bytes
 from ljperf.dist.collectives import shared_from_rank0
 from ljperf.dist.launch import local_world_size
+from ljperf.forecast.advice import dominant_term
 from ljperf.forecast.api import forecast, max_micro_batch
 from ljperf.forecast.recipe import Recipe
 from ljperf.recompute.solver import advice, ordered_plan
@@ -87,7 +88,8 @@ def shortfall(
 
     try:
         recipe = Recipe.from_run(run, recompute=tuple(plan or ()))
-        if (needed := peak(recipe)) <= share:
+        result = forecast(spec, recipe, device_name=device_name)
+        if (needed := result.peak_allocated_bytes) <= share:
             return None
         full_plan = ordered_plan(spec.layers, spec.layers, 0)
         full = recipe.with_(recompute=full_plan)
@@ -101,6 +103,8 @@ def shortfall(
             fix = f"--recompute full with --micro-batch {batch} would fit"
         else:
             fix = "even one sequence with --recompute full would not fit: a smaller model or --seq-len"
+        if dominant := dominant_term(spec, recipe, result, device_name=device_name):
+            fix = f"{dominant}; {fix}"
     except Exception:  # a forecast must never fail a benchmark
         return None
     head = f"forecast {format_bytes(needed)} per process × {processes}"

@@ -23,7 +23,7 @@ from ljperf.benchmark.forecast import benchmark_forecast, check_memory
 from ljperf.benchmark.profile import profile_steps
 from ljperf.benchmark.progress import ProgressReporter
 from ljperf.benchmark.record import LoopState, new_record, results_section
-from ljperf.benchmark.table import print_result_table
+from ljperf.benchmark.table import last_line, print_result_table
 from ljperf.core import hardware
 from ljperf.core.console import say, warn
 from ljperf.core.errors import (
@@ -114,7 +114,8 @@ def run_worker(cfg: RunConfig, *, picture: Callable[..., None] | None = None) ->
         if picture is not None:
             _draw(picture, run, record, recompute)
         if status != "ok" and not reporter.watched:
-            print(f"ljperf benchmark: {status}: {reason}", file=sys.stderr)
+            interrupted = exit_code in (EXIT_SIGINT, EXIT_SIGTERM)
+            print(last_line(reason, interrupted=interrupted, output=cfg.output, status=status), file=sys.stderr)
     if status == "ok" or run.world == 1:  # a failed group is kept: its barrier could wait on a lost peer
         shutdown_process()
     if (folder := RunFolder.watching()) is not None and launcher_gone():  # killed: nobody else removes it

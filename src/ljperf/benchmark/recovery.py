@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ljperf.benchmark.table import print_result_table
+from ljperf.benchmark.table import last_line, print_result_table
 from ljperf.core.errors import EXIT_OOM, EXIT_USAGE, RunFailed
 from ljperf.core.records import STDOUT, read_json, write_json
 from ljperf.dist.launch import RUN_DIR_ENV, RunFolder, failure_reason, run_workers
@@ -43,10 +43,7 @@ def launch(cfg: RunConfig, *, record_from_progress: Callable[[Path], dict[str, A
         _keep_failed_record(
             cfg, record_path=record_path, folder=folder, reason=reason, record_from_progress=record_from_progress
         )
-        print(
-            f"ljperf benchmark: {reason}" + (f"; partial result kept: {record_path}" if to_file else ""),
-            file=sys.stderr,
-        )
+        print(last_line(reason, interrupted=True, output=cfg.output), file=sys.stderr)
         return code
     except Exception as exc:
         reason, code = failure_reason(exc, folder=folder)

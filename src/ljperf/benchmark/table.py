@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ljperf.compile.line import compile_line
 from ljperf.core.console import console, say, titled_table
+from ljperf.core.records import STDOUT
 from ljperf.core.units import format_bytes
 from ljperf.run.titles import run_title
 
@@ -99,3 +100,13 @@ def forecast_line(results: dict[str, Any]) -> str | None:
     if fc["error_pct"] is not None:
         text += f" vs measured {format_bytes(results['peak_allocated_bytes'])} ({fc['error_pct']:+.1f}%)"
     return text
+
+
+def last_line(reason: str, *, interrupted: bool, output: str | None, status: str = "error") -> str:
+    """The line a failed or interrupted run ends with, the same for one process and for ljperf's launcher; an
+    out-of-memory run says ``oom``."""
+    kept = output not in (None, STDOUT)
+    if interrupted:
+        return f"ljperf benchmark: {reason}" + (f"; partial result kept: {output}" if kept else "")
+    word = "oom" if status == "oom" else "failed"
+    return f"ljperf benchmark: {word}: {reason}" + (f"; result record: {output}" if kept else "")

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ljperf.core.errors import UsageError
-from ljperf.core.options import not_negative, opt, positive
+from ljperf.core.options import not_negative, one_of, opt, positive
 from ljperf.core.units import parse_size
 
 # Bus bandwidth = algbw × this factor of the world size n (nccl-tests, doc/PERFORMANCE.md).
@@ -30,18 +31,23 @@ DEFAULT_MIN_BYTES = "1K"
 class CommConfig:
     """Which collectives to time, at which sizes, how often."""
 
-    ops: str = opt("all", f"comma-separated collectives ({', '.join(OPS)}) or all")
+    TITLE: ClassVar[str] = "collectives"
+
+    ops: str = opt("all", f"comma-separated collectives ({', '.join(OPS)}) or all", metavar="OP[,OP]")
     min_bytes: str | None = opt(
         None,
         f"smallest message (nccl-tests -b; default: {DEFAULT_MIN_BYTES}, or --max-bytes when smaller); "
         "K/M/G are binary, KB/MB/GB decimal",
+        metavar="SIZE",
     )
-    max_bytes: str = opt("64M", "largest message (nccl-tests -e)")
+    max_bytes: str = opt("64M", "largest message (nccl-tests -e)", metavar="SIZE")
     step_factor: int = opt(2, "multiply the size by this from --min-bytes to --max-bytes (nccl-tests -f)")
     iters: int = opt(20, "timed iterations per size (nccl-tests -n)")
     warmup_iters: int = opt(5, "untimed iterations per size before timing (nccl-tests -w)")
-    dtype: str = opt("float32", "element type: float32, bfloat16 or float16")
-    device: str = opt("auto", "cuda (NCCL), cpu (gloo) or auto (cuda when available)")
+    dtype: str = opt("float32", "element type: float32, bfloat16 or float16", metavar=one_of(DTYPE_NAMES))
+    device: str = opt(
+        "auto", "cuda (NCCL), cpu (gloo) or auto (cuda when available)", metavar=one_of(("cpu", "cuda", "auto"))
+    )
     check: bool = opt(True, "verify one iteration per size (the #wrong column)")
     op_list: list[str] = field(init=False, default_factory=list)
     """The collectives, resolved from ``ops``."""

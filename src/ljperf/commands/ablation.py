@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 from ljperf.ablation import report, runner
 from ljperf.ablation.variants import BUILTIN, DEFAULT_VARIANTS, Variant, parse_environments, parse_variants
 from ljperf.commands import benchmark as benchmark_command
+from ljperf.core.console import say
 from ljperf.core.errors import EXIT_ERROR, EXIT_OK, RunFailed, UsageError
-from ljperf.core.options import LARGEST
+from ljperf.core.options import LARGEST, Deprecated
 from ljperf.core.parser import Parser, unrecognized
 from ljperf.core.records import check_writable
 
@@ -29,7 +30,7 @@ def add_ablation_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("ablation")
     group.add_argument(
         "--variants",
-        metavar="A,B,...",
+        metavar="NAME[,NAME]",
         help=f"variants in order, the first is the baseline (default: {','.join(DEFAULT_VARIANTS)}, "
         f"or the --variant definitions); built in: {builtin}",
     )
@@ -40,7 +41,9 @@ def add_ablation_arguments(parser: argparse.ArgumentParser) -> None:
         metavar='NAME="FLAGS"',
         help="define (or redefine) a variant as extra benchmark flags; repeatable",
     )
-    group.add_argument("--repeat", type=int, default=3, help="runs per variant, interleaved A B C A B C (default: 3)")
+    group.add_argument(
+        "--repeat", type=int, default=3, metavar="N", help="runs per variant, interleaved A B C A B C (default: 3)"
+    )
     group.add_argument(
         "--env",
         action="append",
@@ -57,17 +60,22 @@ def add_ablation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--force", action="store_true", help="re-run finished runs in --out instead of resuming")
     group.add_argument(
-        "--timeout",
+        "--run-timeout",
         type=float,
         default=3600.0,
-        help="seconds one run may take (start-up and compile included) before it is stopped (default: 3600)",
+        metavar="N",
+        help="seconds one run may take (start-up and compile included) before it is stopped (default: 3600); a"
+        " hung collective inside a run is --collective-timeout",
+    )
+    group.add_argument(
+        "--timeout", dest="run_timeout", type=float, action=Deprecated, new="--run-timeout", help=argparse.SUPPRESS
     )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (shared by all variants), then the ablation's, which replace the same-named ones."""
     benchmark_command.add_arguments(parser)
-    parser.conflict_handler = "resolve"  # the ablation's --timeout and --out/--output replace the benchmark's
+    parser.conflict_handler = "resolve"  # the ablation's old --timeout and --out/--output replace the benchmark's
     parser.allow_abbrev = False  # shared flags are passed on verbatim: abbreviations would not survive
     add_ablation_arguments(parser)
 
@@ -101,15 +109,26 @@ def check_variant(shared: list[str], variant: Variant) -> RunConfig:
         raise UsageError(f"{where}: {exc}") from None
 
 
+def warn_untested_recompute(variants: list[Variant], configs: list[RunConfig]) -> None:
+    """Before the runs: each CPU variant whose ``--recompute auto`` has no budget, the RAM holding the whole run,
+    would recompute nothing; say so, with a budget that would test it (forecast here, cached for the runs)."""
+    from ljperf.recompute.run import untested_auto
+
+    for variant, cfg in zip(variants, configs, strict=True):
+        if line := untested_auto(cfg):
+            say(f"variant {variant.name}: {line}")
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Entry point of ``ljperf ablation``."""
     if args.repeat < 1:
         raise UsageError(f"--repeat must be at least 1 (got {args.repeat})")
-    if not 0 < args.timeout <= LARGEST:
-        raise UsageError(f"--timeout must be larger than zero and at most {LARGEST} (got {args.timeout:g})")
+    if not 0 < args.run_timeout <= LARGEST:
+        raise UsageError(f"--run-timeout must be larger than zero and at most {LARGEST} (got {args.run_timeout:g})")
     shared = split_argv(argv, args.command)
     variants = parse_variants(args.variants, args.variant)
     configs = [check_variant(shared, v) for v in variants]
+    warn_untested_recompute(variants, configs)
     environments = parse_environments(args.env, default_python=sys.executable)
     # A --model-config path names its folder or file, not a folder tree under the working directory.
     out = Path(args.out or f"ablation-{configs[0].engine}-{Path(configs[0].model.name).name.removesuffix('.json')}")
@@ -121,7 +140,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     except OSError as exc:
         raise UsageError(f"--out {str(out)!r}: cannot create it ({exc.strerror or exc})") from None
     plan = runner.plan(shared=shared, variants=variants, environments=environments, repeat=args.repeat)
-    records = runner.run_all(plan, out=out, timeout=args.timeout, force=args.force)
+    records = runner.run_all(plan, out=out, timeout=args.run_timeout, force=args.force)
     report.render(out, records, command=argv)
     failed = sum(r["results"]["status"] != "ok" for r in records)
     if failed:

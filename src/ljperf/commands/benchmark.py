@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import sys
 
 from ljperf.benchmark.recovery import launch
 from ljperf.core import options
@@ -46,10 +48,25 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     cfg = config_from_args(args, argv, flags=flags)
     if cfg.launch.distributed and not under_torchrun():
-        return launch(cfg, record_from_progress=functools.partial(results_from_progress, cfg))
-    picture = None
-    if cfg.explain.plot is not None:
-        from ljperf.plan.plot import benchmark_picture
+        code = launch(cfg, record_from_progress=functools.partial(results_from_progress, cfg))
+    else:
+        picture = None
+        if cfg.explain.plot is not None:
+            from ljperf.plan.plot import benchmark_picture
 
-        picture = functools.partial(benchmark_picture, cfg.explain.plot)
-    return run_worker(cfg, picture=picture)
+            picture = functools.partial(benchmark_picture, cfg.explain.plot)
+        code = run_worker(cfg, picture=picture)
+    if code == 0 and cfg.train.device == "cpu" and args.threads is None:  # under the table: a refusal stays one line
+        _say_threads(cfg.train.threads)
+    return code
+
+
+def _say_threads(threads: int) -> None:
+    """A CPU run whose thread count nobody chose (no ``--threads``, no ``OMP_NUM_THREADS``) times the machine's
+    load as much as ljperf: 1.26-1.55x apart in two runs of one comparison, 1.009x with one thread each."""
+    if not (os.environ.get("OMP_NUM_THREADS") or under_torchrun()):
+        print(
+            f"ljperf benchmark: {threads} CPU thread(s) per process (this machine's cores shared among its processes):"
+            " step times follow the machine's load; give --threads N (or OMP_NUM_THREADS) to compare runs",
+            file=sys.stderr,
+        )

@@ -10,9 +10,9 @@ import argparse
 
 from ljperf.comm.config import CommConfig
 from ljperf.core import options
+from ljperf.core.console import check_output
 from ljperf.core.errors import RunFailed
 from ljperf.core.options import LaunchConfig
-from ljperf.core.records import check_output
 from ljperf.dist.launch import failure_reason, run_workers, under_torchrun
 
 

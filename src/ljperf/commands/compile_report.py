@@ -1,30 +1,42 @@
 """``ljperf compile-report``: graph breaks, recompiles and compile time per region, eager vs compiled step time.
 
-Run: ``ljperf compile-report --model torch/llama-tiny --seq-lens 512,1000,2048 [--output r.json]``. One process:
-graph breaks with their reasons and source lines, then eager steps at each length, then the same model compiled
-in place at each length (``benchmark.compile_report``). ``--help`` and a bad flag answer without torch.
+Run: ``ljperf compile-report --model torch/llama-tiny --seq-lens 512,1000,2048 [--repeats 3] [--output r.json]``.
+One process: graph breaks with their reasons and source lines, then the model compiled in place and ``--repeats``
+rounds of eager and compiled steps at each length, interleaved (``benchmark.compile_report``). ``--help`` and a
+bad flag answer without torch.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 from ljperf.core import options
+from ljperf.core.console import check_output
 from ljperf.core.errors import UsageError
-from ljperf.core.options import LARGEST, OptimConfig, TrainConfig, opt
-from ljperf.core.records import check_output, write_json
+from ljperf.core.options import LARGEST, OptimConfig, TrainConfig, opt, positive
+from ljperf.core.records import write_json
 from ljperf.models.flags import add_model_arguments, engine_from_args, model_files, spec_from_args
 from ljperf.run.config import RunConfig, resolve_train
 
 
 @dataclass(kw_only=True)
 class ReportConfig:
-    """What compile-report runs: lengths, steps per length, compile mode."""
+    """What compile-report runs: lengths, rounds, steps per length, compile mode."""
 
-    seq_lens: str = opt("512,1000,2048", "comma-separated sequence lengths, run in this order")
+    TITLE: ClassVar[str] = "report"
+
+    seq_lens: str = opt("512,1000,2048", "comma-separated sequence lengths, run in this order", metavar="N[,N]")
+    repeats: int = opt(
+        3,
+        "rounds of eager then compiled steps at each length, interleaved; the table shows min–max over them and"
+        " marks a speedup whose ranges overlap with ≈",
+        metavar="N",
+    )
 
     def __post_init__(self) -> None:
+        positive("repeats", self.repeats)
         try:
             lens = [int(x) for x in self.seq_lens.split(",") if x.strip()]
         except ValueError:
@@ -41,7 +53,7 @@ class ReportConfig:
         return [int(x) for x in self.seq_lens.split(",") if x.strip()]
 
 
-SHARED = ("micro_batch", "steps", "device", "precision")
+SHARED = ("micro_batch", "steps", "device", "precision", "threads")
 """The benchmark's flags compile-report takes: ``--steps`` timed steps per length (after one untimed step),
 eager and compiled."""
 
@@ -77,8 +89,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     # the engine trains eager first; the report compiles it in place afterwards
     run_ctx = init_process(RunContext(config=RunConfig(engine="torch", model=spec, train=train)), need_group=False)
     given = {**asdict(cfg), **{name: getattr(args, name) for name in SHARED}, "compile_mode": optim.compile_mode}
-    given = {key: given[key] for key in ("seq_lens", "steps", "micro_batch", "compile_mode", "device", "precision")}
-    report = compile_report(run_ctx, cfg.lengths, mode=optim.compile_mode, config=given, argv=argv)
+    given["threads"] = train.threads  # as resolved: the threads that ran on a CPU
+    keys = ("seq_lens", "repeats", "steps", "micro_batch", "compile_mode", "device", "precision", "threads")
+    given = {key: given[key] for key in keys}
+    report = compile_report(run_ctx, cfg.lengths, mode=optim.compile_mode, repeats=cfg.repeats, config=given, argv=argv)
     print_report(report)
     if args.output:
         write_json(args.output, report)

@@ -15,10 +15,10 @@ from dataclasses import asdict
 
 from rich.markup import escape
 
-from ljperf.core.console import console, titled_table
+from ljperf.core.console import check_output, console, titled_table
 from ljperf.core.errors import EXIT_OK, RunFailed, UsageError, describe
 from ljperf.core.hardware import cpu_name
-from ljperf.core.records import check_output, record_header, write_json
+from ljperf.core.records import record_header, write_json
 from ljperf.doctor import checks
 from ljperf.doctor.checks import FAIL, INFO, OK, WARN, CheckResult
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 
 from ljperf.core import hardware, options
 from ljperf.core.console import say
-from ljperf.core.errors import UsageError
+from ljperf.core.errors import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError
 from ljperf.core.options import EngineConfig, ExplainConfig, OptimConfig, TrainConfig, positive
 from ljperf.core.records import check_writable
 from ljperf.core.units import format_bytes
@@ -25,10 +26,15 @@ from ljperf.plan.device import device_memory
 from ljperf.run import config as run_config
 
 TRAIN = ("micro_batch", "seq_len", "grad_accum", "precision", "attn_implementation", "device")
+EPILOG = (
+    f'exit codes: {EXIT_OK} it fits; {EXIT_DOES_NOT_FIT} it does NOT fit (the table, or --json with "fits": false, is'
+    " still printed; with --recompute auto one line on stderr says what would fit); 2 bad input"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``ljperf plan``: the recipe (the benchmark's flags where it has them), the memory, output."""
+    parser.epilog = EPILOG
     add_model_arguments(parser)
     g = parser.add_argument_group("recipe")
     g.add_argument("--gpus", type=int, default=1, metavar="N", help="data-parallel ranks, the world size (default: 1)")
@@ -48,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_arguments(m, OptimConfig, only=("memory_budget",))
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    out.add_argument("--calibrate", nargs="+", metavar="RECORD", help="fit device overheads from benchmark records")
+    out.add_argument("--calibrate", nargs="+", metavar="FILE", help="fit device overheads from benchmark records")
     options.add_arguments(out, ExplainConfig, only=("plot",))
 
 
@@ -79,8 +85,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if not args.json:  # standard output holds the JSON alone
             say(f"memory picture: {args.plot}")
     if decision is not None and not decision.fits:
-        raise UsageError(decision.line())
-    return 0
+        print(f"ljperf plan: {decision.line()}", file=sys.stderr)
+    return EXIT_OK if report["fits"] else EXIT_DOES_NOT_FIT
 
 
 def calibrate_command(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """What ljperf prints for people: one console for tables (stdout) and one-line warnings on stderr.
 
 Run: ``console.print(titled_table("title"))`` or ``warn("...")``; rich renders, never wrapping a line of text.
+``check_output(path)`` checks where a command's record goes before it runs (``-``: the tables go to stderr).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from ljperf.core.records import STDOUT, check_writable
 
 
 class _Console(Console):
@@ -52,3 +55,15 @@ def titled_table(title: str, **options: Any) -> Table:
     """A table whose title prints as written (escaped) on one line: the table is made at least as wide, since rich
     wraps a title to the table's width."""
     return Table(title=escape(title), min_width=len(title) + 4, **options)
+
+
+def check_output(
+    path: str | os.PathLike | None, *, what: str = "--output", inputs: tuple[str | os.PathLike | None, ...] = ()
+) -> None:
+    """``check_writable`` for a command's record file (None: none); ``-`` sends what ljperf prints for people to
+    standard error, so that standard output holds the record alone."""
+    if path is None:
+        return
+    check_writable(path, what=what, inputs=inputs)
+    if str(path) == STDOUT:
+        tables_to_stderr()

@@ -13,6 +13,9 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_OOM = 3
+EXIT_DOES_NOT_FIT = 4
+"""``ljperf plan``: the forecast does not fit the memory (or ``--recompute auto`` found no plan within its budget);
+the answer was printed, so a script can branch on it without reading the table."""
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 EXIT_SIGPIPE = 141

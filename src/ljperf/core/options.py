@@ -12,7 +12,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ljperf.core.errors import UsageError
 from ljperf.core.plans import parse_recompute
@@ -27,19 +27,34 @@ again (``deepspeed/compile/init_z3.py``), so its steady state starts at step 6."
 
 def opt(default: Any, help: str, *, deepspeed: str | None = None, **argparse_kwargs: Any) -> Any:
     """A dataclass field that is also a CLI flag (``--field-name``); ``deepspeed``: the key of a DeepSpeed config
-    that holds the same number, which stands in for the flag left out (``deepspeed_config.settings``)."""
+    that holds the same number, which stands in for the flag left out (``deepspeed_config.settings``). Its
+    metavar is ``N`` for a number; give one for text (``SIZE``, ``FILE``, ``PATH``, ``one_of(...)``)."""
     return field(default=default, metadata={"help": help, "deepspeed": deepspeed, **argparse_kwargs})
+
+
+def one_of(values: tuple[str, ...]) -> str:
+    """The metavar of a text flag with a fixed set of values, as argparse shows its ``choices``."""
+    return "{" + ",".join(values) + "}"
 
 
 LARGEST = 2**31 - 1
 """The largest count or number of seconds a flag takes (kernels index with 32-bit ints; a week is 604800 s)."""
 
 
-def positive(name: str, value: int | float | None) -> None:
-    """``value`` (None: unset) must be a finite number in (0, LARGEST]: nan, inf and 1e20 fail later, deep in
-    torch or the C library, with a traceback."""
-    if value is not None and not 0 < value <= LARGEST:
-        raise UsageError(f"--{name.replace('_', '-')} must be larger than zero and at most {LARGEST} (got {value})")
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: torch keeps a learning rate or a peak TFLOPS in one, and a larger value overflows."""
+
+
+def positive(name: str, value: int | float | None, *, bounded: bool = True) -> None:
+    """``value`` (None: unset) must be a number in (0, LARGEST] (a count or seconds), or with ``bounded=False``
+    in (0, FLOAT32_MAX] (a learning rate): nan, inf and 1e20 fail later, deep in torch or the C library."""
+    if value is None:
+        return
+    flag, got = f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else value
+    if bounded and not 0 < value <= LARGEST:
+        raise UsageError(f"{flag} must be larger than zero and at most {LARGEST} (got {got})")
+    if not bounded and not 0 < value <= FLOAT32_MAX:
+        raise UsageError(f"{flag} must be larger than zero and fit a float32, at most {FLOAT32_MAX:.3g} (got {got})")
 
 
 def check_zero_stage(stage: int) -> None:
@@ -57,18 +72,24 @@ def not_negative(name: str, value: int) -> None:
 class LaunchConfig:
     """How many processes to start and where (passed through to torchrun)."""
 
+    TITLE: ClassVar[str] = "launch"
+
     nproc_per_node: int = opt(1, "processes on this node; >1 starts them through torchrun's launcher")
     nnodes: int = opt(1, "number of nodes (multi-node: run the same command on every node)")
     node_rank: int = opt(0, "rank of this node, 0..nnodes-1")
-    rdzv_endpoint: str | None = opt(None, "HOST:PORT of the c10d rendezvous for multi-node runs")
-    timeout: float = opt(
-        600.0, "seconds a collective may wait before the run is failed (hung rank), and nodes for each other to join"
+    rdzv_endpoint: str | None = opt(
+        None, "the c10d rendezvous of a multi-node run (the same on every node)", metavar="HOST:PORT"
+    )
+    collective_timeout: float = opt(
+        600.0,
+        "seconds a collective may wait before the run is failed (a hung rank), and nodes for each other to join",
+        deprecated="--timeout",
     )
 
     def __post_init__(self) -> None:
         positive("nproc_per_node", self.nproc_per_node)
         positive("nnodes", self.nnodes)
-        positive("timeout", self.timeout)
+        positive("collective_timeout", self.collective_timeout)
         if not 0 <= self.node_rank < self.nnodes:
             raise UsageError(f"--node-rank {self.node_rank} must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
@@ -100,6 +121,8 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2")
 class TrainConfig:
     """What one benchmark run trains: batch, sequence, precision, steps."""
 
+    TITLE: ClassVar[str] = "training"
+
     micro_batch: int = opt(1, "sequences per device per micro-step", deepspeed="train_micro_batch_size_per_gpu")
     seq_len: int | None = opt(None, "tokens per sequence (default: min(4096, the model's max positions))")
     grad_accum: int = opt(
@@ -116,20 +139,29 @@ class TrainConfig:
         "fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, gradients and AdamW states"
         " under bf16 autocast, as a model loaded in bfloat16 trains; torch and fsdp engines) (default: bf16-mixed on"
         " GPU, fp32 on CPU)",
+        metavar=one_of(PRECISIONS),
     )
-    device: str = opt("auto", "cpu, cuda or auto (cuda when available)")
+    device: str = opt("auto", "cpu, cuda or auto (cuda when available)", metavar=one_of(("cpu", "cuda", "auto")))
     lr: float = opt(3e-4, "AdamW learning rate")
     seed: int = opt(0, "seed of the weights and of the synthetic token stream, 0..2^63-1")
     attn_implementation: str | None = opt(
         None,
         "transformers attention: sdpa, eager or flash_attention_2 (CUDA and the flash-attn package) (default: sdpa,"
         " or eager for a model without SDPA, such as Gemma 2, as transformers picks)",
+        metavar=one_of(ATTENTION),
     )
     peak_tflops: float | None = opt(None, "peak TFLOPS per device for MFU (default: the known-device table)")
+    threads: int | None = opt(
+        None,
+        "CPU threads per process (torch.set_num_threads; fix it to compare CPU runs) (default: $OMP_NUM_THREADS,"
+        " else this machine's cores shared among its processes)",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch", "seq_len", "grad_accum", "steps", "lr", "peak_tflops"):
+        for name in ("micro_batch", "seq_len", "grad_accum", "steps", "threads"):
             positive(name, getattr(self, name))
+        positive("lr", self.lr, bounded=False)
+        positive("peak_tflops", self.peak_tflops, bounded=False)
         not_negative("warmup", self.warmup)
         if self.seq_len == 1:  # a sequence of one token has no next token to predict: the loss is nan
             raise UsageError("--seq-len must be 2 or more: the loss predicts each token from the ones before it")
@@ -148,8 +180,12 @@ class TrainConfig:
 class EngineConfig:
     """Engine options (FSDP2 and DeepSpeed ZeRO); each is refused by the engines it is not for."""
 
+    TITLE: ClassVar[str] = "engine"
+
     zero_stage: int = opt(3, "DeepSpeed ZeRO stage: 1, 2 or 3", deepspeed="zero_optimization.stage")
-    deepspeed_config: str | None = opt(None, "a DeepSpeed JSON config to validate and merge with ljperf's options")
+    deepspeed_config: str | None = opt(
+        None, "a DeepSpeed JSON config to validate and merge with ljperf's options", metavar="FILE"
+    )
     reshard_after_forward: bool = opt(True, "FSDP2: free gathered parameters after forward (re-gather in backward)")
 
     def __post_init__(self) -> None:
@@ -160,11 +196,14 @@ class EngineConfig:
 class OptimConfig:
     """Optimizations, applied in a fixed order before the engine shards: checkpoint → compile."""
 
+    TITLE: ClassVar[str] = "optimizations"
+
     recompute: str = opt(
         "none",
         "activation recompute: none, full, selective (save matmuls, recompute the rest), K (the first K layers full), "
         "a mode per layer (full,selective,none,...) or auto (the fastest plan under the budget); "
         "CHECKPOINT_OPTIMIZATION=true makes auto the default",
+        metavar="PLAN",
     )
     memory_budget: str | None = opt(
         None,
@@ -175,6 +214,7 @@ class OptimConfig:
         "off",
         "torch.compile: regional (each block and the loss), whole (the model), deepspeed (DeepSpeed's "
         "engine.compile(), with DeepCompile on CUDA; deepspeed engine only) or off; --compile = regional",
+        metavar=one_of(COMPILE_MODES),
     )
 
     def __post_init__(self) -> None:
@@ -194,6 +234,8 @@ PLOT_FORMATS = (".png", ".svg", ".pdf")
 @dataclass(kw_only=True)
 class ExplainConfig:
     """Why a step is slow or large: a profiler trace, and a picture of the memory forecast over the step."""
+
+    TITLE: ClassVar[str] = "explanation"
 
     profile: str | None = opt(
         None,
@@ -245,22 +287,47 @@ def add_arguments(
     deepspeed: bool = True,
 ) -> None:
     """Add one ``--flag`` per field of the dataclass ``cls`` (``only``: these fields), typed from its annotation, to
-    ``parser``'s group titled by ``cls``'s docstring, or to ``parser`` when it is a group already. A command that
-    runs a field otherwise narrows it here: its own ``defaults`` and ``choices`` by field name; ``deepspeed``: the
-    command takes ``--deepspeed-config``, whose numbers stand in for the flags left out."""
+    ``parser``'s group titled ``cls.TITLE`` (its docstring's first line describes it), or to ``parser`` when it is
+    a group already. A command that runs a field otherwise narrows it here: its own ``defaults`` and ``choices`` by
+    field name; ``deepspeed``: the command takes ``--deepspeed-config``, whose numbers stand in for the flags left
+    out. A field's ``deprecated`` spelling still works, with a line saying the new one."""
     group = parser
     if isinstance(parser, argparse.ArgumentParser):
-        group = parser.add_argument_group(cls.__doc__.splitlines()[0].rstrip("."))
+        group = parser.add_argument_group(cls.TITLE, cls.__doc__.splitlines()[0])
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if "help" not in f.metadata or (only is not None and f.name not in only):
             continue
         default = (defaults or {}).get(f.name, f.default if f.default is not dataclasses.MISSING else None)
-        extra = {k: v for k, v in f.metadata.items() if k not in ("help", "deepspeed")}
+        extra = {k: v for k, v in f.metadata.items() if k not in ("help", "deepspeed", "deprecated")}
         if choices and f.name in choices:
             extra["choices"] = choices[f.name]
+            extra["metavar"] = one_of(choices[f.name])
         flag = _flag(f, hints[f.name], default, deepspeed=deepspeed)
-        group.add_argument("--" + f.name.replace("_", "-"), **flag, **extra)
+        if "type" in flag:
+            extra.setdefault("metavar", "N" if flag["type"] in (int, float) else "TEXT")
+        new = "--" + f.name.replace("_", "-")
+        group.add_argument(new, **flag, **extra)
+        if old := f.metadata.get("deprecated"):
+            group.add_argument(old, dest=f.name, type=flag["type"], action=Deprecated, new=new, help=argparse.SUPPRESS)
+
+
+class Deprecated(argparse.Action):
+    """An old spelling of flag ``new``: it sets the same value, and ``deprecations(args)`` says which flag to
+    write instead."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any):
+        namespace.deprecated = [*getattr(namespace, "deprecated", []), (option, self.new)]
+        setattr(namespace, self.dest, values)
+
+
+def deprecations(args: argparse.Namespace) -> list[str]:
+    """A line for each old flag spelling in ``args``."""
+    return [f"{old} is deprecated here: write {new}" for old, new in getattr(args, "deprecated", [])]
 
 
 def _flag(f: dataclasses.Field, kind: Any, default: Any, *, deepspeed: bool) -> dict[str, Any]:
@@ -273,7 +340,8 @@ def _flag(f: dataclasses.Field, kind: Any, default: Any, *, deepspeed: bool) -> 
     if kind is bool:
         text += f" (default: {'on' if default else 'off'})"
         return {"default": default, "action": argparse.BooleanOptionalAction, "help": text}
-    shown = "" if default is None or default is False else f" (default: {default})"
+    shown = f"{default:g}" if isinstance(default, float) else str(default)
+    shown = "" if default is None or default is False else f" (default: {shown})"
     return {"default": default, "type": _base_type(kind), "help": text + shown}
 
 

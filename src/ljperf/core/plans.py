@@ -5,14 +5,19 @@ plan (``ljperf.checkpoint``), the solver picks one (``ljperf.recompute``); neith
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 from ljperf.core.errors import UsageError
+from ljperf.core.units import format_bytes
 
 MODES = ("none", "selective", "full")
 """Per-layer activation recomputation: keep everything, op-level SAC, or keep only the layer input."""
 
 Plan = tuple[str, ...]
 """One mode per layer, in layer order."""
+
+BUDGET_ENV = "LJPERF_MEMORY_BUDGET"
+"""The memory budget of ``--recompute auto`` where ``--memory-budget`` is not given."""
 
 
 def parse_recompute(value: str) -> str | int | tuple[str, ...]:
@@ -68,3 +73,36 @@ def describe(plan: Sequence[str]) -> str:
             runs.append([mode, i, i])
     text = ", ".join(f"{m} {a}" if a == b else f"{m} {a}-{b}" for m, a, b in runs if m != "none")
     return text or "no layer"
+
+
+def no_recompute_line(decision: dict[str, Any]) -> str | None:
+    """One line for a ``--recompute auto`` decision (``recompute.solver.Decision.record()``) whose plan
+    recomputes no layer because its budget holds the whole run, so the optimization silently does nothing; None
+    for any other decision (a fixed plan has no budget)."""
+    budget, peak = decision.get("budget_bytes"), decision.get("forecast_peak_bytes")
+    if budget is None or peak is None or not decision.get("fits") or set(decision.get("plan") or ()) != {"none"}:
+        return None
+    none, full = decision.get("forecast_none_bytes"), decision.get("forecast_full_bytes")
+    return f"recompute auto chose no recompute: {budget_holds_all(budget=budget, peak=peak, none=none, full=full)}"
+
+
+def budget_holds_all(*, budget: int, peak: int, none: int | None, full: int | None) -> str:
+    """``the budget X holds the whole run (forecast Y); set --memory-budget or $LJPERF_MEMORY_BUDGET to test it``,
+    and with the forecasts with no and with full recompute, a budget between them (their midpoint) under which
+    auto recomputes some layers, or that full recompute would save under 2%."""
+    line = (
+        f"the budget {format_bytes(budget)} holds the whole run (forecast {format_bytes(peak)}); set --memory-budget"
+        f" or {BUDGET_ENV} to test it"
+    )
+    if none is None or full is None:
+        return line
+    if full >= 0.98 * none:
+        return f"{line} (full recompute would save under 2%: forecast {format_bytes(full)} vs {format_bytes(none)})"
+    middle = (none + full) // 2
+    size = f"{round(middle / 2**20)}MiB"
+    if not full < round(middle / 2**20) * 2**20 < none:  # MiB too coarse for the gap
+        size = f"{middle // 1024}KiB"
+    return (
+        f"{line}, e.g. --memory-budget {size} (between the forecasts with full recompute, {format_bytes(full)}, and"
+        f" none, {format_bytes(none)})"
+    )

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from ljperf import __version__
-from ljperf.core.console import tables_to_stderr
 from ljperf.core.errors import UsageError
 
 SCHEMA_VERSION = 1
@@ -44,7 +43,7 @@ REDACTED = "<redacted>"
 
 
 def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def installed_versions(names: tuple[str, ...]) -> dict[str, str | None]:
@@ -145,18 +144,6 @@ def check_writable(
             os.fsync(f.fileno())
     except OSError as exc:
         raise UsageError(f"{what} {shown} is not writable ({exc.strerror or exc})") from None
-
-
-def check_output(
-    path: str | os.PathLike | None, *, what: str = "--output", inputs: tuple[str | os.PathLike | None, ...] = ()
-) -> None:
-    """``check_writable`` for a command's record file (None: none); ``-`` sends what ljperf prints for people to
-    standard error, so that standard output holds the record alone."""
-    if path is None:
-        return
-    check_writable(path, what=what, inputs=inputs)
-    if str(path) == STDOUT:
-        tables_to_stderr()
 
 
 def check_output_folder(path: str | os.PathLike, *, what: str, file_name: str) -> None:

@@ -195,7 +195,7 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
         run_id=os.environ.get("LJPERF_RDZV_ID", "ljperf" if lc.nnodes > 1 else uuid.uuid4().hex[:8]),
         rdzv_endpoint=lc.rdzv_endpoint or "localhost:0",
         rdzv_backend="c10d",
-        rdzv_configs={"rank": lc.node_rank, "timeout": int(lc.timeout), "join_timeout": int(lc.timeout)}
+        rdzv_configs={"rank": lc.node_rank, "timeout": int(lc.collective_timeout), "join_timeout": int(lc.collective_timeout)}
         if lc.nnodes > 1
         else {"rank": 0},
         max_restarts=0,
@@ -205,11 +205,12 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
     )
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks end with this process (cli.main)
     # The agent logs "failed (exitcode: N) local_rank: ..." and "Sending process P closing signal SIGTERM" with
-    # its own timestamp format; ljperf's one line names the failing rank and why (``failure_reason``).
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_the_agents_failure_lines)
+    # its own timestamp format; ljperf's one last line names the failing rank and why (``failure_reason``).
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_not_the_agents_failure_lines)
     if lc.nnodes > 1:
         print(
-            f"node {lc.node_rank} of {lc.nnodes}: waiting up to {lc.timeout:g} s for the others at {lc.rdzv_endpoint}",
+            f"node {lc.node_rank} of {lc.nnodes}: waiting up to {lc.collective_timeout:g} s for the others at {lc.rdzv_endpoint}",
             file=sys.stderr,
             flush=True,
         )
@@ -217,4 +218,6 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
 
 
 def _not_the_agents_failure_lines(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(("failed (exitcode", "Sending process", "Unable to shutdown process"))
+    # "Received 2 death signal" is the agent's line for Ctrl-C, which ljperf's last line says as "interrupted".
+    lines = ("failed (exitcode", "Sending process", "Unable to shutdown process", "Received %s death signal")
+    return not str(record.msg).startswith(lines)

@@ -58,7 +58,7 @@ class Process:
             backend="nccl" if self.device.type == "cuda" else "gloo",
             rank=self.rank,
             world_size=self.world,
-            timeout=timedelta(seconds=launch.timeout),
+            timeout=timedelta(seconds=launch.collective_timeout),
             device_id=self.device.torch_device if self.device.type == "cuda" else None,
         )
 

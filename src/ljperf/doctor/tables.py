@@ -41,6 +41,14 @@ DRIVER_RULES: dict[str, DriverRule] = {
         must_upgrade=frozenset(),
         source="the CUDA 13.0 release notes (minimum driver 580.65.06)",
     ),
+    # The image's CUDA (NGC PyTorch 25.12). CUDA's minor-version compatibility runs every CUDA 13.x on the R580
+    # driver of 13.0; 13.1's own driver (590.44.01) is needed only to JIT PTX built by the 13.1 compiler.
+    "13.1": DriverRule(
+        min_driver=(580, 65, 6),
+        forward_compatible={},
+        must_upgrade=frozenset(),
+        source="CUDA minor-version compatibility (CUDA 13.x on the 13.0 minimum driver 580.65.06)",
+    ),
 }
 
 # Data-center GPUs (forward compatibility through the CUDA compat package works only on these), by name.

@@ -41,9 +41,11 @@ class DeepSpeedEngine:
         self.optimizer: Any = None
 
     def setup(self, model: torch.nn.Module) -> None:
+        run = self.run
+        if not run.is_main:  # said once, by rank 0; a filter outlasts the level DeepSpeed's import sets
+            logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to" not in str(record.msg))
         import deepspeed
 
-        run = self.run
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         # DeepSpeed's comm layer calls these on every collective; the warning says nothing about the run.
         warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)

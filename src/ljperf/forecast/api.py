@@ -81,10 +81,7 @@ def forecast(spec: ModelSpec, recipe: Recipe, *, device_name: str | None = None)
             " (an upper bound)"
         )
     if recipe.device == "cuda" and not terms.samples:
-        notes.append(
-            "CUDA overheads are uncalibrated defaults: run ljperf plan --calibrate on benchmark records, then plan"
-            " on that GPU or name it with --gpu"
-        )
+        notes.append(uncalibrated_note(device_name))
     return replace(
         raw,
         peak_allocated_bytes=allocated,
@@ -93,6 +90,20 @@ def forecast(spec: ModelSpec, recipe: Recipe, *, device_name: str | None = None)
         breakdown=breakdown,
         traced_peak_bytes=raw.peak_allocated_bytes,
         notes=notes,
+    )
+
+
+def uncalibrated_note(device_name: str | None) -> str:
+    """Why the CUDA overheads are defaults, and how to calibrate them: for a GPU the plan names (``--gpu``, or
+    this machine's), its records; for an unnamed one (``--gpu-memory`` alone), naming it too."""
+    if device_name is None:
+        return (
+            "CUDA overheads are uncalibrated defaults: run ljperf plan --calibrate on benchmark records, then plan"
+            " on that GPU or name it with --gpu"
+        )
+    return (
+        f"CUDA overheads are uncalibrated defaults: no calibration for {device_name} is saved here; run ljperf plan"
+        " --calibrate on benchmark records made on that GPU, then plan again"
     )
 
 

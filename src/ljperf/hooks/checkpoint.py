@@ -58,7 +58,7 @@ def _attach(model: torch.nn.Module, setup: str, *args: Any, holders: list | None
 
         planner.attach(model, functools.partial(getattr(planner, setup), *args), holders=holders)
     except Exception as exc:
-        warn(f"ljperf: CHECKPOINT_OPTIMIZATION left training unchanged: {exc}")
+        warn(f"CHECKPOINT_OPTIMIZATION left training unchanged: {exc}")
 
 
 def _patch_trainer(module: ModuleType) -> None:

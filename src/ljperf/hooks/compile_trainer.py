@@ -4,24 +4,22 @@ Run: ``COMPILE_OPTIMIZATION=true python train.py`` (docs/compile.md). ``Trainer.
 ``transformers.trainer`` is imported: with ``torch_compile=True`` it compiles the model's decoder blocks and
 loss in place (``ljperf.compile.regional``, with the Trainer's backend and mode) and turns accelerate's whole-model
 ``torch.compile`` off; under DeepSpeed ZeRO-3 each block becomes one gathering unit. At the end of training
-it logs one line: regions, graph breaks, recompiles, compile time, fallbacks. Without ``torch_compile`` (or
+it logs one line on stderr: regions, graph breaks, recompiles, compile time, fallbacks. Without ``torch_compile`` (or
 without the variable) the Trainer is untouched.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ljperf.compile.line import compile_line
 from ljperf.hooks.imports import when_imported
+from ljperf.hooks.messages import log, warn
 
 if TYPE_CHECKING:  # transformers is imported by the user's script, never by the hook
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
-
-PREFIX = "[ljperf]"
 
 
 def register() -> None:
@@ -41,7 +39,7 @@ def _patch_trainer(module: ModuleType) -> None:
             try:
                 regional_compile(self)
             except Exception as exc:  # the Trainer goes on with its own whole-model compile
-                warnings.warn(f"{PREFIX} COMPILE_OPTIMIZATION: regional compile not applied ({exc!r})", stacklevel=2)
+                warn(f"COMPILE_OPTIMIZATION: regional compile not applied ({exc!r})")
 
     __init__._ljperf_compile = True
     cls.__init__ = __init__
@@ -68,9 +66,9 @@ def regional_compile(trainer: Trainer) -> None:
         def on_train_end(
             self, targs: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
         ) -> None:
-            if state.is_world_process_zero:
-                print(f"{PREFIX} {compile_line(session.results())}", flush=True)
+            log(compile_line(session.results()))
 
     trainer.add_callback(CompileSummary)
-    if args.process_index == 0:
-        print(f"{PREFIX} COMPILE_OPTIMIZATION: {len(session.regions)} regions compiled per block", flush=True)
+    blocks = len(session.regions) - ("loss" in session.regions)
+    loss = " and the loss" if "loss" in session.regions else ""
+    log(f"COMPILE_OPTIMIZATION: compiling {blocks} decoder blocks{loss} in place, one region each")

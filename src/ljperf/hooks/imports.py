@@ -46,9 +46,7 @@ def _run(callback: object, module: object) -> None:
     try:
         callback(module)
     except Exception as exc:  # a hook must never break the user's import
-        import warnings
-
-        warnings.warn(f"ljperf: hook on {module.__name__} failed, left unpatched ({exc!r})", stacklevel=2)
+        print(f"[ljperf] warning: hook on {module.__name__} failed, left unpatched ({exc!r})", file=sys.stderr)
 
 
 class _Finder:

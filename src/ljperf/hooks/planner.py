@@ -23,7 +23,7 @@ from ljperf.dist.collectives import max_over_ranks, shared_from_rank0
 from ljperf.dist.launch import local_world_size
 from ljperf.dist.memory import LiveTensorBytes, cuda_peaks, reachable_tensors, reset_cuda_peak, training_state_tensors
 from ljperf.forecast.recipe import Recipe, ZeroSettings
-from ljperf.hooks.messages import PREFIX, is_main, log, warn
+from ljperf.hooks.messages import log, warn
 from ljperf.models.layout import decoder_layers, find_blocks
 from ljperf.models.spec import ModelSpec
 from ljperf.recompute.budget import budget_bytes
@@ -186,7 +186,7 @@ class _Planner:
                 self.plan(shape)
         except Exception as exc:
             self.remove()
-            warn(f"ljperf: CHECKPOINT_OPTIMIZATION left training unchanged: {exc}")
+            warn(f"CHECKPOINT_OPTIMIZATION left training unchanged: {exc}")
 
     def plan(
         self, shape: tuple[int, int], *, prefix: str = "", cost: RecomputeCost | None = None, rank_local: bool = False
@@ -209,8 +209,7 @@ class _Planner:
         line = prefix + decision.line() + (f" ({REPLACES})" if replaces else "")
         if decision.fits is False and not self.warned:  # once: re-plans for longer batches log their lines
             self.warned = True
-            if is_main():
-                warn(f"{PREFIX} {line}")
+            warn(line)
         else:
             log(line, rank_local=rank_local)
 

@@ -7,7 +7,7 @@ To add a hook: one line in ``HOOKS`` (variable → module with ``register()``), 
 from __future__ import annotations
 
 import importlib
-import warnings
+import sys
 
 from ljperf.core.switches import HOOKS, enabled
 
@@ -23,4 +23,4 @@ def install() -> None:
         try:
             importlib.import_module(module).register()
         except Exception as exc:
-            warnings.warn(f"ljperf: {variable} is set but its hook failed to load ({exc!r})", stacklevel=2)
+            print(f"[ljperf] warning: {variable} is set but its hook failed to load ({exc!r})", file=sys.stderr)

@@ -29,8 +29,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     if not isinstance(layers, torch.nn.ModuleList):
         raise UsageError(
             f"{type(model).__name__} keeps its decoder layers elsewhere than model.layers or transformer.h; ljperf"
-            " runs decoder-only causal LMs laid out as Llama, Qwen, Gemma and OPT (model.layers) or GPT-2 and Falcon"
-            " (transformer.h) are"
+            " runs decoder-only causal LMs laid out as Llama, Qwen, Gemma and OPT are (model.layers) or as GPT-2 and"
+            " Falcon are (transformer.h)"
         )
     return layers
 

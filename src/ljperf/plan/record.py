@@ -15,6 +15,7 @@ from ljperf.core.console import console, titled_table
 from ljperf.core.plans import describe
 from ljperf.core.records import SCHEMA_VERSION
 from ljperf.core.units import format_bytes, unit_of
+from ljperf.forecast.advice import dominant_term
 from ljperf.forecast.api import forecast, max_micro_batch
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.recipe import Forecast, Recipe
@@ -43,6 +44,10 @@ def planned(
     best = max_micro_batch(spec, most, min(budget or memory, memory), device_name=device_name)
     warnings = deepspeed_warnings(cfg, world=world)
     report = plan_record(spec, recipe, result, memory=memory, budget=budget, max_micro_batch=best, warnings=warnings)
+    # first: what else would fit is read in its light; auto's advice when nothing fits names it already
+    dominant = dominant_term(spec, recipe, result, device_name=device_name)
+    if dominant and (decision is None or decision.fits):
+        report["notes"].append(dominant)
     if decision is not None:
         report["recompute"] = decision.record() | {"rates": rates}
         report["notes"] += auto_notes(decision, memory=memory)

@@ -11,9 +11,9 @@ import torch
 
 from ljperf.core import hardware
 from ljperf.core.errors import UsageError
+from ljperf.core.plans import BUDGET_ENV
 from ljperf.core.units import parse_memory
 
-BUDGET_ENV = "LJPERF_MEMORY_BUDGET"
 GPU_MARGIN = 0.10
 """Share of a GPU's memory the default budget leaves free (CUDA context, NCCL buffers, fragmentation)."""
 

@@ -1,20 +1,27 @@
 """``--recompute`` of a benchmark run resolved before its engine is built: none, a fixed plan, or ``auto``
 solved under the run's budget (rank 0's plan on every rank).
 
-Run: ``ljperf benchmark --model torch/llama-tiny --recompute auto --memory-budget 60MiB``.
+Run: ``ljperf benchmark --model torch/llama-tiny --recompute auto --memory-budget 60MiB``; ``untested_auto(cfg)``
+says before a CPU run that auto with no budget given will recompute nothing.
 """
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from ljperf.core.console import say
 from ljperf.core.errors import UsageError
-from ljperf.core.plans import fixed_plan, parse_recompute
+from ljperf.core.plans import BUDGET_ENV, budget_holds_all, fixed_plan, no_recompute_line, parse_recompute
 from ljperf.dist.collectives import shared_from_rank0
 from ljperf.dist.launch import local_world_size
+from ljperf.forecast.api import forecast
 from ljperf.forecast.recipe import Recipe
 from ljperf.recompute.budget import budget_bytes
 from ljperf.recompute.cost import Rates, layer_cost
 from ljperf.recompute.solver import Decision, decision_of, solve_recipe
+from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext
 
 
@@ -48,4 +55,24 @@ def prepare_run(run: RunContext) -> Decision | None:
     run.plan = decision.plan
     if run.is_main:
         say(decision.line())
+        if idle := no_recompute_line(decision.record()):
+            say(idle)
     return decision
+
+
+def untested_auto(cfg: RunConfig) -> str | None:
+    """Before a CPU run of ``cfg`` with ``--recompute auto`` and no budget given (no ``--memory-budget``, no
+    ``$LJPERF_MEMORY_BUDGET``): the budget is the RAM, which holds a small run whole, so auto will recompute
+    nothing. Then the line that says so, with a budget between the forecasts with no and with full recompute;
+    None otherwise (``ljperf ablation`` prints it for each such variant before its runs)."""
+    given = cfg.optim.memory_budget or os.environ.get(BUDGET_ENV)
+    if parse_recompute(cfg.optim.recompute) != "auto" or cfg.train.device != "cpu" or given:
+        return None
+    launch, layers = cfg.launch, cfg.model.layers
+    budget = budget_bytes(torch.device("cpu"), local_world=launch.nproc_per_node)
+    recipe = Recipe.of(cfg, world=launch.nproc_per_node * launch.nnodes, device="cpu")
+    none, full = (forecast(cfg.model, recipe.with_(recompute=(m,) * layers)).device_bytes for m in ("none", "full"))
+    if none > budget:
+        return None
+    holds = budget_holds_all(budget=budget, peak=none, none=none, full=full)
+    return f"recompute auto will choose no recompute: {holds}"

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ljperf.core.plans import Plan, summary
-from ljperf.core.units import format_part
+from ljperf.core.units import format_bytes, format_part
+from ljperf.forecast.advice import dominant_term
 from ljperf.forecast.api import forecast
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.models.spec import ModelSpec
@@ -38,6 +39,9 @@ class Decision:
     """Forecast peak of the plan (device bytes)."""
     fits: bool | None = None
     """Whether the plan's forecast is within the budget (False: even full recompute does not fit)."""
+    none_bytes: int | None = None
+    full_bytes: int | None = None
+    """Forecast peaks (device bytes) with no layer and with every layer recomputed (None: a fixed plan)."""
     recompute_s: float = 0.0
     """Estimated recompute seconds per micro-step."""
     recompute_flops_per_token: float = 0.0
@@ -63,6 +67,8 @@ class Decision:
             "forecast_peak_bytes": self.forecast_bytes,
             "budget_bytes": self.budget_bytes,
             "fits": self.fits,
+            "forecast_none_bytes": self.none_bytes,
+            "forecast_full_bytes": self.full_bytes,
             "recompute_s_estimate": self.recompute_s,
             "recompute_flops_per_token": self.recompute_flops_per_token,
             "advice": self.advice,
@@ -129,11 +135,16 @@ def solve(
         return best[2], best[3]
 
     lowest, phase = forecast_of(layers, 0)
-    if lowest <= budget:
-        f, s = cheapest(budget)
+
+    def decided(f: int, s: int, **kw: Any) -> Decision:
+        plan, peak_bytes = ordered_plan(layers, f, s), forecast_of(f, s)[0]
         return decision_of(
-            ordered_plan(layers, f, s), budget=budget, bytes_=forecast_of(f, s)[0], cost=cost, rates=rates, fits=True
-        )
+            plan, budget=budget, bytes_=peak_bytes, cost=cost, rates=rates, none_bytes=forecast_of(0, 0)[0],
+            full_bytes=lowest, **kw,
+        )  # fmt: skip
+
+    if lowest <= budget:
+        return decided(*cheapest(budget), fits=True)
     none_bytes, _ = forecast_of(0, 0)
     advice = advise()
     useless = none_bytes - lowest < 0.02 * none_bytes
@@ -141,16 +152,7 @@ def solve(
         advice.insert(0, "the optimizer step, not activations, sets the peak: checkpointing cannot help")
     elif useless:
         advice.insert(0, f"activations are under 2% of the peak ({phase}): checkpointing cannot help")
-    f, s = (0, 0) if useless else cheapest(lowest)
-    return decision_of(
-        ordered_plan(layers, f, s),
-        budget=budget,
-        bytes_=forecast_of(f, s)[0],
-        cost=cost,
-        rates=rates,
-        fits=False,
-        advice=advice,
-    )
+    return decided(*((0, 0) if useless else cheapest(lowest)), fits=False, advice=advice)
 
 
 def decision_of(
@@ -191,14 +193,14 @@ def solve_recipe(
     if cost is None:
         cost = layer_cost(spec, micro_batch=recipe.micro_batch, seq_len=recipe.seq_len, attn=recipe.attn_implementation)
     full = ordered_plan(spec.layers, spec.layers, 0)
-    return solve(
-        layers=spec.layers,
-        budget=budget,
-        peak=peak,
-        cost=cost,
-        rates=rates,
-        advise=lambda: advice(recipe, budget, lambda r: peak(full, r)[0], flags=flags),
-    )
+
+    def advise() -> list[str]:
+        """The term that dominates full recompute's peak, if one does, then what would fit."""
+        at_full = forecast(spec, recipe.with_(recompute=full), device_name=device_name)
+        dominant = dominant_term(spec, recipe.with_(recompute=full), at_full, device_name=device_name, flags=flags)
+        return [*([dominant] if dominant else []), *advice(recipe, budget, lambda r: peak(full, r)[0], flags=flags)]
+
+    return solve(layers=spec.layers, budget=budget, peak=peak, cost=cost, rates=rates, advise=advise)
 
 
 def solve_for_plan(
@@ -217,8 +219,8 @@ def solve_for_plan(
         source = f"{name} datasheet"
         if rates is None:
             rates, source = Rates.datasheet(REFERENCE_GPU), f"{REFERENCE_GPU} datasheet ({name} is not in the table)"
-        elif device_name is None:
-            source += " (give --gpu NAME for another GPU's)"
+        elif device_name is None:  # --gpu-memory alone: no GPU named, none here
+            source += f" rates; the device: the given {format_bytes(memory)} (--gpu-memory), uncalibrated overheads"
     return solve_recipe(spec, recipe, budget=budget, rates=rates, device_name=device_name), source
 
 

@@ -25,6 +25,7 @@ from ljperf.core.options import (
     TrainConfig,
 )
 from ljperf.core.plans import Plan, fixed_plan, parse_recompute
+from ljperf.dist.launch import local_world_size, under_torchrun
 from ljperf.models.catalog import split_model_arg
 from ljperf.models.flags import engine_from_args, spec_from_args
 from ljperf.models.spec import ModelSpec
@@ -77,11 +78,23 @@ def fixed_recompute(cfg: RunConfig) -> Plan | None:
     return None if value in ("none", "auto") else fixed_plan(value, cfg.model.layers)
 
 
+def cpu_threads(threads: int | None, *, processes: int) -> int:
+    """``--threads``, else ``$OMP_NUM_THREADS``, else the cores this process may run on shared among the node's
+    ``processes``."""
+    if threads is not None:
+        return threads
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, len(os.sched_getaffinity(0)) // processes)
+
+
 def resolve_train(
-    train: TrainConfig, *, model: ModelSpec, device_type: str, seq_flag: str = "--seq-len"
+    train: TrainConfig, *, model: ModelSpec, device_type: str, seq_flag: str = "--seq-len", processes: int = 1
 ) -> TrainConfig:
     """Fill in the defaults that depend on the model and device (``auto`` becomes the device type, so records
-    say which ran); check the sequence length (``seq_flag``) fits."""
+    say which ran; on a CPU, the threads of each of the node's ``processes``); check the sequence length
+    (``seq_flag``) fits."""
     seq_len = model.seq_len(train.seq_len, flag=seq_flag)
     attn = model.attention(train.attn_implementation)
     if attn == "flash_attention_2":
@@ -91,6 +104,8 @@ def resolve_train(
             raise UsageError("--attn-implementation flash_attention_2 needs the flash-attn package (or use sdpa)")
     precision = train.precision or ("bf16-mixed" if device_type == "cuda" else "fp32")
     resolved = {"seq_len": seq_len, "precision": precision, "device": device_type, "attn_implementation": attn}
+    if device_type == "cpu":
+        resolved["threads"] = cpu_threads(train.threads, processes=processes)
     return TrainConfig(**{**vars(train), **resolved})
 
 
@@ -165,7 +180,9 @@ def from_args(
     optim = options.from_args(OptimConfig, args)
     explain = options.from_args(ExplainConfig, args)
     spec = spec_from_args(args)  # after the flags: reading the model takes seconds
-    groups["train"] = resolve_train(groups["train"], model=spec, device_type=device_type)
+    launch = groups["launch"]
+    processes = local_world_size() if under_torchrun() else launch.nproc_per_node
+    groups["train"] = resolve_train(groups["train"], model=spec, device_type=device_type, processes=processes)
     output = getattr(args, "output", None)
     return RunConfig(
         engine=engine, model=spec, optim=optim, explain=explain, deepspeed_user=user, output=output, argv=argv, **groups

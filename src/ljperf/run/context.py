@@ -104,7 +104,10 @@ def unjoined(cfg: RunConfig, *, world: int = 1) -> RunContext:
 
 
 def init_process(run: RunContext, *, need_group: bool) -> RunContext:
-    """Put this process's ranks and device into ``run`` (first: a failure to join still knows them), then join."""
+    """Put this process's ranks and device into ``run`` (first: a failure to join still knows them), set its CPU
+    threads (``--threads``, resolved), then join."""
     run.process = Process.here(run.device.type)
+    if run.train.threads is not None:
+        torch.set_num_threads(run.train.threads)
     run.process.join(launch=run.launch, need_group=need_group)
     return run

@@ -18,6 +18,9 @@ def shape_title(engine: str, model: str, *, where: str, shape: dict) -> str:
 
 
 def run_title(cfg: dict) -> str:
-    """The table title of a benchmark record's ``config``: ``shape_title`` with ``N process(es)``."""
+    """The table title of a benchmark record's ``config``: ``shape_title`` with ``N process(es)`` (and their CPU
+    threads on a CPU)."""
     where = f"{cfg['launch']['world_size']} process(es)"
+    if cfg["train"].get("device") == "cpu" and cfg["train"].get("threads"):
+        where += f" × {cfg['train']['threads']} thread(s)"
     return shape_title(cfg["engine"]["name"], cfg["model"]["name"], where=where, shape=cfg["train"])
