@@ -7,6 +7,7 @@ Writes ``summary.json``, ``report.md`` and ``ablation.png`` into the folder.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections import Counter
 from collections.abc import Collection
 from pathlib import Path
@@ -203,6 +204,54 @@ def _ok_runs(records: list[dict], s: VariantStats) -> list[dict]:
     ]
 
 
+BREAKDOWN_PARTS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step",
+                   "communication": "exposed comm.", "other": "other"}  # fmt: skip
+
+
+def breakdown_section(records: list[dict], stats: list[VariantStats]) -> list[str]:
+    """report.md's step time breakdown: each variant's median ms per part over its repeats (``results.breakdown``)
+    beside its tokens/s, with the change from the baseline in brackets; none where no run recorded one."""
+    medians = {s.label: _breakdown_medians(_ok_runs(records, s)) for s in stats}
+    if not any(medians.values()):
+        return []
+    header = ["variant", "tokens/s", *(f"{name} ms" for name in BREAKDOWN_PARTS.values()), "step ms", "source"]
+    lines = ["## Step time breakdown", "", _md_row(header), _md_row(["---"] * len(header))]
+    base = medians[stats[0].label]
+    for s in stats:
+        if (mine := medians[s.label]) is None:
+            continue
+        ref = base if s is not stats[0] else None
+        cells = [_delta(mine["ms"][part], ref and ref["ms"][part]) for part in BREAKDOWN_PARTS]
+        cells.append(_delta(mine["step_ms"], ref and ref["step_ms"]))
+        lines.append(_md_row([s.label, format_spread(s.tokens_per_s)[0], *cells, mine["source"]]))
+    lines += [
+        "",
+        "Median ms per part of a step over the repeats; in brackets, the change from the baseline. Timers count a"
+        " wait for a collective in the phase that waits (exposed comm. `-`); a `--profile` run measures it.",
+        "",
+    ]
+    return lines
+
+
+def _breakdown_medians(runs: list[dict]) -> dict[str, Any] | None:
+    found = [r["results"]["breakdown"] for r in runs if r["results"].get("breakdown")]
+    if not found:
+        return None
+    ms = {}
+    for part in BREAKDOWN_PARTS:
+        values = [b["ms"][part] for b in found if b["ms"].get(part) is not None]
+        ms[part] = statistics.median(values) if values else None
+    sources = "/".join(dict.fromkeys(b["source"] for b in found))
+    return {"ms": ms, "step_ms": statistics.median(b["step_ms"] for b in found), "source": sources}
+
+
+def _delta(value: float | None, base: float | None) -> str:
+    """``40.1 (-38.0)``: a variant's ms and its change from the baseline's (``base``; None: none shown)."""
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if base is None else f"{value:.1f} ({value - base:+.1f})"
+
+
 def applied(records: list[dict], stats: list[VariantStats]) -> list[tuple[str, str]]:
     """(variant, what its first successful run recomputed and what compiling cost) for each variant that did
     either: an optimization that changed nothing (``--recompute auto`` whose plan recomputes no layer) shows."""
@@ -254,6 +303,7 @@ def markdown(records: list[dict], stats: list[VariantStats], *, command: list[st
     ]
     if done := applied(records, stats):
         lines += ["## What each variant applied", "", *(f"- `{label}`: {text}" for label, text in done), ""]
+    lines += breakdown_section(records, stats)
     failures = [r for r in records if r["results"]["status"] != "ok"]
     if failures:
         lines += ["## Failed runs", ""]

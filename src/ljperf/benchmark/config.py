@@ -1,5 +1,6 @@
 """A benchmark's ``RunConfig`` from its flags, with what only a benchmark checks before any process starts:
-processes for the cores or GPUs, a writable ``--output``, a DeepSpeed config that resolves.
+processes for the cores or GPUs, a writable ``--output`` (and ``--profile`` folder, ``--plot`` file), a DeepSpeed
+config that resolves.
 
 Run: ``config_from_args(args, argv)`` (``ljperf benchmark``, and ``ljperf ablation`` for each variant).
 """
@@ -10,6 +11,7 @@ import argparse
 import os
 
 from ljperf.core.console import check_output
+from ljperf.core.records import check_output_folder, check_writable
 from ljperf.dist.launch import under_torchrun
 from ljperf.dist.runtime import check_process_count
 from ljperf.engines.deepspeed_engine import resolved_config
@@ -27,6 +29,10 @@ def config_from_args(args: argparse.Namespace, argv: list[str], *, flags: run_co
         # Rank 0's node writes it, under any launcher. All its ranks check: one blocked joining the group would
         # not see torchrun's SIGTERM, and would hold the run 30 s until its SIGKILL.
         check_output(cfg.output, inputs=(args.deepspeed_config, *model_files(args.model_config)))
+    if cfg.explain.plot is not None and os.environ.get("GROUP_RANK", "0") == "0":
+        check_writable(cfg.explain.plot, what="--plot")
+    if cfg.explain.profile is not None:  # every node's ranks write their traces there
+        check_output_folder(cfg.explain.profile, what="--profile", file_name="rank0.trace.json.gz")
     if cfg.engine == "deepspeed" and not under_torchrun():
         # A contradicting DeepSpeed config fails here (exit 2), before any process starts.
         resolved_config(unjoined(cfg, world=cfg.launch.nproc_per_node * cfg.launch.nnodes))

@@ -12,6 +12,7 @@ import contextlib
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,23 +20,26 @@ import torch
 from ljperf.benchmark.data import SyntheticTokens
 from ljperf.benchmark.faults import Fault
 from ljperf.benchmark.forecast import benchmark_forecast, check_memory
+from ljperf.benchmark.profile import profile_steps
 from ljperf.benchmark.progress import ProgressReporter
 from ljperf.benchmark.record import LoopState, new_record, results_section
 from ljperf.benchmark.table import last_line, print_result_table
 from ljperf.core import hardware
-from ljperf.core.console import say
+from ljperf.core.console import say, warn
 from ljperf.core.errors import (
     EXIT_ERROR,
     EXIT_OK,
     EXIT_SIGINT,
     EXIT_SIGTERM,
     UsageError,
+    describe,
     failure,
     hold_interrupts,
     interrupt_on_signals,
     raise_if_interrupted,
     restore_signals,
 )
+from ljperf.core.phases import PhaseClock
 from ljperf.core.records import write_json
 from ljperf.dist import memory
 from ljperf.dist.launch import RunFolder, launcher_gone
@@ -48,8 +52,9 @@ from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext, init_process, unjoined
 
 
-def run_worker(cfg: RunConfig) -> int:
-    """One rank of a run: build, train, measure, and (on rank 0) print and write the record."""
+def run_worker(cfg: RunConfig, *, picture: Callable[..., None] | None = None) -> int:
+    """One rank of a run: build, train, measure, and (on rank 0) print and write the record; ``picture``:
+    ``--plot``'s drawing (``plan.plot.benchmark_picture`` with its path), called with the run and its record."""
     previous = interrupt_on_signals()
     run = unjoined(cfg)
     record: dict[str, Any] | None = None
@@ -106,6 +111,8 @@ def run_worker(cfg: RunConfig) -> int:
         reporter.finished(record)
         if status == "ok" or not reporter.watched:  # else ljperf's launcher prints it, with the failing rank's cause
             print_result_table(record)
+        if picture is not None:
+            _draw(picture, run, record, recompute)
         if status != "ok" and not reporter.watched:
             interrupted = exit_code in (EXIT_SIGINT, EXIT_SIGTERM)
             print(last_line(reason, interrupted=interrupted, output=cfg.output, status=status), file=sys.stderr)
@@ -115,6 +122,17 @@ def run_worker(cfg: RunConfig) -> int:
         shutil.rmtree(folder.path, ignore_errors=True)
     restore_signals(previous)
     return exit_code
+
+
+def _draw(picture: Callable[..., None], run: RunContext, record: dict[str, Any], recompute: Any) -> None:
+    """``--plot``: the forecast over the step with the measured peak; a failure only warns."""
+    try:
+        budget = recompute.budget_bytes if recompute is not None else None
+        picture(run=run, record=record, plan=recompute.plan if recompute else None, budget=budget)
+    except Exception as exc:  # a picture must never fail a benchmark
+        warn(f"no memory picture ({describe(exc)})")
+        return
+    say(f"memory picture: {run.config.explain.plot}")
 
 
 def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: ProgressReporter) -> None:
@@ -139,6 +157,7 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
     solved = state.recompute is not None and state.recompute.budget_bytes is not None
     if solved and train.warmup < loop_warmup and run.is_main:
         say(f"closed loop off: it needs --warmup {loop_warmup} or more here; the solver's plan runs as forecast")
+    clock = PhaseClock(device_type=device.type)
     try:
         _steps(
             run,
@@ -146,16 +165,21 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
             data,
             state,
             reporter,
+            clock=clock,
             total=total,
             measure_steps=measure_steps,
             track_step=track_step,
             closed_loop=solved and train.warmup >= loop_warmup,
             fault=Fault.from_env(),
         )
+        if run.config.explain.profile is not None:
+            state.profile = profile_steps(run, engine, data, first=total)
     finally:  # a run that fails after its measured step (out of memory in a later one) keeps its peak
         if device.type == "cuda":
             with contextlib.suppress(RuntimeError):  # a broken CUDA context must not hide the run's own error
                 state.peak_allocated, state.peak_reserved = memory.cuda_peaks(device)
+        with contextlib.suppress(RuntimeError):  # CUDA: a step cut short left an event unrecorded
+            state.phase_seconds = clock.seconds()
 
 
 def _steps(
@@ -165,6 +189,7 @@ def _steps(
     state: LoopState,
     reporter: ProgressReporter,
     *,
+    clock: PhaseClock,
     total: int,
     measure_steps: set[int],
     track_step: int,
@@ -187,12 +212,14 @@ def _steps(
                     if state.closed_loop["replanned"] and device.type != "cuda":
                         measure_steps.add(step + 1)
         else:
+            timed = train.warmup <= step < train.warmup + train.steps
             hardware.synchronize(device)
             start = time.perf_counter()
-            loss = engine.train_step(batches)
+            with clock.step() if timed else contextlib.nullcontext():
+                loss = engine.train_step(batches)
             hardware.synchronize(device)
             elapsed = time.perf_counter() - start
-            if train.warmup <= step < train.warmup + train.steps:
+            if timed:
                 state.step_times.append(elapsed)
                 state.losses.append(loss)
         peaks = None

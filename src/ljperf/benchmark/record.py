@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ljperf.benchmark import profile
+from ljperf.benchmark.breakdown import breakdown, over_ranks
 from ljperf.benchmark.metrics import Throughput, throughput
 from ljperf.compile.regional import session
 from ljperf.core import hardware
@@ -36,6 +38,10 @@ class LoopState:
     recompute: Any = None
     """The recompute plan running (``checkpoint.solver.Decision``; the closed loop may replace it)."""
     closed_loop: dict | None = None
+    phase_seconds: list[dict[str, float]] = field(default_factory=list)
+    """The timed steps' seconds by phase (``core.phases.PhaseClock.seconds``)."""
+    profile: dict | None = None
+    """``--profile``: this rank's ``results.profile`` and its profiled steps' seconds by part."""
     forecast_made: bool = False
     """The memory check forecast the recipe before the run: a record written after a signal (torchrun's SIGTERM
     once a peer failed, a Ctrl-C) keeps the forecast too, repeated from the trace cache in milliseconds."""
@@ -125,7 +131,31 @@ def results_section(
         ) | {"peak_tflops_per_device": peak}
     if cfg.optim.compile_mode != "off":
         out["compile"] = session().results() if session() else None
+    out |= explained(cfg, run, state, healthy=healthy)
     return {**figures, **out}
+
+
+def explained(cfg: RunConfig, run: RunContext, state: LoopState, *, healthy: bool) -> dict[str, Any]:
+    """``breakdown`` (every run: the profiled steps' with ``--profile``, else the timed steps') and ``profile``
+    (its files and steps), gathered from the ranks when the run is healthy."""
+    if state.profile is not None:
+        mine = breakdown(state.profile["steps"], source="profiler", world=run.world)
+    else:
+        mine = breakdown(state.phase_seconds, source="timers", world=run.world)
+    out: dict[str, Any] = {"breakdown": over_ranks(_gathered(run, mine, healthy))}
+    if cfg.explain.profile is not None:
+        written = profile.files(cfg.explain.profile, world=run.world, device_type=run.device.type)
+        out["profile"] = {"folder": cfg.explain.profile, **written, **(state.profile or {}).get("record", {})}
+    return out
+
+
+def _gathered(run: RunContext, mine: Any, healthy: bool) -> list[Any]:
+    """Every rank's ``mine`` (a failed run: this rank's alone)."""
+    if not (healthy and run.world > 1):
+        return [mine]
+    each: list[Any] = [None] * run.world
+    dist.all_gather_object(each, mine)
+    return each
 
 
 def _mean_over_ranks(losses: list[torch.Tensor], healthy: bool) -> list[float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.markup import escape
+from rich.table import Table
 
 from ljperf.compile.line import compile_line
 from ljperf.core.console import console, say, titled_table
@@ -44,10 +45,45 @@ def print_result_table(record: dict) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    if res.get("breakdown"):
+        console.print(breakdown_table(res["breakdown"]))
     if line := forecast_line(res):
         say(line)
+    if res.get("profile"):
+        say(profile_line(res["profile"]))
     if res.get("compile"):
         say(compile_line(res["compile"]))
+
+
+PART_NAMES = {
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer step",
+    "communication": "communication (exposed)",
+    "other": "other",
+}
+
+
+def breakdown_table(bd: dict[str, Any]) -> Table:
+    """``results.breakdown`` as a table: each part of the step in ms and % of the step, its source in the title."""
+    ranks = f", mean of {bd['ranks']} ranks" if bd["ranks"] > 1 else ""
+    table = titled_table(f"step time breakdown ({bd['source']}, {bd['steps']} steps{ranks})", caption=bd["note"])
+    table.add_column("part")
+    table.add_column("ms", justify="right")
+    table.add_column("% of step", justify="right")
+    for part, name in PART_NAMES.items():
+        table.add_row(name, _fmt(bd["ms"][part], ".1f"), _fmt(bd["pct"][part], ".1f"))
+    table.add_section()
+    table.add_row("step", _fmt(bd["step_ms"], ".1f"), "100.0")
+    return table
+
+
+def profile_line(profile: dict[str, Any]) -> str:
+    """Where ``--profile`` wrote its files, and what opens them."""
+    text = f"profile: {len(profile['traces'])} trace(s) in {profile['folder']} (open in https://ui.perfetto.dev)"
+    if profile["memory_snapshots"]:
+        text += "; memory snapshots: drag a .memory.pickle into https://pytorch.org/memory_viz"
+    return text
 
 
 def _loss_range(losses: list[float]) -> str:

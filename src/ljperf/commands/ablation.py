@@ -101,6 +101,8 @@ def check_variant(shared: list[str], variant: Variant) -> RunConfig:
             raise UsageError(unrecognized(parser, unknown))
         if args.output:
             raise UsageError("--output is set by the ablation for each run; drop it from the variant")
+        if args.profile or args.plot:  # every run would write the same files; report.md shows each breakdown
+            raise UsageError("--profile and --plot are for one run: run ljperf benchmark with the variant's flags")
         return config_from_args(args, [])
     except UsageError as exc:
         where = f"variant {variant.name} ({variant.text})" if variant.flags else f"variant {variant.name}"

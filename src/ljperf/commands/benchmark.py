@@ -13,7 +13,7 @@ import sys
 
 from ljperf.benchmark.recovery import launch
 from ljperf.core import options
-from ljperf.core.options import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
+from ljperf.core.options import EngineConfig, ExplainConfig, LaunchConfig, OptimConfig, TrainConfig
 from ljperf.core.switches import enabled
 from ljperf.dist.launch import under_torchrun
 from ljperf.models.flags import add_model_arguments
@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) 
     parser.add_argument("--compile", action="store_true", help="same as --compile-mode regional")
     parser.set_defaults(compile_mode=None, warmup=None)  # to tell an explicit flag from the default
     options.add_arguments(parser, LaunchConfig)
+    options.add_arguments(parser, ExplainConfig)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -49,7 +50,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if cfg.launch.distributed and not under_torchrun():
         code = launch(cfg, record_from_progress=functools.partial(results_from_progress, cfg))
     else:
-        code = run_worker(cfg)
+        picture = None
+        if cfg.explain.plot is not None:
+            from ljperf.plan.plot import benchmark_picture
+
+            picture = functools.partial(benchmark_picture, cfg.explain.plot)
+        code = run_worker(cfg, picture=picture)
     if code == 0 and cfg.train.device == "cpu" and args.threads is None:  # under the table: a refusal stays one line
         _say_threads(cfg.train.threads)
     return code

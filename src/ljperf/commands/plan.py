@@ -14,8 +14,10 @@ import sys
 from dataclasses import asdict
 
 from ljperf.core import hardware, options
+from ljperf.core.console import say
 from ljperf.core.errors import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError
-from ljperf.core.options import EngineConfig, OptimConfig, TrainConfig, positive
+from ljperf.core.options import EngineConfig, ExplainConfig, OptimConfig, TrainConfig, positive
+from ljperf.core.records import check_writable
 from ljperf.core.units import format_bytes
 from ljperf.forecast.calibrate import calibrate, calibration_path
 from ljperf.forecast.recipe import OPTIMIZER_IMPLS
@@ -53,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     out.add_argument("--calibrate", nargs="+", metavar="FILE", help="fit device overheads from benchmark records")
+    options.add_arguments(out, ExplainConfig, only=("plot",))
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -60,9 +63,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.calibrate:
         if args.model or args.model_config:
             raise UsageError("--calibrate fits the GPUs of the records it reads: it takes no --model or --model-config")
+        if args.plot:
+            raise UsageError("--plot draws the memory of a plan: it takes a --model, not --calibrate")
         return calibrate_command(args)
     positive("gpus", args.gpus)
     flags = run_config.check_flags(args, world=args.gpus)  # a bad value is refused before torch is imported
+    if args.plot is not None:
+        check_writable(args.plot, what="--plot")
+    from ljperf.plan.plot import plan_picture
     from ljperf.plan.record import planned, print_plan
 
     cfg = run_config.from_args(args, argv, device_type=args.device, flags=flags)
@@ -72,6 +80,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(json.dumps(report, indent=2))
     else:
         print_plan(report)
+    if args.plot is not None:
+        plan_picture(args.plot, cfg=cfg, report=report, optimizer=args.optimizer, device_name=device_name)
+        if not args.json:  # standard output holds the JSON alone
+            say(f"memory picture: {args.plot}")
     if decision is not None and not decision.fits:
         print(f"ljperf plan: {decision.line()}", file=sys.stderr)
     return EXIT_OK if report["fits"] else EXIT_DOES_NOT_FIT

@@ -240,6 +240,38 @@ class OptimConfig:
             parse_memory(self.memory_budget, what="--memory-budget")
 
 
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+"""File types ``--plot`` writes (matplotlib picks the format by the suffix)."""
+
+
+@dataclass(kw_only=True)
+class ExplainConfig:
+    """Why a step is slow or large: a profiler trace, and a picture of the memory forecast over the step."""
+
+    TITLE: ClassVar[str] = "explanation"
+
+    profile: str | None = opt(
+        None,
+        "after the timed steps, profile 2 more with torch.profiler and write DIR/rank{N}.trace.json.gz (Perfetto,"
+        " chrome://tracing) per rank, on CUDA also DIR/rank{N}.memory.pickle (pytorch.org/memory_viz); the step"
+        " time breakdown then comes from the trace",
+        metavar="DIR",
+    )
+    profile_with_stack: bool = opt(False, "--profile records each op's Python stack too (larger trace, slower steps)")
+    plot: str | None = opt(
+        None,
+        "draw the forecast memory over the step (stacked by component, block by block) with the budget and the"
+        " device's capacity into FILE (.png, .svg or .pdf)",
+        metavar="FILE",
+    )
+
+    def __post_init__(self) -> None:
+        if self.profile_with_stack and self.profile is None:
+            raise UsageError("--profile-with-stack is an option of --profile DIR: add it or drop this flag")
+        if self.plot is not None and not self.plot.lower().endswith(PLOT_FORMATS):
+            raise UsageError(f"--plot {self.plot!r}: give a file ending in {', '.join(PLOT_FORMATS)}")
+
+
 def check_precision(precision: str | None, *, engine: str) -> None:
     """``bf16`` (no fp32 master weights) is what the torch engine and FSDP2 can run; ZeRO keeps fp32 masters."""
     if precision == "bf16" and engine == "deepspeed":

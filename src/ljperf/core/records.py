@@ -146,6 +146,21 @@ def check_writable(
         raise UsageError(f"{what} {shown} is not writable ({exc.strerror or exc})") from None
 
 
+def check_output_folder(path: str | os.PathLike, *, what: str, file_name: str) -> None:
+    """Fail before a run starts (exit 2) when ``file_name`` could not be written into the folder ``path`` (``what``
+    names the flag); a missing folder is made, as ``mkdir -p`` would."""
+    shown = repr(str(path))
+    if not str(path).strip():
+        raise UsageError(f"{what} is empty; give a folder name such as prof/")
+    if Path(path).exists() and not Path(path).is_dir():
+        raise UsageError(f"{what} {shown} is a file, not a folder")
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{what} {shown}: cannot make the folder ({exc.strerror or exc})") from None
+    check_writable(Path(path) / file_name, what=what)
+
+
 def _kind(path: str | os.PathLike) -> str | None:
     """What an existing path that is not a regular file is, in words (through symlinks); None for a regular file
     or nothing there."""

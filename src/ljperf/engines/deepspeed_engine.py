@@ -21,6 +21,7 @@ from ljperf.compile.regional import compile_deepspeed_engine
 from ljperf.core import deepspeed as deepspeed_config
 from ljperf.core.console import console, warn
 from ljperf.core.errors import interruption, one_line
+from ljperf.core.phases import phase
 from ljperf.core.records import without_secrets
 from ljperf.dist import memory
 from ljperf.engines.common import adamw, decoder_blocks, parameter_names
@@ -81,9 +82,12 @@ class DeepSpeedEngine:
         # DeepSpeed divides each micro-step's loss by gradient_accumulation_steps and steps at the boundary.
         total = torch.zeros((), device=self.run.device.torch_device)
         for tokens in micro_batches:
-            loss = causal_lm_loss(self.model, tokens)
-            self.model.backward(loss)
-            self.model.step()
+            with phase("forward"):
+                loss = causal_lm_loss(self.model, tokens)
+            with phase("backward"):
+                self.model.backward(loss)
+            with phase("optimizer"):  # at the accumulation boundary; before it, DeepSpeed's bookkeeping only
+                self.model.step()
             total += loss.detach().float() / len(micro_batches)
         return total
 

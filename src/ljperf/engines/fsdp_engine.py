@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ljperf.core.mesh import MeshShape
+from ljperf.core.phases import phase
 from ljperf.dist.mesh import data_parallel_mesh, device_mesh
 from ljperf.engines.common import adamw, decoder_blocks, parameter_names
 from ljperf.engines.parallelize import apply_optimizations
@@ -72,8 +73,9 @@ class FSDPEngine:
             loss = accumulate(self.model, micro_batches, autocast=self.run.autocast)
         if shape.tp_alone:
             _reduce_partial_grads(self.model)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss
 
     def describe(self) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ljperf.core.phases import phase
 from ljperf.engines.common import adamw
 from ljperf.engines.parallelize import apply_optimizations
 from ljperf.models.build import materialize
@@ -36,8 +37,9 @@ class TorchEngine:
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) else None
         loss = accumulate(self.model, micro_batches, autocast=self.run.autocast, no_sync=no_sync)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss
 
     def describe(self) -> dict:

@@ -41,16 +41,20 @@ def _patterns(spec: ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[int, ..
     )
 
 
+def all_patterns(spec: ModelSpec, recipe: Recipe) -> dict[tuple[str, int], Patterns]:
+    """The traced patterns of each recompute mode ``recipe`` uses and each kind of layer (raises ``TraceError``)."""
+    picks = layer_picks(block_params(spec).layer_kinds)
+    return {
+        (mode, kind): _patterns(spec, recipe, mode=mode, pick=pick)
+        for mode in dict.fromkeys(recipe.layer_modes(spec.layers))
+        for kind, pick in picks.items()
+    }
+
+
 def forecast(spec: ModelSpec, recipe: Recipe, *, device_name: str | None = None) -> Forecast:
     """Peak memory of one rank running ``recipe``; overheads: calibrated for ``device_name``, else defaults."""
     try:
-        picks = layer_picks(block_params(spec).layer_kinds)
-        patterns = {
-            (mode, kind): _patterns(spec, recipe, mode=mode, pick=pick)
-            for mode in dict.fromkeys(recipe.layer_modes(spec.layers))
-            for kind, pick in picks.items()
-        }
-        raw = timeline.compose(spec, recipe, patterns)
+        raw = timeline.compose(spec, recipe, all_patterns(spec, recipe))
     except TraceError as exc:
         raw = analytic_forecast(spec, recipe, reason=str(exc))
     terms = overheads_for(recipe.device, device_name)

@@ -16,7 +16,7 @@ from ljperf.forecast.blocks import block_params
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.forecast.sharding import rank_shardings
 from ljperf.forecast.trace import TRACE_LAYERS, Patterns, SegmentKey, TraceError, peak_and_net, reference_kind
-from ljperf.forecast.walk import Segments, walk_step
+from ljperf.forecast.walk import Segments, Walk, walk_step
 from ljperf.models.spec import ModelSpec
 
 
@@ -45,9 +45,11 @@ def edge_values(
     return out
 
 
-def compose(spec: ModelSpec, recipe: Recipe, patterns: dict[tuple[str, int], Patterns]) -> Forecast:
-    """The forecast of ``recipe`` from the traced patterns of each recompute mode it uses and each kind of layer
-    (``(mode, kind)``; see ``trace.layer_picks``): the highest rank's."""
+def highest_walk(
+    spec: ModelSpec, recipe: Recipe, patterns: dict[tuple[str, int], Patterns], *, record: bool = False
+) -> Walk:
+    """The walk of the step of ``recipe``'s rank with the highest peak, over the traced patterns of each recompute
+    mode and kind of layer (``(mode, kind)``; see ``trace.layer_picks``); ``record``: with every point visited."""
     modes = recipe.layer_modes(spec.layers)
     b, s = recipe.micro_batch, recipe.seq_len
     values = {key: pats.evaluate(b, s) for key, pats in patterns.items()}
@@ -58,9 +60,16 @@ def compose(spec: ModelSpec, recipe: Recipe, patterns: dict[tuple[str, int], Pat
     kinds = [ref, *blocks.layer_kinds[1:-1], ref][: blocks.layers]
     layers: tuple[Segments, ...] = tuple(values[mode, kind] for mode, kind in zip(modes, kinds, strict=True))
     walks = [
-        walk_step(recipe, shard, blocks=blocks, layers=layers, edges=edges) for shard in rank_shardings(spec, recipe)
+        walk_step(recipe, shard, blocks=blocks, layers=layers, edges=edges, record=record)
+        for shard in rank_shardings(spec, recipe)
     ]
-    walk = max(walks, key=lambda w: w.peak)
+    return max(walks, key=lambda w: w.peak)
+
+
+def compose(spec: ModelSpec, recipe: Recipe, patterns: dict[tuple[str, int], Patterns]) -> Forecast:
+    """The forecast of ``recipe`` from the traced patterns of each recompute mode it uses and each kind of layer
+    (``(mode, kind)``; see ``trace.layer_picks``): the highest rank's."""
+    walk = highest_walk(spec, recipe, patterns)
     parts = dict(walk.peak_parts or {})
     parts["temporaries"] = walk.peak - sum(parts.values())
     return Forecast(

@@ -15,7 +15,7 @@ sharded gradients or communication buffers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ljperf.forecast.blocks import BlockParams
 from ljperf.forecast.recipe import Recipe
@@ -28,6 +28,16 @@ Segments = Mapping[SegmentKey, tuple[int, int]]
 """Traced segments at the recipe's shape: ``(peak above its start, net change)`` each (``Patterns.evaluate``)."""
 
 
+@dataclass(frozen=True)
+class Moment:
+    """A point the walk visited: where in the step, the bytes alive then, and what they are made of (the rest of
+    ``total`` is temporaries)."""
+
+    phase: str
+    total: int
+    parts: dict[str, int]
+
+
 @dataclass
 class Walk:
     """The running level and what it is made of, and the highest point seen."""
@@ -37,6 +47,8 @@ class Walk:
     peak: int = -1
     peak_parts: dict[str, int] | None = None
     phase: str = ""
+    history: list[Moment] | None = field(default=None, repr=False)
+    """Every point visited, in order, where the walk was asked to keep them (``walk_step(record=True)``)."""
 
     @classmethod
     def start(cls, shard: Sharding, *, buffers: int, batch: int) -> Walk:
@@ -59,13 +71,16 @@ class Walk:
     def visit(self, above: int, phase: str, **during: int) -> None:
         """A moment ``above`` the level (temporaries), with ``during`` bytes by part alive only for it (parameters
         gathered for it, a reduce-scatter's input)."""
-        above += sum(during.values())
-        if self.level + above > self.peak:
-            self.peak = self.level + above
-            self.peak_parts = dict(self.parts)
-            for part, nbytes in during.items():
-                self.peak_parts[part] += nbytes
-            self.phase = phase
+        total = self.level + above + sum(during.values())
+        if total <= self.peak and self.history is None:
+            return
+        parts = dict(self.parts)
+        for part, nbytes in during.items():
+            parts[part] += nbytes
+        if self.history is not None:
+            self.history.append(Moment(phase=phase, total=total, parts=parts))
+        if total > self.peak:
+            self.peak, self.peak_parts, self.phase = total, dict(parts), phase
 
     def add(self, part: str, nbytes: int) -> None:
         """Bytes that join (or leave, negative) the running level as ``part``."""
@@ -193,9 +208,16 @@ class TrainingStep:
 
 
 def walk_step(
-    recipe: Recipe, shard: Sharding, *, blocks: BlockParams, layers: tuple[Segments, ...], edges: Segments
+    recipe: Recipe,
+    shard: Sharding,
+    *,
+    blocks: BlockParams,
+    layers: tuple[Segments, ...],
+    edges: Segments,
+    record: bool = False,
 ) -> Walk:
-    """One rank's training step, as the walk of its running level."""
+    """One rank's training step, as the walk of its running level; ``record``: keep every point visited
+    (``Walk.history``)."""
     step = TrainingStep(
         blocks=blocks,
         shard=shard,
@@ -206,6 +228,8 @@ def walk_step(
     )
     batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * TOKEN_BYTES
     walk = Walk.start(shard, buffers=blocks.buffer_bytes, batch=batch)
+    if record:
+        walk.history = []
     accumulate(walk, step)
     optimizer_step(walk, step, recipe)
     return walk

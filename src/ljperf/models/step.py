@@ -11,6 +11,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
+from ljperf.core.phases import phase
+
 
 def causal_lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of an HF causal LM on ``tokens`` (labels are the inputs, shifted inside); a
@@ -32,8 +34,9 @@ def accumulate(
     n = len(micro_batches)
     for i, tokens in enumerate(micro_batches):
         sync = no_sync() if no_sync is not None and i < n - 1 else contextlib.nullcontext()
-        with sync, autocast():
+        with sync, autocast(), phase("forward"):
             loss = causal_lm_loss(model, tokens) / n
-        loss.backward()
+        with phase("backward"):
+            loss.backward()
         total += loss.detach()
     return total

@@ -17,7 +17,14 @@ from ljperf.core import options
 from ljperf.core.console import say
 from ljperf.core.errors import UsageError
 from ljperf.core.mesh import MeshShape
-from ljperf.core.options import DEEPCOMPILE_WARMUP, EngineConfig, LaunchConfig, OptimConfig, TrainConfig
+from ljperf.core.options import (
+    DEEPCOMPILE_WARMUP,
+    EngineConfig,
+    ExplainConfig,
+    LaunchConfig,
+    OptimConfig,
+    TrainConfig,
+)
 from ljperf.core.plans import Plan, fixed_plan, parse_recompute
 from ljperf.dist.launch import local_world_size, under_torchrun
 from ljperf.models.catalog import split_model_arg
@@ -42,6 +49,8 @@ class RunConfig:
     """FSDP2 / DeepSpeed options."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizations (activation checkpoint, compile), as given."""
+    explain: ExplainConfig = field(default_factory=ExplainConfig)
+    """The profiler trace and the memory picture asked for (``--profile``, ``--plot``)."""
     deepspeed_user: dict = field(default_factory=dict)
     """The ``--deepspeed-config`` file as loaded (deepspeed engine; ``{}``: none)."""
     output: str | None = None
@@ -181,7 +190,8 @@ def check_flags(args: argparse.Namespace, *, world: int | None = None) -> Flags:
     if hasattr(args, "compile"):
         resolved.compile_mode = given.compile_mode = _compile_mode(args)
         given.warmup = TrainConfig.warmup if args.warmup is None else args.warmup  # its default waits for the device
-    groups = {cls: options.from_args(cls, given) for cls in (TrainConfig, LaunchConfig, EngineConfig, OptimConfig)}
+    kinds = (TrainConfig, LaunchConfig, EngineConfig, OptimConfig, ExplainConfig)
+    groups = {cls: options.from_args(cls, given) for cls in kinds}
     model = split_model_arg(args.model)[1] if args.model else "MODEL"
     check_together(engine, groups[TrainConfig], groups[OptimConfig], model=model)
     engine_opts = groups[EngineConfig]
@@ -208,9 +218,12 @@ def from_args(
         for name, cls in (("train", TrainConfig), ("launch", LaunchConfig), ("engine_opts", EngineConfig))
     }
     optim = options.from_args(OptimConfig, args)
+    explain = options.from_args(ExplainConfig, args)
     spec = spec_from_args(args)  # after the flags: reading the model takes seconds
     launch = groups["launch"]
     processes = local_world_size() if under_torchrun() else launch.nproc_per_node
     groups["train"] = resolve_train(groups["train"], model=spec, device_type=device_type, processes=processes)
     output = getattr(args, "output", None)
-    return RunConfig(engine=engine, model=spec, optim=optim, deepspeed_user=user, output=output, argv=argv, **groups)
+    return RunConfig(
+        engine=engine, model=spec, optim=optim, explain=explain, deepspeed_user=user, output=output, argv=argv, **groups
+    )

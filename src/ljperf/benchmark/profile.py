@@ -1,0 +1,96 @@
+"""``ljperf benchmark --profile DIR``: after the timed steps, more steps under ``torch.profiler``, untimed, and
+their trace per rank; on CUDA also a memory snapshot of one step.
+
+Run: ``ljperf benchmark --model torch/llama-tiny --steps 5 --profile prof/`` writes ``prof/rank0.trace.json.gz``
+(open it in https://ui.perfetto.dev or chrome://tracing); on CUDA ``prof/rank0.memory.pickle`` too (drag it into
+https://pytorch.org/memory_viz). ``profile_steps(run, engine, data, first=N)`` is what the loop calls.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ljperf.benchmark.breakdown import from_trace
+from ljperf.benchmark.data import SyntheticTokens
+from ljperf.core import hardware
+from ljperf.core.console import say
+from ljperf.core.phases import PhaseClock
+from ljperf.run.context import RunContext
+
+PROFILED_STEPS = 2
+"""Steps the trace holds."""
+PROFILER_WARMUP = 1
+"""Steps the profiler runs before it records (its own start-up, CUPTI's on CUDA, stays out of the trace)."""
+MEMORY_HISTORY_ENTRIES = 1_000_000
+"""Allocator events a CUDA memory snapshot keeps (the last ones; a step of a large model makes about 10^5)."""
+
+
+def trace_path(folder: str | Path, rank: int) -> Path:
+    return Path(folder) / f"rank{rank}.trace.json.gz"
+
+
+def snapshot_path(folder: str | Path, rank: int) -> Path:
+    return Path(folder) / f"rank{rank}.memory.pickle"
+
+
+def profile_steps(run: RunContext, engine: Any, data: SyntheticTokens, *, first: int) -> dict[str, Any]:
+    """Profile ``PROFILER_WARMUP + PROFILED_STEPS`` steps from step ``first`` on (CPU activities, CUDA's too on
+    a GPU, shapes; stacks with ``--profile-with-stack``), write this rank's trace, and on CUDA snapshot the
+    allocator over one more step. Returns this rank's ``results.profile`` and the profiled steps' seconds by
+    part (``from_trace``)."""
+    explain, device = run.config.explain, run.device.torch_device
+    trace = trace_path(explain.profile, run.rank)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    if run.is_main:
+        say(f"profiling {PROFILED_STEPS} more steps into {explain.profile}")
+    clock = PhaseClock(device_type=device.type, annotate=True, timed=False)
+    wall: list[float] = []
+    with torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=0, warmup=PROFILER_WARMUP, active=PROFILED_STEPS, repeat=1),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
+        record_shapes=True,
+        with_stack=explain.profile_with_stack,
+    ) as prof:
+        for i in range(PROFILER_WARMUP + PROFILED_STEPS):
+            batches = data.micro_batches(first + i, run.rank, device)
+            hardware.synchronize(device)
+            start = time.perf_counter()
+            with clock.step():
+                engine.train_step(batches)
+                hardware.synchronize(device)  # inside the step's range: on CUDA it then holds the step's kernels
+            if i >= PROFILER_WARMUP:
+                wall.append(time.perf_counter() - start)
+            prof.step()
+    with gzip.open(trace, "rt") as f:
+        steps = from_trace(json.load(f)["traceEvents"], device_type=device.type)
+    out: dict[str, Any] = {"steps": PROFILED_STEPS, "step_times_s": wall, "with_stack": explain.profile_with_stack}
+    if device.type == "cuda":
+        batches = data.micro_batches(first + PROFILER_WARMUP + PROFILED_STEPS, run.rank, device)
+        memory_snapshot(engine, batches, path=snapshot_path(explain.profile, run.rank), device=device)
+    return {"record": out, "steps": steps}
+
+
+def memory_snapshot(engine: Any, batches: list[torch.Tensor], *, path: Path, device: torch.device) -> None:
+    """The CUDA caching allocator's history over one step, as ``torch.cuda.memory._dump_snapshot`` writes it."""
+    torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+    try:
+        engine.train_step(batches)
+        hardware.synchronize(device)
+        torch.cuda.memory._dump_snapshot(str(path))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def files(folder: str, *, world: int, device_type: str) -> dict[str, list[str]]:
+    """The files a profiled run wrote, every rank's: ``results.profile``'s ``traces`` and ``memory_snapshots``."""
+    snapshots = [str(snapshot_path(folder, rank)) for rank in range(world)] if device_type == "cuda" else []
+    return {"traces": [str(trace_path(folder, rank)) for rank in range(world)], "memory_snapshots": snapshots}
