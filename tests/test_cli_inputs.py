@@ -115,6 +115,8 @@ CASES = [
     (["comm", "--ops", "all_nothing"], {}, "all_nothing"),
     (["comm", "--min-bytes", "1G", "--max-bytes", "1K"], {}, "--min-bytes"),
     (["comm", "--min-bytes", "abc"], {}, "abc"),
+    (["benchmark", *TINY, "--optimizer-impl", "adam"], {}, "--optimizer-impl 'adam': choose one of single"),
+    (["benchmark", "--model", "deepspeed/llama-tiny", "--optimizer-impl", "fused"], {}, "from --deepspeed-config"),
     (["ablation", *TINY, "--variants", "base,nope"], {}, "nope"),
     (["ablation", *TINY, "--variant", "novalue"], {}, "--variant"),
     (["ablation", *TINY, "--repeat", "0"], {}, "--repeat"),

@@ -20,7 +20,6 @@ from ljperf.core.options import EngineConfig, ExplainConfig, OptimConfig, TrainC
 from ljperf.core.records import check_writable
 from ljperf.core.units import format_bytes
 from ljperf.forecast.calibrate import calibrate, calibration_path
-from ljperf.forecast.recipe import OPTIMIZER_IMPLS
 from ljperf.models.flags import add_model_arguments
 from ljperf.plan.device import device_memory
 from ljperf.run import config as run_config
@@ -40,9 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus", type=int, default=1, metavar="N", help="data-parallel ranks, the world size (default: 1)")
     narrow = {"device": ("cpu", "cuda"), "attn_implementation": ("sdpa", "eager")}
     options.add_arguments(g, TrainConfig, only=TRAIN, defaults={"device": "cuda"}, choices=narrow)
-    options.add_arguments(g, OptimConfig, only=("recompute",))
+    options.add_arguments(g, OptimConfig, only=("recompute", "optimizer_impl"))
     options.add_arguments(g, EngineConfig)
-    g.add_argument("--optimizer", choices=OPTIMIZER_IMPLS, help="AdamW kind (default: torch's pick)")
     m = parser.add_argument_group("memory")
     m.add_argument("--gpu-memory", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's)")
     m.add_argument(
@@ -75,13 +73,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     cfg = run_config.from_args(args, argv, device_type=args.device, flags=flags)
     memory, device_name = device_memory(gpu_memory=args.gpu_memory, gpu=args.gpu, device=args.device)
-    report, decision = planned(cfg, world=args.gpus, optimizer=args.optimizer, memory=memory, device_name=device_name)
+    report, decision = planned(cfg, world=args.gpus, memory=memory, device_name=device_name)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_plan(report)
     if args.plot is not None:
-        plan_picture(args.plot, cfg=cfg, report=report, optimizer=args.optimizer, device_name=device_name)
+        plan_picture(args.plot, cfg=cfg, report=report, device_name=device_name)
         if not args.json:  # standard output holds the JSON alone
             say(f"memory picture: {args.plot}")
     if decision is not None and not decision.fits:

@@ -37,6 +37,9 @@ def one_of(values: tuple[str, ...]) -> str:
     return "{" + ",".join(values) + "}"
 
 
+OPTIMIZER_IMPLS = ("single", "foreach", "fused")
+"""torch's AdamW implementations: a loop over tensors, a few kernels over lists of them, one fused kernel."""
+
 LARGEST = 2**31 - 1
 """The largest count or number of seconds a flag takes (kernels index with 32-bit ints; a week is 604800 s)."""
 
@@ -229,6 +232,14 @@ class OptimConfig:
         "engine.compile(), with DeepCompile on CUDA; deepspeed engine only) or off; --compile = regional",
         metavar=one_of(COMPILE_MODES),
     )
+    optimizer_impl: str | None = opt(
+        None,
+        "AdamW implementation: fused (one kernel), foreach (kernels over lists of tensors) or single (a loop); "
+        "the forecast counts each one's temporaries (default: torch's pick, foreach on CUDA and single on a CPU; "
+        "the deepspeed engine's comes from its config)",
+        metavar=one_of(OPTIMIZER_IMPLS),
+        deprecated="--optimizer",
+    )
 
     def __post_init__(self) -> None:
         parse_recompute(self.recompute)
@@ -236,6 +247,9 @@ class OptimConfig:
             raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
         if self.compile_mode not in COMPILE_MODES:
             raise UsageError(f"--compile-mode {self.compile_mode!r}: choose one of {', '.join(COMPILE_MODES)}")
+        if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:
+            choices = ", ".join(OPTIMIZER_IMPLS)
+            raise UsageError(f"--optimizer-impl {self.optimizer_impl!r}: choose one of {choices}")
         if self.memory_budget is not None:
             parse_memory(self.memory_budget, what="--memory-budget")
 

@@ -10,10 +10,14 @@ from ljperf.models.build import parameter_slots
 from ljperf.models.layout import decoder_layers
 from ljperf.run.context import RunContext
 
+IMPL_KWARGS = {None: {}, "single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+"""AdamW's arguments for each ``--optimizer-impl`` (None: torch's pick, foreach on CUDA and single on a CPU)."""
+
 
 def adamw(params: Iterable[torch.Tensor], *, run: RunContext) -> torch.optim.AdamW:
-    """AdamW as every engine uses it; torch picks foreach on CUDA and the single-tensor loop on CPU."""
-    return torch.optim.AdamW(params, lr=run.train.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    """AdamW as the torch and fsdp engines use it, in ``--optimizer-impl``'s implementation."""
+    kwargs = IMPL_KWARGS[run.optim.optimizer_impl]
+    return torch.optim.AdamW(params, lr=run.train.lr, betas=(0.9, 0.95), weight_decay=0.1, **kwargs)
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

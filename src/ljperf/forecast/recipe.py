@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 from ljperf.core import deepspeed as deepspeed_config
 from ljperf.core.errors import UsageError
 from ljperf.core.mesh import MeshShape
-from ljperf.core.options import PRECISIONS, check_engine_flags, check_precision, check_zero_stage, positive
+from ljperf.core.options import (
+    OPTIMIZER_IMPLS,
+    PRECISIONS,
+    check_engine_flags,
+    check_precision,
+    check_zero_stage,
+    positive,
+)
 from ljperf.core.plans import MODES
 from ljperf.models.catalog import ENGINES
 
@@ -20,7 +27,6 @@ if TYPE_CHECKING:
     from ljperf.run.config import RunConfig
     from ljperf.run.context import RunContext
 
-OPTIMIZER_IMPLS = ("single", "foreach", "fused")
 """torch AdamW implementations; they differ in the optimizer step's temporaries."""
 
 
@@ -196,7 +202,8 @@ class Recipe:
         optimizer: str | None = None,
     ) -> Recipe:
         """The recipe of a run's configuration on ``world`` ranks of ``device``, with ``recompute`` per layer; the
-        AdamW implementation is ``optimizer``, else what the ``--deepspeed-config`` asks for, else torch's pick."""
+        AdamW implementation is ``optimizer``, else ``--optimizer-impl``, else what the ``--deepspeed-config`` asks
+        for, else torch's pick."""
         train, engine_opts = config.train, config.engine_opts
         deepspeed = config.engine == "deepspeed"
         return cls(
@@ -214,7 +221,9 @@ class Recipe:
             reshard_after_forward=engine_opts.reshard_after_forward,
             recompute=recompute,
             zero=_zero_settings(config.deepspeed_user) if deepspeed else ZeroSettings(),
-            optimizer=optimizer or (deepspeed_adamw(config.deepspeed_user) if deepspeed else None),
+            optimizer=optimizer
+            or config.optim.optimizer_impl
+            or (deepspeed_adamw(config.deepspeed_user) if deepspeed else None),
         )
 
     @classmethod

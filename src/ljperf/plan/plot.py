@@ -142,7 +142,7 @@ def recipe_title(recipe: Recipe, *, model: str) -> str:
     return shape_title(recipe.engine, model, where=where, shape=asdict(recipe)) + f" · recompute {recompute}"
 
 
-def plan_picture(path: str, *, cfg: RunConfig, report: dict, optimizer: str | None, device_name: str | None) -> None:
+def plan_picture(path: str, *, cfg: RunConfig, report: dict, device_name: str | None) -> None:
     """The picture of ``ljperf plan``'s ``report`` for ``cfg``: its recipe's forecast over the step (with the plan
     ``--recompute auto`` chose), the budget and the device's memory."""
     recipe = Recipe.of(
@@ -150,7 +150,6 @@ def plan_picture(path: str, *, cfg: RunConfig, report: dict, optimizer: str | No
         world=report["recipe"]["world"],
         device=cfg.train.device,
         recompute=tuple(report["recipe"]["recompute"]),
-        optimizer=optimizer,
     )
     memory = memory_over_step(cfg.model, recipe, device_name=device_name)
     title = recipe_title(recipe, model=cfg.model.name)

@@ -26,13 +26,11 @@ from ljperf.run.config import RunConfig, fixed_recompute
 from ljperf.run.titles import shape_title
 
 
-def planned(
-    cfg: RunConfig, *, world: int, optimizer: str | None, memory: int, device_name: str | None
-) -> tuple[dict, Decision | None]:
+def planned(cfg: RunConfig, *, world: int, memory: int, device_name: str | None) -> tuple[dict, Decision | None]:
     """The plan record of ``cfg`` on ``world`` devices of ``memory`` bytes, and the decision of ``--recompute
     auto`` (None for a fixed plan), solved under its budget."""
     spec, device = cfg.model, cfg.train.device
-    recipe = Recipe.of(cfg, world=world, device=device, recompute=fixed_recompute(cfg) or (), optimizer=optimizer)
+    recipe = Recipe.of(cfg, world=world, device=device, recompute=fixed_recompute(cfg) or ())
     decision = rates = None
     if cfg.optim.recompute == "auto":
         budget_flag = cfg.optim.memory_budget

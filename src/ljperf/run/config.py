@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ljperf.core import deepspeed as deepspeed_config
 from ljperf.core import options
@@ -71,6 +71,8 @@ def check_together(engine: str, train: TrainConfig, optim: OptimConfig, *, model
     if optim.compile_mode == "deepspeed" and engine != "deepspeed":
         raise UsageError(f"--compile-mode deepspeed is DeepSpeed's engine.compile(): use deepspeed/{model}")
     options.check_precision(train.precision, engine=engine)
+    if optim.optimizer_impl is not None and engine == "deepspeed":
+        raise UsageError("--optimizer-impl: the deepspeed engine's AdamW comes from --deepspeed-config: drop the flag")
     if optim.compile_mode != "off" and train.warmup < 1:
         raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
 
@@ -218,6 +220,8 @@ def from_args(
         for name, cls in (("train", TrainConfig), ("launch", LaunchConfig), ("engine_opts", EngineConfig))
     }
     optim = options.from_args(OptimConfig, args)
+    if engine != "deepspeed" and optim.optimizer_impl is None:  # torch's pick, named so that records say which ran
+        optim = replace(optim, optimizer_impl="foreach" if device_type == "cuda" else "single")
     explain = options.from_args(ExplainConfig, args)
     spec = spec_from_args(args)  # after the flags: reading the model takes seconds
     launch = groups["launch"]
