@@ -102,10 +102,13 @@ LONGEST_FIRST = (
     "test_forecast.py",
     "test_reliability.py",
     "test_hook.py",
+    "test_forecast_matrix.py",
     "test_forecast_engines.py",
     "test_compile.py",
+    "test_mesh.py",
     "test_benchmark.py",
     "test_ablation.py",
+    "test_newcomer_fixes.py",
     "test_engines.py",
     "test_checkpoint_plan.py",
 )
