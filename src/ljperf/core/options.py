@@ -40,6 +40,12 @@ def one_of(values: tuple[str, ...]) -> str:
 OPTIMIZER_IMPLS = ("single", "foreach", "fused")
 """torch's AdamW implementations: a loop over tensors, a few kernels over lists of them, one fused kernel."""
 
+
+def torch_adamw_impl(device_type: str) -> str:
+    """The implementation torch's AdamW picks when none is asked for: foreach on CUDA, the loop on a CPU."""
+    return "foreach" if device_type == "cuda" else "single"
+
+
 LARGEST = 2**31 - 1
 """The largest count or number of seconds a flag takes (kernels index with 32-bit ints; a week is 604800 s)."""
 

@@ -19,6 +19,7 @@ from ljperf.core.options import (
     check_precision,
     check_zero_stage,
     positive,
+    torch_adamw_impl,
 )
 from ljperf.core.plans import MODES
 from ljperf.models.catalog import ENGINES
@@ -178,7 +179,7 @@ class Recipe:
     @property
     def optimizer_impl(self) -> str:
         """The AdamW implementation the engine really runs (torch's default choice)."""
-        return self.optimizer or ("foreach" if self.device == "cuda" else "single")
+        return self.optimizer or torch_adamw_impl(self.device)
 
     def layer_modes(self, layers: int) -> tuple[str, ...]:
         """The recompute mode of each of ``layers`` decoder layers."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ljperf.core import deepspeed as deepspeed_config
 from ljperf.core import options
@@ -220,8 +220,6 @@ def from_args(
         for name, cls in (("train", TrainConfig), ("launch", LaunchConfig), ("engine_opts", EngineConfig))
     }
     optim = options.from_args(OptimConfig, args)
-    if engine != "deepspeed" and optim.optimizer_impl is None:  # torch's pick, named so that records say which ran
-        optim = replace(optim, optimizer_impl="foreach" if device_type == "cuda" else "single")
     explain = options.from_args(ExplainConfig, args)
     spec = spec_from_args(args)  # after the flags: reading the model takes seconds
     launch = groups["launch"]
