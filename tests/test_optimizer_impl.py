@@ -8,6 +8,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+
+from ljperf.core.options import TrainConfig, default_adamw_impl
+from ljperf.engines.common import adamw
+from ljperf.forecast import Recipe, forecast
+from ljperf.models.spec import resolve
+from ljperf.run.config import RunConfig
+from ljperf.run.context import unjoined
 
 from conftest import run_main
 
@@ -49,3 +57,17 @@ def test_plan_takes_the_same_flag_and_its_old_spelling(capsys):
     code, out, err = run_main(capsys, *args, "--optimizer", "foreach")
     assert code == 0 and json.loads(out)["recipe"]["optimizer"] == "foreach"
     assert "--optimizer is deprecated here: write --optimizer-impl" in err
+
+
+def test_a_cuda_run_defaults_to_fused_adamw(capsys):
+    """On CUDA the engines run fused AdamW unless told otherwise (as torchtitan does), and the forecast of a CUDA
+    plan counts fused's temporaries: the same peak as ``--optimizer-impl fused``, below foreach's."""
+    assert (default_adamw_impl("cuda"), default_adamw_impl("cpu")) == ("fused", "single")
+    spec = resolve(name="llama-tiny")
+    peaks = {
+        impl: forecast(spec, Recipe(device="cuda", micro_batch=1, seq_len=32, optimizer=impl)).peak_allocated_bytes
+        for impl in (None, "fused", "foreach")
+    }
+    assert peaks[None] == peaks["fused"] < peaks["foreach"], peaks
+    run = unjoined(RunConfig(engine="torch", model=spec, train=TrainConfig(device="cpu")), world=1)
+    assert adamw([torch.zeros(2, requires_grad=True)], run=run).defaults["foreach"] is False  # a CPU run: single

@@ -19,7 +19,7 @@ from ljperf.benchmark.breakdown import breakdown, over_ranks
 from ljperf.benchmark.metrics import Throughput, throughput
 from ljperf.compile.regional import session
 from ljperf.core import hardware
-from ljperf.core.options import LaunchConfig, torch_adamw_impl
+from ljperf.core.options import LaunchConfig, default_adamw_impl
 from ljperf.core.records import record_header
 from ljperf.dist.launch import local_world_size, under_torchrun
 from ljperf.run.config import RunConfig
@@ -78,10 +78,10 @@ def new_record(cfg: RunConfig, run: RunContext) -> dict[str, Any]:
 
 
 def _optimizer_impl(cfg: RunConfig, device_type: str) -> str | None:
-    """The AdamW implementation that ran: ``--optimizer-impl``, else torch's pick (None: DeepSpeed's config)."""
+    """The AdamW implementation that ran: ``--optimizer-impl``, else the default (None: DeepSpeed's config)."""
     if cfg.engine == "deepspeed":
         return None
-    return cfg.optim.optimizer_impl or torch_adamw_impl(device_type)
+    return cfg.optim.optimizer_impl or default_adamw_impl(device_type)
 
 
 def launch_record(launch: LaunchConfig, *, world: int) -> dict[str, Any]:

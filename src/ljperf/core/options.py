@@ -41,9 +41,10 @@ OPTIMIZER_IMPLS = ("single", "foreach", "fused")
 """torch's AdamW implementations: a loop over tensors, a few kernels over lists of them, one fused kernel."""
 
 
-def torch_adamw_impl(device_type: str) -> str:
-    """The implementation torch's AdamW picks when none is asked for: foreach on CUDA, the loop on a CPU."""
-    return "foreach" if device_type == "cuda" else "single"
+def default_adamw_impl(device_type: str) -> str:
+    """The AdamW implementation a run gets when none is asked for: fused on CUDA (one kernel per step, as
+    torchtitan defaults to), torch's own pick on a CPU (the loop)."""
+    return "fused" if device_type == "cuda" else "single"
 
 
 LARGEST = 2**31 - 1
@@ -241,7 +242,7 @@ class OptimConfig:
     optimizer_impl: str | None = opt(
         None,
         "AdamW implementation: fused (one kernel), foreach (kernels over lists of tensors) or single (a loop); "
-        "the forecast counts each one's temporaries (default: torch's pick, foreach on CUDA and single on a CPU; "
+        "the forecast counts each one's temporaries (default: fused on CUDA, single on a CPU; "
         "the deepspeed engine's comes from its config)",
         metavar=one_of(OPTIMIZER_IMPLS),
         deprecated="--optimizer",

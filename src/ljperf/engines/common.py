@@ -6,17 +6,19 @@ from collections.abc import Iterable
 
 import torch
 
+from ljperf.core.options import default_adamw_impl
 from ljperf.models.build import parameter_slots
 from ljperf.models.layout import decoder_layers
 from ljperf.run.context import RunContext
 
-IMPL_KWARGS = {None: {}, "single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-"""AdamW's arguments for each ``--optimizer-impl`` (None: torch's pick, foreach on CUDA and single on a CPU)."""
+IMPL_KWARGS = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+"""AdamW's arguments for each ``--optimizer-impl``."""
 
 
 def adamw(params: Iterable[torch.Tensor], *, run: RunContext) -> torch.optim.AdamW:
-    """AdamW as the torch and fsdp engines use it, in ``--optimizer-impl``'s implementation."""
-    kwargs = IMPL_KWARGS[run.optim.optimizer_impl]
+    """AdamW as the torch and fsdp engines use it, in ``--optimizer-impl``'s implementation (default: fused on
+    CUDA, single on a CPU)."""
+    kwargs = IMPL_KWARGS[run.optim.optimizer_impl or default_adamw_impl(run.device.type)]
     return torch.optim.AdamW(params, lr=run.train.lr, betas=(0.9, 0.95), weight_decay=0.1, **kwargs)
 
 

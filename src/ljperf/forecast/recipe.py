@@ -18,8 +18,8 @@ from ljperf.core.options import (
     check_engine_flags,
     check_precision,
     check_zero_stage,
+    default_adamw_impl,
     positive,
-    torch_adamw_impl,
 )
 from ljperf.core.plans import MODES
 from ljperf.models.catalog import ENGINES
@@ -128,7 +128,7 @@ class Recipe:
     recompute: tuple[str, ...] = ()
     """One entry per decoder layer: none, full or selective; empty means none for every layer."""
     optimizer: str | None = None
-    """AdamW implementation: single, foreach or fused (default: what torch picks, foreach on CUDA, single on CPU)."""
+    """AdamW implementation: single, foreach or fused (default: fused on CUDA, single on a CPU)."""
     zero: ZeroSettings = field(default_factory=ZeroSettings)
     """DeepSpeed's bucket, prefetch and release settings (deepspeed engine only)."""
 
@@ -178,8 +178,8 @@ class Recipe:
 
     @property
     def optimizer_impl(self) -> str:
-        """The AdamW implementation the engine really runs (torch's default choice)."""
-        return self.optimizer or torch_adamw_impl(self.device)
+        """The AdamW implementation the engine runs: ``--optimizer-impl``, else fused on CUDA, single on a CPU."""
+        return self.optimizer or default_adamw_impl(self.device)
 
     def layer_modes(self, layers: int) -> tuple[str, ...]:
         """The recompute mode of each of ``layers`` decoder layers."""
@@ -204,7 +204,7 @@ class Recipe:
     ) -> Recipe:
         """The recipe of a run's configuration on ``world`` ranks of ``device``, with ``recompute`` per layer; the
         AdamW implementation is ``optimizer``, else ``--optimizer-impl``, else what the ``--deepspeed-config`` asks
-        for, else torch's pick."""
+        for, else the default (fused on CUDA)."""
         train, engine_opts = config.train, config.engine_opts
         deepspeed = config.engine == "deepspeed"
         return cls(
