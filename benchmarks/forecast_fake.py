@@ -1,4 +1,5 @@
 """python benchmarks/forecast_fake.py [--engine torch|fsdp] [--world N] [--models llama3.2-1b,...] [--out-dir DIR]
+[--loss plain|chunked] [--shapes 1x2048,2x4096] [--runs none/fp32,full/bf16-mixed,...]
 
 The forecast at real sizes without a GPU: for each catalog model (1B-8B), recompute (none, full), shape and
 precision, ``ljperf.forecast`` beside PyTorch's ``MemTracker`` over step 2 of the engine's full-size model on fake
@@ -38,14 +39,21 @@ def main() -> None:
     parser.add_argument("--world", type=int, help="ranks (default: 1 for torch, 8 for fsdp)")
     parser.add_argument("--models", default=MODELS, help=f"comma-separated catalog names (default: {MODELS})")
     parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--loss", choices=("plain", "chunked"), default="plain", help="--loss of every run")
+    parser.add_argument("--shapes", help="micro batch x sequence, comma-separated (default: 1x2048,2x4096)")
+    parser.add_argument("--runs", help="recompute/precision, comma-separated (default: the four of none, full × fp32,"
+                        " bf16-mixed)")  # fmt: skip
     args = parser.parse_args()
     world = args.world or (8 if args.engine == "fsdp" else 1)
-    out = Path(args.out_dir) / f"forecast_fake_{args.engine}-{world}_cpu_{datetime.date.today():%Y%m%d}.md"
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    runs = [tuple(r.split("/")) for r in args.runs.split(",")] if args.runs else RUNS
+    loss = "" if args.loss == "plain" else f"_loss-{args.loss}"
+    out = Path(args.out_dir) / f"forecast_fake_{args.engine}-{world}{loss}_cpu_{datetime.date.today():%Y%m%d}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for name in args.models.split(","):
         spec = resolve(name=name)
-        for (micro_batch, seq_len), (recompute, precision) in ((shape, run) for shape in SHAPES for run in RUNS):
+        for (micro_batch, seq_len), (recompute, precision) in ((shape, run) for shape in shapes for run in runs):
             recipe = Recipe(
                 engine=args.engine,
                 world=world,
@@ -54,6 +62,7 @@ def main() -> None:
                 micro_batch=micro_batch,
                 seq_len=seq_len,
                 recompute=(recompute,) * spec.layers,
+                loss=args.loss,
             )
             start = time.perf_counter()
             predicted = forecast(spec, recipe)
@@ -74,11 +83,12 @@ def main() -> None:
             }
             rows.append(row)
             print(table(rows[-1:]), end="", flush=True)
-            write_atomic(out, lambda f: f.write(table(rows, engine=args.engine, world=world).encode()))
+            text = table(rows, engine=args.engine, world=world, loss=args.loss)
+            write_atomic(out, lambda f, text=text: f.write(text.encode()))
     print(out.read_text())
 
 
-def table(rows: list[dict], *, engine: str | None = None, world: int = 1) -> str:
+def table(rows: list[dict], *, engine: str | None = None, world: int = 1, loss: str = "plain") -> str:
     """Markdown: forecast beside MemTracker's peak on fake tensors, with the error and where the peak is; with
     ``engine``, the whole table (title, header, summary), else the rows alone."""
     header = engine is not None
@@ -89,8 +99,8 @@ def table(rows: list[dict], *, engine: str | None = None, world: int = 1) -> str
             f"# Forecast vs MemTracker on a full-size fake step (CPU, torch {torch.__version__}, transformers "
             f"{transformers.__version__})",
             "",
-            f"`python benchmarks/forecast_fake.py --engine {engine} --world {world}`: {engine} engine, {what}, AdamW "
-            "(single-tensor, as on CPU), sdpa.",
+            f"`python benchmarks/forecast_fake.py --engine {engine} --world {world} --loss {loss}`: {engine} engine,"
+            f" {what}, AdamW (single-tensor, as on CPU), sdpa, {loss} loss.",
             "",
             "| model | layers | micro batch | seq len | recompute | precision | forecast GiB | MemTracker GiB | "
             "error % | forecast peak at | forecast s | fake step s |",

@@ -18,6 +18,8 @@ BUILTIN: dict[str, str] = {
     "compile": "--compile",
     "compile+ckpt": "--compile --recompute auto",
     "ckpt-full": "--recompute full",
+    "loss-chunked": "--loss chunked",
+    "compile+loss": "--compile --loss chunked",
 }
 DEFAULT_VARIANTS = ("base", "compile", "compile+ckpt")
 LOCAL_ENV = "local"

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus", type=int, default=1, metavar="N", help="data-parallel ranks, the world size (default: 1)")
     narrow = {"device": ("cpu", "cuda"), "attn_implementation": ("sdpa", "eager")}
     options.add_arguments(g, TrainConfig, only=TRAIN, defaults={"device": "cuda"}, choices=narrow)
-    options.add_arguments(g, OptimConfig, only=("recompute", "optimizer_impl"))
+    options.add_arguments(g, OptimConfig, only=("recompute", "optimizer_impl", "loss"))
     options.add_arguments(g, EngineConfig)
     m = parser.add_argument_group("memory")
     m.add_argument("--gpu-memory", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's)")

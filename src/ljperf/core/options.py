@@ -20,6 +20,12 @@ from ljperf.core.units import parse_memory
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 COMPILE_MODES = ("regional", "whole", "deepspeed", "off")
+LOSSES = ("plain", "chunked")
+LOSS_CHUNKS = 16
+"""Chunks ``--loss chunked`` splits a micro-batch's tokens into: one chunk's logits are 1/16 of the whole (Llama 3.2
+1B at 8 × 2048 tokens: 1024 tokens a chunk, 250 MiB of bf16 logits of 4 GiB). A fixed count, not a fixed size, keeps
+the forecast exact: its traced shapes (multiples of 32 tokens) split evenly, so each chunk's tensors are polynomials in
+batch and sequence as every other traced tensor is."""
 DEEPCOMPILE_WARMUP = 6
 """Warm-up steps of DeepCompile: DeepSpeed (0.19) adds its prefetch passes at global step 5 and compiles the model
 again (``deepspeed/compile/init_z3.py``), so its steady state starts at step 6."""
@@ -217,7 +223,7 @@ class EngineConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    """Optimizations, applied in a fixed order before the engine shards: checkpoint → compile."""
+    """Optimizations, applied in a fixed order before the engine shards: checkpoint → loss → compile."""
 
     TITLE: ClassVar[str] = "optimizations"
 
@@ -247,6 +253,13 @@ class OptimConfig:
         metavar=one_of(OPTIMIZER_IMPLS),
         deprecated="--optimizer",
     )
+    loss: str = opt(
+        "plain",
+        "next-token loss: plain (HF's: the whole logits, tokens × vocabulary, live from the LM head to its backward)"
+        f" or chunked (the LM head and cross-entropy over {LOSS_CHUNKS} chunks of the tokens, each recomputed in"
+        " backward: one chunk's logits live at a time; the same loss and gradients; not with --tp)",
+        metavar=one_of(LOSSES),
+    )
 
     def __post_init__(self) -> None:
         parse_recompute(self.recompute)
@@ -259,6 +272,8 @@ class OptimConfig:
             raise UsageError(f"--optimizer-impl {self.optimizer_impl!r}: choose one of {choices}")
         if self.memory_budget is not None:
             parse_memory(self.memory_budget, what="--memory-budget")
+        if self.loss not in LOSSES:
+            raise UsageError(f"--loss {self.loss!r}: choose one of {', '.join(LOSSES)}")
 
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
@@ -300,6 +315,12 @@ def check_precision(precision: str | None, *, engine: str) -> None:
             "--precision bf16 (bf16 weights, no fp32 master copy) runs on the torch and fsdp engines; deepspeed"
             " keeps fp32 master weights: use bf16-mixed"
         )
+
+
+def check_loss(loss: str, *, tp: int) -> None:
+    """The chunked loss runs the LM head as one module; tensor parallel splits it over the vocabulary."""
+    if loss == "chunked" and tp > 1:
+        raise UsageError(f"--loss chunked runs the LM head whole; --tp {tp} splits it: use --loss plain with --tp")
 
 
 def check_engine_flags(

@@ -1,5 +1,5 @@
 """The optimizations every engine applies to the model before it wraps or shards it, in torchtitan's fixed
-order: tensor parallel → activation checkpointing → compile → (the engine) shard or wrap.
+order: tensor parallel → activation checkpointing → the chunked loss → compile → (the engine) shard or wrap.
 
 Run: ``model = apply_optimizations(model, run, tp_mesh=...)`` in an engine's ``setup``, once, on the HF model
 (meta or materialized).
@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ljperf.checkpoint.apply import apply_plan
 from ljperf.compile.regional import compile_model, zero3_gather_per_block
+from ljperf.models.loss import use_chunked_loss
 from ljperf.models.tensor_parallel import parallelize
 from ljperf.run.context import RunContext
 
@@ -23,6 +24,7 @@ def apply_optimizations(
     tensor parallel splits over (FSDP2 with ``--tp``)."""
     apply_tp(model, tp_mesh)
     apply_checkpoint(model, run)
+    apply_loss(model, run)
     return apply_compile(model, run)
 
 
@@ -37,6 +39,13 @@ def apply_checkpoint(model: torch.nn.Module, run: RunContext) -> None:
     """The run's recompute plan (``run.plan``, resolved before the engine is built) on the decoder layers."""
     if run.plan is not None:
         apply_plan(model, run.plan)
+
+
+def apply_loss(model: torch.nn.Module, run: RunContext) -> None:
+    """``--loss chunked``: the model's forward runs the LM head and loss in chunks (``models.loss``); before
+    compile, which compiles each chunk's loss as its "loss" region (``whole``: the chunked forward)."""
+    if run.optim.loss == "chunked":
+        use_chunked_loss(model)
 
 
 def apply_compile(model: torch.nn.Module, run: RunContext) -> torch.nn.Module:

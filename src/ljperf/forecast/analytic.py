@@ -51,8 +51,11 @@ def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
 
 
 def head_bytes(spec: ModelSpec, recipe: Recipe) -> int:
-    """Logits (in the autocast width), their fp32 copy and log-softmax, kept until the loss backward."""
+    """Logits (in the autocast width), their fp32 copy and log-softmax, kept until the loss backward (none under
+    the chunked loss, which recomputes each chunk's there)."""
     tokens = recipe.micro_batch * recipe.seq_len
+    if recipe.loss == "chunked":
+        return 4 * spec.hidden * tokens
     a = 2 if recipe.precision != "fp32" else 4
     return tokens * spec.vocab * (a + 4 + (4 if a == 2 else 0)) + 4 * spec.hidden * tokens
 

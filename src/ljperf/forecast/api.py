@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ljperf.core.errors import UsageError
-from ljperf.core.options import LARGEST
+from ljperf.core.options import LARGEST, LOSS_CHUNKS
 from ljperf.forecast import analytic, timeline
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.calibrate import overheads_for
@@ -38,6 +38,7 @@ def _patterns(spec: ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[int, ..
         device=recipe.device,
         pick=pick,
         tp=recipe.tp,
+        loss=recipe.loss,
     )
 
 
@@ -135,6 +136,8 @@ def analytic_forecast(spec: ModelSpec, recipe: Recipe, *, reason: str) -> Foreca
     # tensor parallel: each rank keeps about 1/tp (sequence parallel; the loss's logits split by vocabulary)
     acts = analytic.activation_bytes(spec, recipe) // recipe.tp
     logits_grad = recipe.micro_batch * recipe.seq_len * spec.vocab * 4 // recipe.tp
+    if recipe.loss == "chunked":
+        logits_grad //= LOSS_CHUNKS
     grads_seen = shard.grads if recipe.grad_accum > 1 else 0
     gathered = max(max(g.forward, g.backward) for g in map(shard.gathering.layer, range(blocks.layers)))
     forward = states + grads_seen + acts + logits_grad + shard.gathering.resident + gathered

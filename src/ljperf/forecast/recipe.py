@@ -13,9 +13,11 @@ from ljperf.core import deepspeed as deepspeed_config
 from ljperf.core.errors import UsageError
 from ljperf.core.mesh import MeshShape
 from ljperf.core.options import (
+    LOSSES,
     OPTIMIZER_IMPLS,
     PRECISIONS,
     check_engine_flags,
+    check_loss,
     check_precision,
     check_zero_stage,
     default_adamw_impl,
@@ -131,6 +133,8 @@ class Recipe:
     """AdamW implementation: single, foreach or fused (default: fused on CUDA, single on a CPU)."""
     zero: ZeroSettings = field(default_factory=ZeroSettings)
     """DeepSpeed's bucket, prefetch and release settings (deepspeed engine only)."""
+    loss: str = "plain"
+    """The next-token loss: plain (HF's, the whole logits) or chunked (``--loss chunked``, a chunk's logits)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -154,6 +158,9 @@ class Recipe:
             raise UsageError(f"recompute mode {bad[0]!r}: choose one of {', '.join(MODES)}")
         if self.optimizer is not None and self.optimizer not in OPTIMIZER_IMPLS:
             raise UsageError(f"optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZER_IMPLS)}")
+        if self.loss not in LOSSES:
+            raise UsageError(f"loss {self.loss!r}: choose one of {', '.join(LOSSES)}")
+        check_loss(self.loss, tp=self.tp)
 
     @property
     def trace_precision(self) -> str:
@@ -222,6 +229,7 @@ class Recipe:
             reshard_after_forward=engine_opts.reshard_after_forward,
             recompute=recompute,
             zero=_zero_settings(config.deepspeed_user) if deepspeed else ZeroSettings(),
+            loss=config.optim.loss,
             optimizer=optimizer
             or config.optim.optimizer_impl
             or (deepspeed_adamw(config.deepspeed_user) if deepspeed else None),

@@ -59,10 +59,12 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ljperf.checkpoint.apply import apply_plan
 from ljperf.core.cache import cache_root, cached
 from ljperf.core.errors import one_line
+from ljperf.core.options import LOSS_CHUNKS
 from ljperf.dist.mesh import fake_tp_mesh
 from ljperf.forecast.patches import real_code_paths, swapped
 from ljperf.models.build import build_picked, replace_parameters
 from ljperf.models.layout import decoder_layers
+from ljperf.models.loss import use_chunked_loss
 from ljperf.models.spec import ModelSpec, build_meta, with_layers
 from ljperf.models.step import accumulate
 from ljperf.models.tensor_parallel import parallelize
@@ -227,12 +229,14 @@ def trace_shape(
     as_cuda: bool = False,
     pick: tuple[int, ...] | None = None,
     tp: int = 1,
+    loss: str = "plain",
 ) -> RawTrace:
     """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline;
     ``as_cuda``: SDPA calls as CUDA runs them (its fused kernel where CPU runs math, math where it does), and the
     ops of ``CUDA_FP32`` in fp32 as CUDA's autocast does; ``pick``: the full model's (first, middle, last) layers
     the copy is made of, the middle one repeated (``layer_picks``); ``tp``: rank 0 of that many tensor-parallel
-    ranks, the copy split as the engine splits it (``models.tensor_parallel``) on a fake process group."""
+    ranks, the copy split as the engine splits it (``models.tensor_parallel``) on a fake process group; ``loss``:
+    plain or chunked (``models.loss``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode()
@@ -244,6 +248,8 @@ def trace_shape(
     model = fake_model(source, attn=attn, fake_mode=fake_mode, dtype=dtype, pick=picked, tp=tp)
     if mode != "none":
         apply_plan(model, (mode,) * layers)
+    if loss == "chunked":
+        use_chunked_loss(model)
     timeline = LiveBytesTimeline()
     state = {"backward": False, "cuda_differs": False}
     _install_marks(model, timeline, state)
@@ -510,7 +516,8 @@ class Patterns:
     cuda_differs: bool = False
     """The traces met something CUDA runs otherwise (``RawTrace.cuda_differs``)."""
     divisor: int = 1
-    """The coefficients are of ``divisor`` × bytes (``--tp``: a rank's share of a sequence-parallel tensor has
+    """The coefficients are of ``divisor`` × bytes (``--loss chunked``: × ``LOSS_CHUNKS``, a chunk's tokens are
+    a fraction of b·s; ``--tp``: a rank's share of a sequence-parallel tensor has
     bytes per token that are fractions of tp, such as 4 / 8 for one fp32 value a token at ``--tp 8``)."""
 
     def segment_keys(self) -> list[SegmentKey]:
@@ -643,11 +650,14 @@ def traced_patterns(
     device: str = "cpu",
     pick: tuple[int, ...] | None = None,
     tp: int = 1,
+    loss: str = "plain",
 ) -> Patterns:
     """The fitted patterns of one architecture and shape family on ``device``, from the cache or traced now (and
     cached): CPU's, and for CUDA those traced as CUDA runs them where CPU's differ (``cuda_differs``). ``pick``: a
-    copy of those layers of the full model (``layer_picks``); ``tp``: one rank of that many tensor-parallel ones."""
-    kwargs = {"precision": precision, "attn": attn, "mode": mode, "micro_batch": micro_batch, "pick": pick, "tp": tp}
+    copy of those layers of the full model (``layer_picks``); ``tp``: one rank of that many tensor-parallel ones;
+    ``loss``: plain or chunked (``--loss``)."""
+    kwargs = {"precision": precision, "attn": attn, "mode": mode, "micro_batch": micro_batch, "pick": pick}
+    kwargs |= {"tp": tp, "loss": loss}
     patterns = _traced_patterns(spec, **kwargs)
     if device == "cuda" and patterns.cuda_differs:
         return _traced_patterns(spec, **kwargs, as_cuda=True)
@@ -664,9 +674,13 @@ def _traced_patterns(
     as_cuda: bool = False,
     pick: tuple[int, ...] | None = None,
     tp: int = 1,
+    loss: str = "plain",
 ) -> Patterns:
     fam = family(micro_batch)
     variant = mode + ("-cuda" if as_cuda else "") + (f"-tp{tp}" if tp > 1 else "")
+    variant += f"-loss-{loss}-{LOSS_CHUNKS}" if loss != "plain" else ""
+    # a chunk's tensors hold 1/LOSS_CHUNKS of the tokens: bytes per token that are fractions, as under --tp
+    divisor = tp * (LOSS_CHUNKS if loss != "plain" else 1)
     if pick is not None:  # its layers, of this depth
         variant += f"-layers-{'-'.join(map(str, pick))}-of-{spec.layers}"
     key = family_key(spec, precision=precision, attn=attn, mode=variant)
@@ -674,7 +688,8 @@ def _traced_patterns(
     if path in _FAILED:
         raise _FAILED[path]
     if path not in _PATTERNS:
-        options = {"precision": precision, "attn": attn, "mode": mode, "as_cuda": as_cuda, "pick": pick, "tp": tp}
+        options = {"precision": precision, "attn": attn, "mode": mode, "as_cuda": as_cuda, "pick": pick}
+        options |= {"tp": tp, "loss": loss}
 
         def trace(shape: tuple[int, int], layers: int) -> RawTrace:
             return trace_shape(spec, micro_batch=shape[0], seq_len=shape[1], layers=layers, **options)
@@ -683,7 +698,7 @@ def _traced_patterns(
             shapes = FAMILIES[fam]
             reference = {shape: trace(shape, TRACE_LAYERS) for shape in shapes}
             differs = any(raw.cuda_differs for raw in reference.values())
-            patterns = fit_patterns(reference, layers=TRACE_LAYERS, divisor=tp)
+            patterns = fit_patterns(reference, layers=TRACE_LAYERS, divisor=divisor)
             # The deeper copy at one shape first: where its segments equal the reference's, no layer leaves anything
             # to the edges (the usual case), and the other shapes need not be traced again.
             probe = shapes[-1]
@@ -691,10 +706,10 @@ def _traced_patterns(
             if split_segments(deeper[probe], layers=SLOPE_LAYERS) == split_segments(
                 reference[probe], layers=TRACE_LAYERS
             ):
-                return Patterns(segments=patterns, per_layer={}, cuda_differs=differs, divisor=tp)
+                return Patterns(segments=patterns, per_layer={}, cuda_differs=differs, divisor=divisor)
             deeper |= {shape: trace(shape, SLOPE_LAYERS) for shape in shapes[:-1]}
-            slopes = fit_patterns(deeper, layers=SLOPE_LAYERS, divisor=tp)
-            return with_per_layer(patterns, slopes, cuda_differs=differs, divisor=tp)
+            slopes = fit_patterns(deeper, layers=SLOPE_LAYERS, divisor=divisor)
+            return with_per_layer(patterns, slopes, cuda_differs=differs, divisor=divisor)
 
         try:
             _PATTERNS[path] = cached(

@@ -61,6 +61,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_together(self.engine, self.train, self.optim, model=self.model.name)
         check_tensor_parallel(self.model, tp=self.engine_opts.tp, seq_len=self.train.seq_len)
+        options.check_loss(self.optim.loss, tp=self.engine_opts.tp)
+        check_chunked_loss(self.model, loss=self.optim.loss)
         if (plan := parse_recompute(self.optim.recompute)) != "auto":
             fixed_plan(plan, self.model.layers)  # one that does not match the model fails here, not in every rank
 
@@ -98,6 +100,24 @@ def check_tensor_parallel(spec: ModelSpec, *, tp: int, seq_len: int) -> None:
             raise UsageError(f"--tp {tp} must divide {spec.name}'s {what}, {n}: each rank takes an equal share")
     if seq_len % tp:
         raise UsageError(f"--tp {tp} must divide --seq-len {seq_len}: sequence parallel gives each rank equal tokens")
+
+
+CHUNKED_LOSS_REFUSES = {
+    "logit_scale": "scales its logits (Cohere)",
+    "logits_scaling": "scales its logits (Granite)",
+    "output_router_logits": "adds its router's load-balancing loss (output_router_logits)",
+}
+"""Config facts whose model's forward does more between its LM head and its loss than the chunked loss does (it
+does Gemma 2's ``final_logit_softcapping``)."""
+
+
+def check_chunked_loss(spec: ModelSpec, *, loss: str) -> None:
+    """``--loss chunked`` on a model whose forward it reproduces: its head, soft-capping and HF's loss."""
+    if loss != "chunked":
+        return
+    for fact, what in CHUNKED_LOSS_REFUSES.items():
+        if spec.facts.config_dict.get(fact) not in (None, False, 1, 1.0):
+            raise UsageError(f"--loss chunked: {spec.name} {what}, which the chunked loss does not: use --loss plain")
 
 
 def fixed_recompute(cfg: RunConfig) -> Plan | None:
@@ -197,6 +217,7 @@ def check_flags(args: argparse.Namespace, *, world: int | None = None) -> Flags:
     model = split_model_arg(args.model)[1] if args.model else "MODEL"
     check_together(engine, groups[TrainConfig], groups[OptimConfig], model=model)
     engine_opts = groups[EngineConfig]
+    options.check_loss(groups[OptimConfig].loss, tp=engine_opts.tp)
     world = world if world is not None else launch_world(groups[LaunchConfig])
     MeshShape.of(world=world, tp=engine_opts.tp, dp_replicate=engine_opts.dp_replicate)
     return Flags(engine=engine, deepspeed_user=user, args=resolved)
