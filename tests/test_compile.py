@@ -253,25 +253,33 @@ ENGINES = {
 
 
 @pytest.fixture(scope="module")
-def zero3_runs(tmp_path_factory) -> dict[str, dict]:
-    """Eager and regionally compiled ZeRO-3 in one 2-process launch; the eager run is also what DeepSpeed's own
-    compile is compared with."""
-    nproc, flags = ENGINES["zero3"]
-    runs = {"eager": flags, "compiled": f"{flags} --compile"}
-    return benchmark_runs(tmp_path_factory.mktemp("zero3"), runs, nproc=nproc)[0]
+def two_rank_runs(tmp_path_factory) -> tuple[dict[str, dict], str]:
+    """Every 2-process run of this file in one launch (one start-up, not three): FSDP2 and ZeRO-3 eager and
+    regionally compiled, then DeepSpeed's own ``engine.compile()`` with DeepCompile asked for; the records by
+    name and the launch's stderr."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    deepcompile = out / "ds.json"
+    deepcompile.write_text(json.dumps({"compile": {"deepcompile": True}}))
+    runs = {}
+    for engine in ("fsdp2", "zero3"):
+        flags = ENGINES[engine][1]
+        runs |= {f"{engine}-eager": flags, f"{engine}-compiled": f"{flags} --compile"}
+    runs["zero3-engine-compiled"] = f"{ENGINES['zero3'][1]} --compile-mode deepspeed --deepspeed-config {deepcompile}"
+    return benchmark_runs(out, runs, nproc=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_compiled_losses_equal_eager(tmp_path, engine, request):
-    """Eager, then regionally compiled, in one process (torch) or one 2-process launch (FSDP2, ZeRO-3)."""
+    """Eager, then regionally compiled, in one process (torch) or the file's one 2-process launch (FSDP2, ZeRO-3)."""
     zero3 = engine == "zero3"
-    if zero3:
-        records = request.getfixturevalue("zero3_runs")
+    nproc, flags = ENGINES[engine]
+    if nproc > 1:
+        records = request.getfixturevalue("two_rank_runs")[0]
+        eager, compiled = records[f"{engine}-eager"], records[f"{engine}-compiled"]
     else:
-        nproc, flags = ENGINES[engine]
         records, _ = benchmark_runs(tmp_path, {"eager": flags, "compiled": f"{flags} --compile"}, nproc=nproc)
-    eager, compiled = records["eager"], records["compiled"]
+        eager, compiled = records["eager"], records["compiled"]
     assert "compile" not in eager["results"]
     assert_losses_close(compiled["results"]["losses"], eager["results"]["losses"])
     record = compiled["results"]["compile"]
@@ -291,21 +299,17 @@ def test_compiled_losses_equal_eager(tmp_path, engine, request):
 
 
 @pytest.mark.slow
-def test_deepspeed_engine_compile_trains_like_eager(tmp_path, zero3_runs):
+def test_deepspeed_engine_compile_trains_like_eager(two_rank_runs):
     """``--compile-mode deepspeed``: DeepSpeed's ``engine.compile()`` under ZeRO-3 gives eager's losses, and what it
     cost is recorded: on CPU it breaks and recompiles in ZeRO-3's hooks, which the regional mode keeps out of its
     graphs (benchmarks/compile.py compares the two). DeepCompile, asked for here, cannot build its op on CPU (nor
     did it on the H200 on 2026-12-04: ``int('0a')`` in DeepSpeed 0.19.8's arch-list parsing): the run goes on
     without it. It failed with ``KeyError: torch.float32`` (``bfloat16`` on the H200) when engine.compile() found
     out itself, having cleared ZeRO-3's gradient buckets first."""
-    user = tmp_path / "ds.json"
-    user.write_text(json.dumps({"compile": {"deepcompile": True}}))
-    nproc, flags = ENGINES["zero3"]
-    runs = {"engine-compiled": f"{flags} --compile-mode deepspeed --deepspeed-config {user}"}
-    records, stderr = benchmark_runs(tmp_path, runs, nproc=nproc)
+    records, stderr = two_rank_runs
     assert "warning: DeepCompile unavailable" in stderr, stderr[-3000:]
-    compiled = records["engine-compiled"]["results"]
-    assert_losses_close(compiled["losses"], zero3_runs["eager"]["results"]["losses"])
+    compiled = records["zero3-engine-compiled"]["results"]
+    assert_losses_close(compiled["losses"], records["zero3-eager"]["results"]["losses"])
     record = compiled["compile"]
     assert record["mode"] == "deepspeed" and record["deepcompile"] is False
     assert record["regions"] == 1 and record["time_s"] > 0

@@ -4,7 +4,9 @@ Run: ``torchrun --nproc-per-node 2 tests/scripts/engines_worker.py OUT_DIR NAME=
 ``ddp="--model torch/llama-tiny --seq-len 32"``; each run writes ``OUT_DIR/NAME.json`` through the real CLI
 path (parse, ``config_from_args``, ``run_worker``). The process group is kept between runs and left at the end.
 ``python tests/scripts/engines_worker.py ...`` (no torchrun) runs one-process runs the same way. Rank 0 prints
-``MARK + NAME`` before each run, so a test can tell each run's output (its table) from the others'.
+``MARK + NAME`` before each run, so a test can tell each run's output (its table) from the others'. Each
+run starts from an empty dynamo cache, so a compiled run compiles (and counts recompiles) as in a process of
+its own, also after another compiled run.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 import shlex
 import sys
 from pathlib import Path
+
+import torch._dynamo
 
 from ljperf.benchmark import loop as benchmark
 from ljperf.benchmark.config import config_from_args
@@ -32,6 +36,7 @@ def main() -> int:
             print(f"{MARK}{name}", flush=True)
         argv = ["benchmark", *shlex.split(args), "--output", str(out / f"{name}.json")]
         args_ns = build_parser("benchmark").parse_args(argv)
+        torch._dynamo.reset()
         code = run_worker(config_from_args(args_ns, argv))
         if code:
             return code
