@@ -110,9 +110,10 @@ def test_many_micro_steps_cost_no_more_time_than_five(engine, zero_stage):
 
 
 WORKER = os.path.join(os.path.dirname(__file__), "scripts", "engines_worker.py")
-SHAPE = "--micro-batch 2 --seq-len 128 --steps 1 --warmup 2 --device cpu"
-SMALL = "--micro-batch 1 --seq-len 32 --grad-accum 2 --steps 1 --warmup 2 --device cpu"
-STEP_BOUND = "--micro-batch 1 --seq-len 32 --steps 1 --warmup 2 --device cpu"  # activations smaller than the states
+# --warmup 0 --steps 1: two steps, memory measured on step 2 as with --warmup 2 (the timed step 1 is not read)
+SHAPE = "--micro-batch 2 --seq-len 128 --steps 1 --warmup 0 --device cpu"
+SMALL = "--micro-batch 1 --seq-len 32 --grad-accum 2 --steps 1 --warmup 0 --device cpu"
+STEP_BOUND = "--micro-batch 1 --seq-len 32 --steps 1 --warmup 0 --device cpu"  # activations smaller than the states
 DISTRIBUTED = {
     "ddp": f"--model torch/llama-tiny --grad-accum 2 {SHAPE}",
     "fsdp": f"--model fsdp/llama-tiny --grad-accum 2 {SHAPE}",
