@@ -63,9 +63,7 @@ def command(peer: str, args: argparse.Namespace, out: Path) -> list[str]:
 def unavailable(peer: str) -> str | None:
     """Why the peer cannot run here, or None."""
     if peer.startswith("torchtitan") and importlib.util.find_spec("torchtitan") is None:
-        return (
-            "skipped: torchtitan is not importable here (pip install torchtitan; benchmarks/gpu_wheels.sh carries it)"
-        )
+        return "skipped: torchtitan is not importable here (pip install torchtitan; gpu_wheels.sh carries its wheel)"
     return None
 
 
@@ -94,6 +92,7 @@ def run_peer(peer: str, args: argparse.Namespace, workdir: Path) -> dict:
         "peak_bytes": res["peak_allocated_bytes"],
         "final_loss": res["losses"][-1],
         "device": got["env"]["devices"][0],
+        "step_times_s": res["step_times_s"],
     }
 
 
