@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from ljperf.benchmark.metrics import throughput
@@ -58,6 +59,24 @@ def command(peer: str, args: argparse.Namespace, out: Path) -> list[str]:
                 "--threads", str(args.threads), *compiled, *recompute, "--output", str(out)]  # fmt: skip
     script = "peers_trainer.py" if peer.startswith("trainer") else "peers_titan.py"
     return [sys.executable, str(HERE / script), "--model", args.model, *shape, *compiled, "--out", str(out)]
+
+
+def runner_main(
+    doc: str, train: Callable[[argparse.Namespace], dict], *, devices: tuple[str, ...], compiled: str
+) -> None:
+    """A peer runner's command line (the flags ``command`` gives it): parse them, train, write its figures."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--model", required=True, help="catalog name, e.g. llama3.2-1b")
+    parser.add_argument("--device", choices=devices, default=devices[-1])
+    parser.add_argument("--precision", choices=("fp32", "bf16-mixed"), default="bf16-mixed")
+    for flag in ("--micro-batch", "--seq-len", "--steps"):
+        parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help=compiled)
+    parser.add_argument("--out", required=True, help="the JSON file to write")
+    args = parser.parse_args()
+    write_json(args.out, train(args))
 
 
 def unavailable(peer: str) -> str | None:

@@ -42,8 +42,8 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.trainer import Trainer
 
 from ljperf.benchmark.data import SyntheticTokens
-from ljperf.core.records import write_json
 from ljperf.models.spec import ModelSpec, resolve
+from peers import runner_main
 
 SETTINGS = "LJPERF_PEERS_TITAN"
 """The run's flags as JSON: torchtitan calls ``ljperf_peer()`` with no arguments."""
@@ -194,21 +194,5 @@ def train(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="catalog name, e.g. llama3.2-1b")
-    parser.add_argument("--device", choices=("cuda",), default="cuda", help="torchtitan trains on a GPU")
-    parser.add_argument("--precision", choices=("fp32", "bf16-mixed"), default="bf16-mixed")
-    parser.add_argument("--micro-batch", type=int, required=True)
-    parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", action="store_true", help="torchtitan's per-block torch.compile")
-    parser.add_argument("--out", required=True, help="the JSON file to write")
-    args = parser.parse_args()
-    write_json(args.out, train(args))
-
-
 if __name__ == "__main__":
-    main()
+    runner_main(__doc__, train, devices=("cuda",), compiled="torchtitan's per-block torch.compile")

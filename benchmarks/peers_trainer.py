@@ -26,10 +26,10 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from ljperf.benchmark.data import SyntheticTokens
 from ljperf.core import hardware
-from ljperf.core.records import write_json
 from ljperf.dist import memory
 from ljperf.models.build import materialize
 from ljperf.models.spec import build_meta, resolve
+from peers import runner_main
 
 LEARNING_RATE = 3e-4
 """ljperf's default ``--lr``."""
@@ -142,21 +142,5 @@ def train(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="catalog name, e.g. llama3.2-1b")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--precision", choices=("fp32", "bf16-mixed"), default="fp32")
-    parser.add_argument("--micro-batch", type=int, required=True)
-    parser.add_argument("--seq-len", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True)")
-    parser.add_argument("--out", required=True, help="the JSON file to write")
-    args = parser.parse_args()
-    write_json(args.out, train(args))
-
-
 if __name__ == "__main__":
-    main()
+    runner_main(__doc__, train, devices=("cpu", "cuda"), compiled="TrainingArguments(torch_compile=True)")
