@@ -22,6 +22,7 @@
 # torch engine, llama3.2-3b (target ≥ 1.20× tokens/s; 1b: 1.38×); (7) the auto recompute plan vs a sample of
 # "first K layers full" plans (benchmarks/recompute.py --ks). Every table is rewritten after each of its runs.
 # A rerun of some steps only (after a cut): ONLY="compile-deepspeed forecast-fused" bash benchmarks/gpu_session.sh
+# Issue #38, ljperf against its peers (benchmarks/peers.py; last, about 4 minutes): ONLY="peers-1b peers-3b".
 # Everything lands in $OUT (the device's return folder; default benchmarks/results/gpu_session): at most 8 files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,11 +33,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LJPERF_CACHE_DIR="$WORK/cache" PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${LJPERF_GPU_SMOKE:-}" ]; then
     PY="${PY:-.venv/bin/python}" DEVICE=cpu MODEL=llama-tiny MODELS=llama-tiny SEQ=128 MB=2 NPROC=2 KS=0,2 SCALE=3
-    COMPILE_MODEL=llama-tiny
+    COMPILE_MODEL=llama-tiny PEERS_3B=llama-tiny MB_3B=2
     HOOK_MB=4 DEADLINE="${DEADLINE_SMOKE:-1500}" FUSED_MODELS=llama-tiny FUSED_SHAPES=1x64
 else
     PY=python3 DEVICE=cuda MODEL=llama3.2-1b MODELS=llama3.2-1b,llama3.2-3b SEQ=2048 MB=4 NPROC=1 KS=0,8 SCALE=1
-    COMPILE_MODEL=llama3.2-3b
+    COMPILE_MODEL=llama3.2-3b PEERS_3B=llama3.2-3b MB_3B=2
     HOOK_MB=64 # 16k tokens a step: activations of hundreds of MiB, beside the device's fixed overheads
     FUSED_MODELS=benchmarks/configs/gpt2-large.json,benchmarks/configs/deepseek-mla-1b.json FUSED_SHAPES=1x1024,4x1024
     if [ -d .whl ]; then
@@ -147,6 +148,15 @@ step compile-torch 150 "$PY" benchmarks/compile.py --device "$DEVICE" --model "t
 # Last of its kind in the table: K = L (full recompute) is always run, then auto.
 step recompute 160 "$PY" benchmarks/recompute.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" \
     --seq-len "$SEQ" --ks "$KS" --rounds 1 --steps 3 --out "$OUT/recompute.md"
+
+# ljperf vs the HF Trainer (eager, torch_compile), torchtitan (where .whl carried it and it imports) and ljperf
+# eager and --compile, most wanted first; the table is written after every peer, so a cut keeps those before it.
+step peers-1b 150 "$PY" benchmarks/peers.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" --seq-len "$SEQ" \
+    --steps 5 --warmup 3 --timeout $((75 * SCALE)) --peers trainer,ljperf,trainer-compile,ljperf-compile,torchtitan \
+    --out "$WORK/peers-1b"
+step peers-3b 110 "$PY" benchmarks/peers.py --device "$DEVICE" --model "$PEERS_3B" --micro-batch "$MB_3B" \
+    --seq-len "$SEQ" --steps 5 --warmup 3 --timeout $((60 * SCALE)) --peers trainer,ljperf,ljperf-compile --out "$WORK/peers-3b"
+cat "$WORK"/peers-*/peers.json >>"$OUT/session.log" 2>/dev/null # the tables are there already: no ninth file
 
 echo "== done at ${SECONDS}s" | tee -a "$OUT/session.log"
 ls -l "$OUT"

@@ -14,6 +14,12 @@ for spec in hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types=
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$spec"
 done
+# benchmarks/peers.py's torchtitan peer: torchtitan and its small pure-Python needs (about 2 MB). Its datasets and
+# tensorboard imports (pyarrow, pandas, grpcio: over 100 MB, past the run's 64 MiB carry) must be the image's own;
+# where they are not, the peer's row says which import failed. A download that fails only leaves the peer out.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl torchtitan==0.3.0 tyro torchdata \
+    spmd_types==0.2.3 torch_checkpointing einops docstring-parser typeguard shtab || echo "torchtitan: not carried"
 # The commit the device runs (its copy of the tree has no .git): gpu_session.sh logs it
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' with uncommitted changes')" >.whl/REVISION
 ls -l .whl
