@@ -158,5 +158,13 @@ step peers-3b 110 "$PY" benchmarks/peers.py --device "$DEVICE" --model "$PEERS_3
     --seq-len "$SEQ" --steps 5 --warmup 3 --timeout $((60 * SCALE)) --peers trainer,ljperf,ljperf-compile --out "$WORK/peers-3b"
 cat "$WORK"/peers-*/peers.json >>"$OUT/session.log" 2>/dev/null # the tables are there already: no ninth file
 
+# The engines' own cost on one device (#38 item 5): every engine at the torch engine's shape, eager; the compiled
+# half with ONLY=engines-compiled when time allows.
+step engines 150 "$PY" benchmarks/engines.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" --seq-len "$SEQ" \
+    --nproc-per-node 1 --steps 5 --compile off --out "$WORK/engines.md"
+step engines-compiled 200 "$PY" benchmarks/engines.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" \
+    --seq-len "$SEQ" --nproc-per-node 1 --steps 5 --compile on --out "$WORK/engines-compiled.md"
+cat "$WORK"/engines*.md >>"$OUT/session.log" 2>/dev/null
+
 echo "== done at ${SECONDS}s" | tee -a "$OUT/session.log"
 ls -l "$OUT"
