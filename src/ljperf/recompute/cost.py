@@ -6,6 +6,9 @@ Run: ``layer_cost(spec, micro_batch=2, seq_len=1024, attn="sdpa").seconds("full"
 
 from __future__ import annotations
 
+import functools
+import re
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -15,7 +18,7 @@ import torch
 
 from ljperf.checkpoint.apply import GROUPED_MM_OPS, saves
 from ljperf.core import hardware
-from ljperf.core.cache import cached
+from ljperf.core.cache import cache_root, cached
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.trace import architecture_key, cache_dir, fake_model, real_code_paths, reference_kind
 from ljperf.models.layout import decoder_layers
@@ -34,15 +37,25 @@ class Rates:
 
     @classmethod
     def measure(cls, device: torch.device) -> Rates:
-        """A short matmul and a decoder layer's kind of pointwise ops on ``device`` (tens of milliseconds)."""
+        """The rates of ``device``, measured once per device name, CPU thread count and torch version: kept for
+        the process and in the cache folder (``rates/``), so every later run on this machine ranks plans with the
+        same numbers however busy the machine is when it starts (delete the entry to measure again)."""
+        threads = f"{torch.get_num_threads()} threads" if device.type == "cpu" else "gpu"
+        name = hardware.cpu_name() if device.type == "cpu" else hardware.calibration_name(device)
+        return _kept(device.type, device.index, f"{name} {threads} torch {torch.__version__} v{_RATES_VERSION}")
+
+    @classmethod
+    def timed(cls, device: torch.device) -> Rates:
+        """A short matmul and a decoder layer's kind of pointwise ops on ``device``, interleaved, the median of
+        ``_REPEATS`` of each (about 0.15 s on one CPU thread): a burst of load from another process moves a
+        median little, and both rates alike."""
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         n = 4096 if device.type == "cuda" else 512
         # Its own generator: drawing from the global one would change what a model's dropout draws next.
         rng = torch.Generator(device=device).manual_seed(0)
         a = torch.randn(n, n, device=device, dtype=dtype, generator=rng)
         x = torch.randn(2**22 // 128, 128, device=device, generator=rng)
-        mm = _best_time(lambda: a @ a, device)
-        pointwise = _best_time(lambda: _norm_silu(x), device)
+        mm, pointwise = _median_times([lambda: a @ a, lambda: _norm_silu(x)], device)
         return cls(
             flops_per_s=2 * n**3 / mm, bytes_per_s=_NORM_SILU_WRITES * 2 * x.numel() * x.element_size() / pointwise
         )
@@ -71,16 +84,31 @@ REFERENCE_GPU = "H100"
 """Whose datasheet rates rank plans for a GPU that is neither known by name nor here to measure."""
 
 
-def _best_time(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        hardware.synchronize(device)
-        start = time.perf_counter()
+_REPEATS = 7
+_RATES_VERSION = 2
+"""In the cached rates' key: a change to what ``Rates.timed`` times makes them again."""
+
+
+@functools.cache
+def _kept(device_type: str, index: int | None, key: str) -> Rates:
+    path = cache_root() / "rates" / f"{re.sub(r'[^A-Za-z0-9.+-]+', '_', key)}.json"
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    return cached(path, load=lambda data: Rates(**data), make=lambda: Rates.timed(device), dump=asdict)
+
+
+def _median_times(fns: list[Callable[[], object]], device: torch.device) -> list[float]:
+    """Median seconds of each of ``fns`` over ``_REPEATS`` interleaved rounds, after one call of each."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
         fn()
-        hardware.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    for _ in range(_REPEATS):
+        for fn, kept in zip(fns, times, strict=True):
+            hardware.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            hardware.synchronize(device)
+            kept.append(time.perf_counter() - start)
+    return [statistics.median(kept) for kept in times]
 
 
 @dataclass(frozen=True, kw_only=True)
