@@ -6,9 +6,10 @@ Auto recompute against the oracle: at budgets a quarter, half and three quarters
 recompute's forecast peak to no recompute's (rounded up to a MiB), every plan the solver considers
 (``f`` layers full, then ``s`` selective: first-K full, selective for the first K or all, and their mixtures)
 is forecast; each that fits one of the budgets is measured by a real ``ljperf benchmark`` run in its own
-process, and so is ``--recompute auto`` under each budget. Rounds are interleaved; a plan's figure is the
-median over rounds of each run's median step time. Per budget it prints auto's plan and step time, the fastest
-measured plan that fits and their ratio (target ≤ 1.02), and writes the tables with the commit and versions to
+process, and so is ``--recompute auto`` under each budget. Rounds are interleaved (shuffled, seeded); a plan's
+figure is the median over rounds of each run's median step (CPU time on a CPU). Per budget it prints auto's plan
+and step time, the fastest measured plan that fits and their ratio (target ≤ 1.02), and writes the tables with
+the commit and versions to
 ``benchmarks/results/recompute_<model>_<device>_<date>.md``. ``--plans staircase`` measures only the plans that
 can be fastest (for each number of full layers, the fewest selective that fit a budget), ``near`` only auto's
 neighbours on that staircase (one full layer fewer and one more).
@@ -17,14 +18,18 @@ neighbours on that staircase (one full layer fewer and one more).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import platform
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +43,7 @@ from ljperf.core.units import format_bytes
 from ljperf.forecast import Forecast, Recipe, forecast
 from ljperf.models.spec import resolve
 from ljperf.recompute.closed_loop import allocated_budget
-from ljperf.recompute.cost import Rates, RecomputeCost, layer_cost
+from ljperf.recompute.cost import Rates, RecomputeCost, layer_cost, run_rates
 from ljperf.recompute.solver import ordered_plan, solve_recipe
 
 MIB = 2**20
@@ -49,23 +54,36 @@ class Sweep:
     """What was forecast, decided and measured so far."""
 
     budgets: list[int]
-    forecasts: dict[Plan, Forecast]
+    predict: Callable[[Plan], Forecast]
+    """A plan's forecast (each made once)."""
     auto: list[Plan]
     """The plan the solver chose under each budget (this process's solve, with the cached rates)."""
     measured: list[Plan]
     records: dict[str, list[dict]] = field(default_factory=dict)
     """Per run name (a plan's flag, or ``auto@<budget index>``): its records, one a round."""
 
+    cpu_time: bool = False
+    """Compare CPU seconds per step (median over a run's steps): a shared CPU's wall time mostly measures the
+    other processes."""
+
     def step(self, name: str) -> Spread | None:
+        return Spread.of([t for r in self.records.get(name, []) if (t := self.seconds(r))])
+
+    def wall(self, name: str) -> Spread | None:
         return Spread.of([r["step_time_s_p50"] for r in self.records.get(name, []) if r.get("step_time_s_p50")])
+
+    def seconds(self, record: dict) -> float | None:
+        if not self.cpu_time:
+            return record.get("step_time_s_p50")
+        return statistics.median(record["step_cpu_times_s"]) if record.get("step_cpu_times_s") else None
 
     def fits(self, plan: Plan, budget: int, name: str | None = None) -> bool:
         """Measured (every round's peak allocated within the budget less the forecast's reserve), else forecast."""
-        allowed = allocated_budget(budget, self.forecasts[plan])
+        allowed = allocated_budget(budget, self.predict(plan))
         runs = self.records.get(name or flag(plan), [])
         if runs:
             return all(r.get("peak_allocated_bytes") is not None and r["peak_allocated_bytes"] <= allowed for r in runs)
-        return self.forecasts[plan].device_bytes <= budget
+        return self.predict(plan).device_bytes <= budget
 
 
 def main() -> int:
@@ -77,15 +95,19 @@ def main() -> int:
     torch.set_num_threads(args.threads)  # the rates' cache key: the benchmark runs find the same entry
     name = hardware.calibration_name(device)
     layers = spec.layers
-    plans = [ordered_plan(layers, f, s) for f in range(layers + 1) for s in range(layers + 1 - f)]
-    forecasts = {p: forecast(spec, recipe.with_(recompute=p), device_name=name) for p in plans}
-    none, full = (forecasts[ordered_plan(layers, f, 0)].device_bytes for f in (0, layers))
+    predict = functools.cache(lambda plan: forecast(spec, recipe.with_(recompute=plan), device_name=name))
+
+    def peak(plan: Plan) -> int:
+        return predict(plan).device_bytes
+
+    none, full = (peak(ordered_plan(layers, f, 0)) for f in (0, layers))
     budgets = [full + math.ceil(x * (none - full) / MIB) * MIB for x in args.fractions]
-    rates = Rates.measure(device)
-    cost = layer_cost(spec, micro_batch=args.micro_batch, seq_len=args.seq_len, attn=recipe.attn_implementation)
+    shape = {"micro_batch": args.micro_batch, "seq_len": args.seq_len, "attn": recipe.attn_implementation}
+    cost = layer_cost(spec, **shape)
+    rates = run_rates(spec, cost, **shape, device=device, bf16=precision != "fp32")  # as the benchmark runs rank
     auto = [solve_recipe(spec, recipe, budget=b, rates=rates, cost=cost, device_name=name).plan for b in budgets]
-    measured = chosen(args.plans, forecasts, budgets, auto)
-    sweep = Sweep(budgets=budgets, forecasts=forecasts, auto=auto, measured=measured)
+    measured = chosen(args.plans, peak, layers, budgets, auto)
+    sweep = Sweep(budgets=budgets, predict=predict, auto=auto, measured=measured, cpu_time=args.device == "cpu")
     for b, plan in zip(budgets, auto, strict=True):
         print(f"budget {format_bytes(b)}: auto {describe(plan)}; {len(measured)} plans to run")
     runs = {flag(p): ("--recompute", flag(p)) for p in sweep.measured}
@@ -95,8 +117,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.rounds):
-            for run, extra in runs.items():
+        for round_ in range(args.rounds):
+            for run, extra in random.Random(round_).sample(list(runs.items()), len(runs)):  # no run always last
                 sweep.records.setdefault(run, []).append(run_benchmark(args, extra, Path(tmp) / "r.json"))
                 loads.append(os.getloadavg()[0])
                 text = render(args, sweep, rates=rates, cost=cost, loads=loads)
@@ -128,22 +150,26 @@ def flag(plan: Plan) -> str:
     return ",".join(plan)
 
 
-def chosen(which: str, forecasts: dict[Plan, Forecast], budgets: list[int], auto: list[Plan]) -> list[Plan]:
+def chosen(which: str, peak: Callable[[Plan], int], layers: int, budgets: list[int], auto: list[Plan]) -> list[Plan]:
     """The plans to run: every plan that fits a budget (``all``), the fewest selective layers that fit for each
-    number of full layers (``staircase``), or the staircase's plans next to auto's (``near``)."""
+    number of full layers (``staircase``), or those next to auto's, one full layer fewer and one more (``near``:
+    a few forecasts, not all (L + 1)(L + 2) / 2)."""
     picked: set[Plan] = set()
     for budget, plan in zip(budgets, auto, strict=True):
-        fitting = [p for p, fc in forecasts.items() if fc.device_bytes <= budget]
-        stair = {}
-        for p in sorted(fitting, key=lambda p: -p.count("selective")):
-            stair[p.count("full")] = p
-        if which == "all":
-            picked |= set(fitting)
-        elif which == "staircase":
-            picked |= set(stair.values())
-        else:
-            f = plan.count("full")
-            picked |= {plan} | {stair[k] for k in (f - 1, f + 1) if k in stair}
+        f_auto = plan.count("full")
+        fulls = range(layers + 1) if which != "near" else [f for f in (f_auto - 1, f_auto + 1) if 0 <= f <= layers]
+        for f in fulls:
+            row = [ordered_plan(layers, f, s) for s in range(layers + 1 - f)]
+            if which == "all":
+                picked |= {p for p in row if peak(p) <= budget}
+            elif peak(row[-1]) <= budget:  # the fewest selective that fit: the peak falls as s grows
+                lo, hi = -1, len(row) - 1
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if peak(row[mid]) <= budget else (mid, hi)
+                picked.add(row[hi])
+        if which == "near":
+            picked.add(plan)
     return sorted(picked, key=lambda p: (p.count("full"), p.count("selective")))
 
 
@@ -157,33 +183,54 @@ def render(args: argparse.Namespace, sweep: Sweep, *, rates: Rates, cost: Recomp
         f"{platform.python_version()}; {args.threads} CPU thread(s) per run; {args.rounds} interleaved rounds of "
         f"{args.steps} steps (after 2 warmup); load average {min(loads):.1f}–{max(loads):.1f} during the runs",
         "",
-        f"rates (cached per device): {rates.flops_per_s / 1e9:.1f} GFLOP/s matmul, {rates.bytes_per_s / 1e9:.2f} "
-        f"GB/s memory-bound; estimated recompute per layer: full {cost.seconds('full', rates) * 1e3:.1f} ms, "
-        f"selective {cost.seconds('selective', rates) * 1e3:.1f} ms",
+        f"rates (from one layer timed at this shape, cached): {rates.flops_per_s / 1e9:.1f} GFLOP/s matmul, "
+        f"{rates.bytes_per_s / 1e9:.2f} GB/s memory-bound; estimated recompute per layer: full "
+        f"{cost.seconds('full', rates) * 1e3:.1f} ms, selective {cost.seconds('selective', rates) * 1e3:.1f} ms",
         "",
-        "| plan (full, selective) | layers | forecast peak allocated | measured | step p50 median (ms) | "
-        "min–max over rounds (ms) | spread |",
-        "|---|---|---|---|---|---|---|",
+        f"step: {'CPU' if sweep.cpu_time else 'wall'} time, each run's median step, median over the rounds"
+        + (" (wall time beside it: the time waiting for a core)" if sweep.cpu_time else ""),
+        "",
+        "| plan (full, selective) | layers | forecast peak allocated | measured | step (ms) | min–max over rounds "
+        "(ms) | spread | wall (ms) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for plan in sweep.measured:
-        fc, runs, step = sweep.forecasts[plan], sweep.records.get(flag(plan), []), sweep.step(flag(plan))
+        fc, runs, step = sweep.predict(plan), sweep.records.get(flag(plan), []), sweep.step(flag(plan))
         peak = runs[-1].get("peak_allocated_bytes") if runs else None
         lines.append(
             f"| ({plan.count('full')}, {plan.count('selective')}) | {describe(plan)} | "
             f"{format_bytes(fc.peak_allocated_bytes)} | {format_bytes(peak)} | {ms(step)} | {range_ms(step)} | "
-            f"{spread(step)} |"
+            f"{spread(step)} | {ms(sweep.wall(flag(plan)))} |"
         )
+    if fitted := per_layer(sweep):
+        full_ms, selective_ms = fitted
+        lines += ["", f"measured recompute per layer (least squares of step = base + full × F + selective × S over"
+                      f" the plans): full {full_ms:.1f} ms, selective {selective_ms:.1f} ms"]  # fmt: skip
     lines += ["", *budget_table(sweep)]
     return "\n".join(lines)
 
 
+def per_layer(sweep: Sweep) -> tuple[float, float] | None:
+    """(F, S) in ms, fitted to the measured plans' step times; None with fewer than 4 plans measured or when
+    their counts of full and selective layers do not separate the two."""
+    rows = [(p.count("full"), p.count("selective"), s.median) for p in sweep.measured if (s := sweep.step(flag(p)))]
+    if len(rows) < 4:
+        return None
+    a = torch.tensor([[1.0, f, s] for f, s, _ in rows], dtype=torch.float64)
+    if torch.linalg.matrix_rank(a) < 3:
+        return None
+    solution = torch.linalg.lstsq(a, torch.tensor([[t] for *_, t in rows], dtype=torch.float64)).solution
+    return 1e3 * solution[1, 0].item(), 1e3 * solution[2, 0].item()
+
+
 def budget_table(sweep: Sweep) -> list[str]:
-    """Per budget: auto's plan and step time, the fastest measured plan that fits, the ratio (``≈``: their
-    ranges over the rounds overlap) and auto's plan run as a fixed plan (the same work: the noise)."""
+    """Per budget: auto's plan and step time, the same plan run as a fixed plan (the same work: the difference is
+    noise), the fastest measured plan that fits and the ratios of the two to it (``≈``: their ranges over the
+    rounds overlap)."""
     lines = [
         "| budget | auto's plan | auto (ms) | same plan fixed (ms) | fastest fitting plan | its step (ms) | "
-        "auto / fastest |",
-        "|---|---|---|---|---|---|---|",
+        "auto / fastest | fixed / fastest |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for i, (budget, planned) in enumerate(zip(sweep.budgets, sweep.auto, strict=True)):
         runs = sweep.records.get(f"auto@{i}", [])
@@ -193,16 +240,20 @@ def budget_table(sweep: Sweep) -> list[str]:
         fitting = [p for p in sweep.measured if sweep.fits(p, budget) and sweep.step(flag(p))]
         best = min(fitting, key=lambda p: sweep.step(flag(p)).median, default=None)
         best_step = sweep.step(flag(best)) if best else None
-        ratio = "-"
-        if auto and best_step:
-            ratio = f"{auto.median / best_step.median:.3f}" + (" ≈" if auto.overlaps(best_step) else "")
+        fixed = sweep.step(flag(plan))
+        ratios = [
+            f"{s.median / best_step.median:.3f}" + (" ≈" if s.overlaps(best_step) and s != best_step else "")
+            if s and best_step
+            else "-"
+            for s in (auto, fixed)
+        ]
         named = summary(plan) if len(ran) <= 1 else f"{len(ran)} plans over the rounds: {sorted(ran)}"
         if ran and plan != planned:
             named += f" (this process's solve: {summary(planned)})"
         fits = "" if not runs or sweep.fits(plan, budget, f"auto@{i}") else " (over the budget)"
         lines.append(
-            f"| {format_bytes(budget)} | {named}{fits} | {ms(auto)} | {ms(sweep.step(flag(plan)))} | "
-            f"{summary(best) if best else '-'} | {ms(best_step)} | {ratio} |"
+            f"| {format_bytes(budget)} | {named}{fits} | {ms(auto)} | {ms(fixed)} | "
+            f"{summary(best) if best else '-'} | {ms(best_step)} | {ratios[0]} | {ratios[1]} |"
         )
     lines += ["", "≈: the two min–max ranges over the rounds overlap (these repeats do not separate them)."]
     return lines

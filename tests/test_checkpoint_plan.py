@@ -19,7 +19,7 @@ from ljperf.forecast import Recipe, forecast
 from ljperf.models.spec import resolve
 from ljperf.recompute import cost
 from ljperf.recompute.closed_loop import corrected_scale
-from ljperf.recompute.cost import Rates, RecomputeCost
+from ljperf.recompute.cost import Rates, RecomputeCost, layer_cost, run_rates, timed_layer
 from ljperf.recompute.solver import TIE_SHARE, activation_bytes, advice, ordered_plan, solve, solve_recipe
 
 RATES = Rates(flops_per_s=1e12, bytes_per_s=1e11)
@@ -108,6 +108,22 @@ def test_rates_are_measured_once_per_device_and_kept(tmp_path, monkeypatch):
     cost._kept.cache_clear()  # as a new process finds it
     assert Rates.measure(cpu) == first
     assert 1e8 < first.bytes_per_s < first.flops_per_s
+
+
+def test_a_real_layer_times_the_recompute_auto_ranks_by():
+    """``run_rates``: the rates that make the traced layer's cost what recomputing a real llama-tiny layer took
+    here (full, and selective where it was the cheaper); the second call reads the cache folder."""
+    spec, cpu = resolve(name="llama-tiny"), torch.device("cpu")
+    shape = {"micro_batch": 2, "seq_len": 128, "attn": "sdpa"}
+    traced = layer_cost(spec, **shape)
+    full, selective = timed_layer(spec, **shape, device=cpu, bf16=False)
+    assert full > 0 and selective > 0  # a step of each mode minus one without recompute
+    rates = run_rates(spec, traced, **shape, device=cpu, bf16=False)
+    assert traced.seconds("selective", rates) == pytest.approx(min(selective, full))
+    assert traced.seconds("full", rates) == pytest.approx(min(selective, full) + max(full - selective, full / 100))
+    start = time.perf_counter()
+    assert timed_layer(spec, **shape, device=cpu, bf16=False) == (full, selective)
+    assert time.perf_counter() - start < 0.5
 
 
 def plan_json(capsys, *argv: str) -> tuple[int, dict, str]:
@@ -209,7 +225,9 @@ def test_plan_auto_70b_on_64_gpus_answers_in_seconds(capsys):
     assert rc == 0 and elapsed < 5, elapsed
     r = out["recompute"]
     assert r["budget_bytes"] == int(80 * 1024**3 * 0.9) and r["fits"] and r["forecast_peak_bytes"] <= r["budget_bytes"]
-    assert "none" not in r["plan"] and "selective" in r["plan"]  # the example needs every layer, mostly selective
+    # A mixture: 48 full, 19 selective; without the near-tie rule 34 full and 46 selective, 4% less recompute
+    # (0.72 vs 0.75 s), under 1% of the step, but 13 more layers checkpointed
+    assert r["plan"].count("full") > r["plan"].count("selective") > 0
     assert r["rates"].startswith("H100 datasheet")
 
 
