@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import transformers
 
 from ljperf.core import hardware
 from ljperf.core.plans import Plan, describe, summary
@@ -179,7 +180,8 @@ def render(args: argparse.Namespace, sweep: Sweep, *, rates: Rates, cost: Recomp
         f"# recompute: auto against the oracle, {args.model}, micro batch {args.micro_batch}, seq {args.seq_len}, "
         f"{hardware.local_device(args.device, 0).name}",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M')}; ljperf {commit()}; torch {torch.__version__}; python "
+        f"{time.strftime('%Y-%m-%d %H:%M')}; ljperf {commit()}; torch {torch.__version__}; transformers "
+        f"{transformers.__version__}; python "
         f"{platform.python_version()}; {args.threads} CPU thread(s) per run; {args.rounds} interleaved rounds of "
         f"{args.steps} steps (after 2 warmup); load average {min(loads):.1f}–{max(loads):.1f} during the runs",
         "",
