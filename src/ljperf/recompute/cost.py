@@ -48,8 +48,8 @@ class Rates:
     @classmethod
     def timed(cls, device: torch.device) -> Rates:
         """A short matmul and a decoder layer's kind of pointwise ops on ``device``, interleaved, the median of
-        ``_REPEATS`` of each (about 0.15 s on one CPU thread): a burst of load from another process moves a
-        median little, and both rates alike."""
+        ``_REPEATS`` of each (0.3–0.5 s on one CPU thread of a busy 2-core machine): a burst of load from another
+        process moves a median little, and both rates alike."""
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         n = 4096 if device.type == "cuda" else 512
         # Its own generator: drawing from the global one would change what a model's dropout draws next.
