@@ -19,8 +19,9 @@
 # forecast vs measured; (4) regional vs DeepSpeed's engine.compile() (DeepCompile when its op builds) under
 # ZeRO-3; then again (5) forecast vs torch.cuda.max_memory_allocated for llama3.2-1b/3b
 # (benchmarks/forecast_gpu.py) and the calibration fitted from those records; (6) eager vs regional compile,
-# torch engine, llama3.2-3b (target ≥ 1.20× tokens/s; 1b: 1.38×); (7) the auto recompute plan vs a sample of
-# "first K layers full" plans (benchmarks/recompute.py --ks). Every table is rewritten after each of its runs.
+# torch engine, llama3.2-3b (target ≥ 1.20× tokens/s; 1b: 1.38×); (7) the auto recompute plan vs its neighbours
+# on the solver's staircase and auto's own run (benchmarks/recompute.py --plans near). Every table is rewritten
+# after each of its runs.
 # A rerun of some steps only (after a cut): ONLY="compile-deepspeed forecast-fused" bash benchmarks/gpu_session.sh
 # Issue #38, ljperf against its peers (benchmarks/peers.py; last, about 4 minutes): ONLY="peers-1b peers-3b".
 # Everything lands in $OUT (the device's return folder; default benchmarks/results/gpu_session): at most 8 files.
@@ -32,11 +33,11 @@ DEADLINE="${DEADLINE:-560}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LJPERF_CACHE_DIR="$WORK/cache" PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${LJPERF_GPU_SMOKE:-}" ]; then
-    PY="${PY:-.venv/bin/python}" DEVICE=cpu MODEL=llama-tiny MODELS=llama-tiny SEQ=128 MB=2 NPROC=2 KS=0,2 SCALE=3
+    PY="${PY:-.venv/bin/python}" DEVICE=cpu MODEL=llama-tiny MODELS=llama-tiny SEQ=128 MB=2 NPROC=2 SCALE=3
     COMPILE_MODEL=llama-tiny PEERS_3B=llama-tiny MB_3B=2
     HOOK_MB=4 DEADLINE="${DEADLINE_SMOKE:-1500}" FUSED_MODELS=llama-tiny FUSED_SHAPES=1x64
 else
-    PY=python3 DEVICE=cuda MODEL=llama3.2-1b MODELS=llama3.2-1b,llama3.2-3b SEQ=2048 MB=4 NPROC=1 KS=0,8 SCALE=1
+    PY=python3 DEVICE=cuda MODEL=llama3.2-1b MODELS=llama3.2-1b,llama3.2-3b SEQ=2048 MB=4 NPROC=1 SCALE=1
     COMPILE_MODEL=llama3.2-3b PEERS_3B=llama3.2-3b MB_3B=2
     HOOK_MB=64 # 16k tokens a step: activations of hundreds of MiB, beside the device's fixed overheads
     FUSED_MODELS=benchmarks/configs/gpt2-large.json,benchmarks/configs/deepseek-mla-1b.json FUSED_SHAPES=1x1024,4x1024
@@ -145,9 +146,10 @@ tar -czf "$OUT/forecast_records.tar.gz" -C "$WORK/forecast" . 2>/dev/null
 
 step compile-torch 150 "$PY" benchmarks/compile.py --device "$DEVICE" --model "torch/$COMPILE_MODEL" \
     --seq-len "$SEQ" --micro-batch "$MB" --steps 8 --warmup 3 --modes off,regional --markdown "$OUT/compile_torch.md"
-# Last of its kind in the table: K = L (full recompute) is always run, then auto.
-step recompute 160 "$PY" benchmarks/recompute.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" \
-    --seq-len "$SEQ" --ks "$KS" --rounds 1 --steps 3 --out "$OUT/recompute.md"
+# Auto against the oracle under the half-way budget: auto's plan, its neighbours on the staircase (one full layer
+# fewer and one more, each with the fewest selective layers that fit) and --recompute auto itself, one round.
+step recompute 180 "$PY" benchmarks/recompute.py --device "$DEVICE" --model "$MODEL" --micro-batch "$MB" \
+    --seq-len "$SEQ" --fractions 0.5 --plans near --rounds 1 --steps 3 --out "$OUT/recompute.md"
 
 # ljperf vs the HF Trainer (eager, torch_compile), torchtitan (where .whl carried it and it imports) and ljperf
 # eager and --compile, most wanted first; the table is written after every peer, so a cut keeps those before it.

@@ -52,6 +52,9 @@ def test_record_validates_against_the_documented_schema(twenty_steps):
     res = record["results"]
     assert res["status"] == "ok" and res["steps_completed"] == 20 and len(res["losses"]) == 20
     assert res["peak_reserved_bytes"] is None and res["mfu"] is None  # CPU: no allocator, no known peak
+    # CPU seconds of each step: within its wall time on this process's threads (and one more, its own helpers)
+    most = (record["config"]["train"]["threads"] or 1) + 1
+    assert all(0 < c <= most * w for c, w in zip(res["step_cpu_times_s"], res["step_times_s"], strict=True))
 
 
 def test_a_default_device_record_calibrates_the_cpu(twenty_steps, tmp_path):

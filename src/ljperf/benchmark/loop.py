@@ -214,13 +214,14 @@ def _steps(
         else:
             timed = train.warmup <= step < train.warmup + train.steps
             hardware.synchronize(device)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             with clock.step() if timed else contextlib.nullcontext():
                 loss = engine.train_step(batches)
             hardware.synchronize(device)
             elapsed = time.perf_counter() - start
             if timed:
                 state.step_times.append(elapsed)
+                state.step_cpu_times.append(time.process_time() - cpu_start)
                 state.losses.append(loss)
         peaks = None
         if step in measure_steps:

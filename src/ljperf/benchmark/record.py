@@ -32,6 +32,9 @@ class LoopState:
 
     losses: list[torch.Tensor] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    step_cpu_times: list[float] = field(default_factory=list)
+    """This process's CPU seconds (user + system, all its threads) in each timed step: on a shared CPU, the
+    work without the time spent waiting for a core."""
     peak_allocated: int | None = None
     peak_reserved: int | None = None
     memory_method: str | None = None
@@ -112,6 +115,7 @@ def results_section(
         "steps_completed": len(state.step_times),
         "losses": losses,
         "step_times_s": state.step_times,
+        "step_cpu_times_s": state.step_cpu_times,
         "peak_allocated_bytes": max((x for x in per_rank_alloc if x is not None), default=None),
         "peak_reserved_bytes": max((x for x in per_rank_reserved if x is not None), default=None),
         "peak_allocated_bytes_per_rank": per_rank_alloc,

@@ -6,6 +6,9 @@ Run: ``layer_cost(spec, micro_batch=2, seq_len=1024, attn="sdpa").seconds("full"
 
 from __future__ import annotations
 
+import functools
+import re
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -13,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ljperf.checkpoint.apply import GROUPED_MM_OPS, saves
+from ljperf.checkpoint.apply import GROUPED_MM_OPS, apply_plan, saves
 from ljperf.core import hardware
-from ljperf.core.cache import cached
+from ljperf.core.cache import cache_root, cached
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.trace import architecture_key, cache_dir, fake_model, real_code_paths, reference_kind
+from ljperf.models.build import build_picked, materialize
 from ljperf.models.layout import decoder_layers
-from ljperf.models.spec import ModelSpec, with_layers
+from ljperf.models.spec import ModelSpec, build_meta, with_layers
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -34,15 +38,25 @@ class Rates:
 
     @classmethod
     def measure(cls, device: torch.device) -> Rates:
-        """A short matmul and a decoder layer's kind of pointwise ops on ``device`` (tens of milliseconds)."""
+        """The rates of ``device``, measured once per device name, CPU thread count and torch version: kept for
+        the process and in the cache folder (``rates/``), so every later run on this machine ranks plans with the
+        same numbers however busy the machine is when it starts (delete the entry to measure again)."""
+        threads = f"{torch.get_num_threads()} threads" if device.type == "cpu" else "gpu"
+        name = hardware.cpu_name() if device.type == "cpu" else hardware.calibration_name(device)
+        return _kept(device.type, device.index, f"{name} {threads} torch {torch.__version__} v{_RATES_VERSION}")
+
+    @classmethod
+    def timed(cls, device: torch.device) -> Rates:
+        """A short matmul and a decoder layer's kind of pointwise ops on ``device``, interleaved, the median of
+        ``_REPEATS`` of each (0.3–0.5 s on one CPU thread of a busy 2-core machine): a burst of load from another
+        process moves a median little, and both rates alike."""
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         n = 4096 if device.type == "cuda" else 512
         # Its own generator: drawing from the global one would change what a model's dropout draws next.
         rng = torch.Generator(device=device).manual_seed(0)
         a = torch.randn(n, n, device=device, dtype=dtype, generator=rng)
         x = torch.randn(2**22 // 128, 128, device=device, generator=rng)
-        mm = _best_time(lambda: a @ a, device)
-        pointwise = _best_time(lambda: _norm_silu(x), device)
+        mm, pointwise = _median_times([lambda: a @ a, lambda: _norm_silu(x)], device)
         return cls(
             flops_per_s=2 * n**3 / mm, bytes_per_s=_NORM_SILU_WRITES * 2 * x.numel() * x.element_size() / pointwise
         )
@@ -71,16 +85,32 @@ REFERENCE_GPU = "H100"
 """Whose datasheet rates rank plans for a GPU that is neither known by name nor here to measure."""
 
 
-def _best_time(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        hardware.synchronize(device)
-        start = time.perf_counter()
+_REPEATS = 7
+_LAYER_REPEATS = 5
+_RATES_VERSION = 2
+"""In the cached rates' key: a change to what ``Rates.timed`` times makes them again."""
+
+
+@functools.cache
+def _kept(device_type: str, index: int | None, key: str) -> Rates:
+    path = cache_root() / "rates" / f"{re.sub(r'[^A-Za-z0-9.+-]+', '_', key)}.json"
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    return cached(path, load=lambda data: Rates(**data), make=lambda: Rates.timed(device), dump=asdict)
+
+
+def _median_times(fns: list[Callable[[], object]], device: torch.device) -> list[float]:
+    """Median seconds of each of ``fns`` over ``_REPEATS`` interleaved rounds, after one call of each."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
         fn()
-        hardware.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    for _ in range(_REPEATS):
+        for fn, kept in zip(fns, times, strict=True):
+            hardware.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            hardware.synchronize(device)
+            kept.append(time.perf_counter() - start)
+    return [statistics.median(kept) for kept in times]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +142,81 @@ def layer_cost(spec: ModelSpec, *, micro_batch: int, seq_len: int, attn: str) ->
         make=lambda: _traced_layer_cost(spec, index, micro_batch=micro_batch, seq_len=seq_len, attn=attn),
         dump=asdict,
     )
+
+
+def run_rates(
+    spec: ModelSpec, cost: RecomputeCost, *, micro_batch: int, seq_len: int, attn: str, device: torch.device, bf16: bool
+) -> Rates:
+    """The rates a run on ``device`` ranks its plans with: those that make ``cost.seconds`` what recomputing one
+    real decoder layer of ``spec`` takes here at the run's shape and precision (``timed_layer``); else, when
+    noise hid the recompute there, the device's (``Rates.measure``). Selective measured as dear as full (its
+    per-op policy's overhead at a small shape) makes full's matmuls nearly free: selective then saves nothing."""
+    full_s, selective_s = timed_layer(
+        spec, micro_batch=micro_batch, seq_len=seq_len, attn=attn, device=device, bf16=bf16
+    )
+    if full_s <= 0 or selective_s <= 0:
+        return Rates.measure(device)
+    matmuls = max(full_s - selective_s, full_s / 100)
+    return Rates(flops_per_s=cost.saved_flops / matmuls, bytes_per_s=cost.pointwise_bytes / min(selective_s, full_s))
+
+
+def timed_layer(
+    spec: ModelSpec, *, micro_batch: int, seq_len: int, attn: str, device: torch.device, bf16: bool
+) -> tuple[float, float]:
+    """Seconds that recomputing one decoder layer of ``spec`` (of the most frequent kind) adds to a step, full and
+    selective: a model of that layer alone, seeded weights, trains forward and backward at the run's shape with
+    it none, selective and full, interleaved, ``_LAYER_REPEATS`` times; the medians of each mode's difference
+    from none in the same round. Device seconds: wall on a GPU, the process's CPU time per thread on a CPU
+    (waiting for a core is not recompute). Cached on disk per architecture, shape, precision, device name, CPU
+    threads and torch version. ``Rates.measure``'s pointwise ops run at 16 MiB a tensor, out of cache: on the
+    shared 2-core CPU they priced selective at 0.62 of full where llama-tiny's steps (4 × 512) measured 0.23–0.34,
+    and they leave out selective's per-op policy, which at 2 × 256 made it dearer than full."""
+    kinds = block_params(spec).layer_kinds
+    index = 0 if len(set(kinds)) == 1 else kinds.index(reference_kind(kinds))
+    threads = f"{torch.get_num_threads()} threads" if device.type == "cpu" else "gpu"
+    name = hardware.cpu_name() if device.type == "cpu" else hardware.calibration_name(device)
+    key = architecture_key(spec, "timed layer", f"layer {index}", attn, f"{micro_batch}x{seq_len}", bf16, name, threads)
+    return tuple(
+        cached(
+            cache_dir() / f"{spec.architecture}-timed-{key}.json",
+            load=tuple,
+            make=lambda: _timed_modes(
+                spec, index, micro_batch=micro_batch, seq_len=seq_len, attn=attn, device=device, bf16=bf16
+            ),
+            dump=list,
+        )
+    )
+
+
+def _timed_modes(
+    spec: ModelSpec, index: int, *, micro_batch: int, seq_len: int, attn: str, device: torch.device, bf16: bool
+) -> tuple[float, float]:
+    meta = (
+        build_meta(with_layers(spec, 1), attn_implementation=attn)
+        if index == 0
+        else build_picked(spec, (index,), attn_implementation=attn)
+    )
+    model = materialize(meta, device=device, seed=0).train()
+    rng = torch.Generator().manual_seed(0)  # its own: the global one's next draws stay the run's
+    ids = torch.randint(spec.facts.config_dict["vocab_size"], (micro_batch, seq_len), generator=rng).to(device)
+
+    def step(mode: str) -> float:
+        apply_plan(model, (mode,))
+        hardware.synchronize(device)
+        start = time.perf_counter() if device.type == "cuda" else time.process_time()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state  # no LM head: its noise
+        hidden.float().square().mean().backward()
+        hardware.synchronize(device)
+        if device.type == "cuda":
+            return time.perf_counter() - start
+        return (time.process_time() - start) / torch.get_num_threads()
+
+    modes = ("none", "selective", "full")
+    for mode in modes:
+        step(mode)
+    rounds = [[step(mode) for mode in modes] for _ in range(_LAYER_REPEATS)]
+    return tuple(statistics.median(r[i] - r[0] for r in rounds) for i in (2, 1))
 
 
 def _traced_layer_cost(spec: ModelSpec, index: int, *, micro_batch: int, seq_len: int, attn: str) -> RecomputeCost:

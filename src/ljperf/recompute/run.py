@@ -19,7 +19,7 @@ from ljperf.dist.launch import local_world_size
 from ljperf.forecast.api import forecast
 from ljperf.forecast.recipe import Recipe
 from ljperf.recompute.budget import budget_bytes
-from ljperf.recompute.cost import Rates, layer_cost
+from ljperf.recompute.cost import Rates, layer_cost, run_rates
 from ljperf.recompute.solver import Decision, decision_of, solve_recipe
 from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext
@@ -33,15 +33,23 @@ def decide_for_run(run: RunContext) -> Decision | None:
     train, spec = run.train, run.model
     attn = spec.attention(train.attn_implementation)
     cost = layer_cost(spec, micro_batch=train.micro_batch, seq_len=train.seq_len, attn=attn)
-    rates = Rates.measure(run.device.torch_device)
+    device, name = run.device.torch_device, run.device.calibration_name
+    rates = Rates.measure(device)
     if value != "auto":
         plan = fixed_plan(value, spec.layers)
         return decision_of(plan, budget=None, bytes_=None, cost=cost, rates=rates)
-    local_world = local_world_size(run.launch.nproc_per_node)
-    budget = budget_bytes(run.device.torch_device, given=run.optim.memory_budget, local_world=local_world)
-    return solve_recipe(
-        spec, Recipe.from_run(run), budget=budget, rates=rates, cost=cost, device_name=run.device.calibration_name
+    budget = budget_bytes(
+        device, given=run.optim.memory_budget, local_world=local_world_size(run.launch.nproc_per_node)
     )
+    recipe = Recipe.from_run(run)
+    none, full = (
+        forecast(spec, recipe.with_(recompute=(m,) * spec.layers), device_name=name) for m in ("none", "full")
+    )
+    if full.device_bytes <= budget < none.device_bytes:
+        # a choice to make: rank the plans by what recomputing a real layer takes here (seconds, once per shape)
+        shape = {"micro_batch": train.micro_batch, "seq_len": train.seq_len, "attn": attn}
+        rates = run_rates(spec, cost, **shape, device=device, bf16=run.bf16)
+    return solve_recipe(spec, recipe, budget=budget, rates=rates, cost=cost, device_name=name)
 
 
 def prepare_run(run: RunContext) -> Decision | None:

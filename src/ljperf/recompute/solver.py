@@ -75,11 +75,14 @@ class Decision:
         }
 
 
-"""A plan → (forecast peak device bytes, the phase that sets it)."""
-
-
 PeakFn = Callable[[Plan], tuple[int, str]]
 """A plan → (forecast peak device bytes, the phase that sets it)."""
+
+
+TIE_SHARE = 0.01
+"""Plans whose recompute estimates differ by under this share of a step's estimate (three forwards of every
+layer: forward and backward, no recompute) are near-ties: a difference that small is within the cost model's
+error."""
 
 
 def ordered_plan(layers: int, full: int, selective: int) -> Plan:
@@ -94,9 +97,12 @@ def solve(
     Recomputing more never raises the peak, so with ``f`` layers full the fewest selective layers that fit,
     ``s(f)``, falls by at least one per extra full layer (one selective layer turned full still fits). The
     search walks that staircase from the first ``f`` where anything fits, and stops once ``f`` full layers
-    alone cost more than the best plan: about ``L`` forecasts instead of ``L²/2``. When nothing fits, the plan
-    is the cheapest that reaches full recompute's peak, the lowest there is (where the optimizer step sets it,
-    less than every layer); none when recompute would save under 2% of the peak.
+    alone cost more than the best plan: about ``L`` forecasts instead of ``L²/2``. Plans within ``TIE_SHARE``
+    of a step of the fastest are near-ties, decided by a fixed order, not by noise in ``rates``: the fewest
+    layers recomputed (each has costs the estimate leaves out: its checkpoint's hooks, selective's op policy),
+    then the fewest full. When nothing fits, the plan is the cheapest that reaches full recompute's peak, the
+    lowest there is (where the optimizer step sets it, less than every layer); none when recompute would save
+    under 2% of the peak.
     """
     memo: dict[tuple[int, int], tuple[int, str]] = {}
 
@@ -106,9 +112,11 @@ def solve(
         return memo[f, s]
 
     full_s, sel_s = cost.seconds("full", rates), cost.seconds("selective", rates)
+    band = TIE_SHARE * 3 * layers * full_s
 
     def cheapest(limit: int) -> tuple[int, int]:
-        """(full, selective) of the cheapest plan within ``limit``, given that full recompute is."""
+        """(full, selective) of the cheapest plan within ``limit``, given that full recompute is; of those within
+        ``band`` of it, the one of the fewest layers recomputed, then of the fewest full."""
 
         def fits(f: int, s: int) -> bool:
             return forecast_of(f, s)[0] <= limit
@@ -119,20 +127,20 @@ def solve(
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(mid, layers - mid) else (mid, hi)
-        best: tuple[float, int, int, int] | None = None  # (seconds, layers recomputed, f, s)
+        found: list[tuple[float, int, int]] = []  # (seconds, f, s): the fewest selective layers for each f
         s = layers - hi
         for f in range(hi, layers + 1):
-            if best is not None and f * full_s > best[0]:
+            if found and f * full_s > min(found)[0] + band:
                 break
             s = min(s, layers - f)
             while s > 0 and fits(f, s - 1):
                 s -= 1
-            candidate = (f * full_s + s * sel_s, f + s, f, s)
-            best = min(best, candidate) if best is not None else candidate
+            found.append((f * full_s + s * sel_s, f, s))
             if s == 0:
                 break
             s -= 1
-        return best[2], best[3]
+        fastest = min(found)[0]
+        return min((f + s, f, s) for seconds, f, s in found if seconds <= fastest + band)[1:]
 
     lowest, phase = forecast_of(layers, 0)
 
