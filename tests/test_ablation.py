@@ -19,7 +19,14 @@ from ljperf.ablation.runner import normalized
 from ljperf.ablation.stats import Spread, VariantStats, contributions, summarize
 from ljperf.ablation.variants import BUILTIN, parse_environments, parse_variants
 from ljperf.commands.ablation import check_variant, split_argv
-from ljperf.core.errors import Interrupted, UsageError, interrupt_on_signals, interrupts_held, restore_signals
+from ljperf.core.errors import (
+    Interrupted,
+    UsageError,
+    forget_signals,
+    interrupt_on_signals,
+    interrupts_held,
+    restore_signals,
+)
 
 from conftest import cli_env, read_record, run_ljperf, run_main, use_cli_env
 
@@ -379,6 +386,7 @@ def test_a_signal_while_a_run_starts_is_raised_once_it_has_started():
         assert reached and raised.value.exit_code == 143
     finally:
         restore_signals(previous)
+        forget_signals()
 
 
 def _ended(pid: int) -> bool:

@@ -26,7 +26,9 @@ from ljperf.core.errors import (
     Interrupted,
     RunFailed,
     UsageError,
+    forget_signals,
     interruption,
+    note_interrupt,
 )
 from ljperf.core.options import deprecations
 from ljperf.core.parser import Parser, unrecognized
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     # A signal while the command's module imports (torch, transformers): exit 130/143, no traceback. Ctrl-C is
     # a KeyboardInterrupt again once the command runs (ablation stops its running benchmark on it).
     signal.signal(signal.SIGTERM, _terminated)
+    forget_signals()
     if (launcher := os.environ.get(LAUNCHER_ENV)) is not None and "RANK" in os.environ:
         end_with_parent(int(launcher))  # a rank of ljperf's launcher: when it dies (kill -9 too), so do the ranks
     interrupt = signal.getsignal(signal.SIGINT)
@@ -126,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in deprecations(args):
             print(f"ljperf {args.command}: {line}", file=sys.stderr)
     module = importlib.import_module(COMMANDS[args.command].module)
-    signal.signal(signal.SIGINT, signal.default_int_handler if interrupt is None else interrupt)  # None: set in C
+    # None: set in C. Python's own handler, but noted: an import can swallow its KeyboardInterrupt.
+    python_default = interrupt is None or interrupt is signal.default_int_handler
+    signal.signal(signal.SIGINT, note_interrupt if python_default else interrupt)
     return _run_command(module, args, argv)
 
 

@@ -102,6 +102,19 @@ _held = False
 """Set by ``hold_interrupts``: signals are noted, not raised."""
 
 
+def forget_signals() -> None:
+    """A new command starts: no signal received yet (``ljperf.cli.main``, also when called in-process)."""
+    _received.clear()
+
+
+def note_interrupt(signum: int, _frame: object) -> None:
+    """Ctrl-C while a command imports and sets up: a ``KeyboardInterrupt`` as Python's own handler raises, and
+    noted, since transformers' import machinery can swallow it (the run then went on to its end, exit 0);
+    ``raise_if_interrupted`` raises it again where the run first checks."""
+    _received.append(signum)
+    raise KeyboardInterrupt
+
+
 def raise_interrupted(signum: int, _frame: object) -> None:
     """A SIGTERM/SIGINT handler for runs that keep a partial result: the run unwinds, then writes it. The signal
     is kept too: raised inside a ``__del__`` or a weakref callback (the garbage collector runs them at any
@@ -143,10 +156,11 @@ def raise_if_interrupted() -> None:
 
 
 def interrupt_on_signals() -> dict[int, Any]:
-    """Make SIGTERM and SIGINT raise ``Interrupted`` (nothing received yet); returns the handlers they had. A
+    """Make SIGTERM and SIGINT raise ``Interrupted``; returns the handlers they had. A signal ``note_interrupt``
+    took before (a Ctrl-C whose KeyboardInterrupt an import swallowed) stays received: the run's first check
+    raises it. A
     swallowed ``Interrupted`` prints nothing (it is raised again), other unraisable errors print as before."""
     global _held
-    _received.clear()
     _held = False
     if not getattr(sys.unraisablehook, "_ljperf", False):
         sys.unraisablehook = _quiet_when_interrupted(sys.unraisablehook)

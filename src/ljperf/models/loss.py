@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ljperf.core.options import LOSS_CHUNKS
 
@@ -29,7 +28,10 @@ def use_chunked_loss(model: torch.nn.Module) -> None:
 
 def _chunked_forward(
     self: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
-) -> CausalLMOutputWithPast:
+) -> Any:
+    """HF's forward with the chunked loss (a ``CausalLMOutputWithPast``; ``logits`` None when a loss is asked)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast  # a warm plan never imports transformers
+
     hidden = self.base_model(input_ids=input_ids, **kwargs)[0]
     if labels is None:
         return CausalLMOutputWithPast(logits=_logits(self, hidden))
