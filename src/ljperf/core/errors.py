@@ -109,8 +109,9 @@ def forget_signals() -> None:
 
 def note_interrupt(signum: int, _frame: object) -> None:
     """Ctrl-C while a command imports and sets up: a ``KeyboardInterrupt`` as Python's own handler raises, and
-    noted, since transformers' import machinery can swallow it (the run then went on to its end, exit 0);
-    ``raise_if_interrupted`` raises it again where the run first checks."""
+    noted, since an import can catch it (transformers turns one inside an import into ModuleNotFoundError; a
+    probe that catches that would let the run go on to its end, exit 0); ``raise_if_interrupted`` raises it
+    again where the run first checks."""
     _received.append(signum)
     raise KeyboardInterrupt
 
