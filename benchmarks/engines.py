@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ljperf.core.records import read_json, versions, write_atomic
+from ljperf.core.records import git_revision, read_json, versions, write_atomic
 from ljperf.core.units import format_bytes
 
 ENGINES = {
@@ -100,13 +100,8 @@ def render(rows: dict[tuple[str, str], dict | str], args: argparse.Namespace) ->
              f"{args.micro_batch} × seq {args.seq_len} · median of {args.rounds} interleaved round(s) of "
              f"{args.steps} steps")  # fmt: skip
     ver = ", ".join(f"{k} {v}" for k, v in versions().items() if v)
-    return f"# Engines side by side\n\n{title}\n\n" + "\n".join(lines) + f"\n\nCommit {commit()}; {ver}.\n"
-
-
-def commit() -> str:
-    """This checkout's commit (what the figures measured)."""
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
-    return proc.stdout.strip() or "unknown"
+    footer = f"Commit {git_revision() or 'unknown'}; {ver}."
+    return f"# Engines side by side\n\n{title}\n\n" + "\n".join(lines) + f"\n\n{footer}\n"
 
 
 def main() -> int:
