@@ -240,3 +240,38 @@ def test_a_meta_build_makes_no_large_filled_tensor_for_real():
         large = torch.ones(LARGEST_REAL + 1), torch.zeros((2, LARGEST_REAL)), torch.full((LARGEST_REAL + 1,), 2.0)
         small = torch.ones(8), torch.arange(4.0)
     assert [t.device.type for t in large] == ["meta"] * 3 and [t.device.type for t in small] == ["cpu"] * 2
+
+
+MAKE_ONCE = """
+import sys, time
+from pathlib import Path
+from ljperf.core.cache import cached
+
+def make():
+    with open(sys.argv[2], "a") as log:
+        log.write("made\\n")
+    time.sleep(float(sys.argv[3]))
+    return {"value": 42}
+
+print(cached(Path(sys.argv[1]), load=dict, make=make, dump=dict)["value"], flush=True)
+"""
+
+
+def test_processes_that_miss_one_cache_entry_at_once_make_it_once(tmp_path):
+    """The ranks of a node (or a job's concurrent plans) that find no traced entry each traced it, all at once on
+    the same cores: the first makes it, the others wait for it and read it. A maker killed with SIGKILL holds
+    no one up (the kernel drops its lock), and the next process makes the entry."""
+    entry, log = tmp_path / "cache" / "forecast" / "entry.json", tmp_path / "made.log"
+
+    def start(seconds: float) -> subprocess.Popen:
+        argv = [sys.executable, "-c", MAKE_ONCE, str(entry), str(log), str(seconds)]
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=cli_env(LJPERF_CACHE_DIR=str(tmp_path)))
+
+    killed = start(60)
+    while not log.exists():
+        time.sleep(0.05)
+    killed.kill()
+    killed.wait()
+    procs = [start(1.0) for _ in range(3)]
+    assert [p.communicate(timeout=60)[0].strip() for p in procs] == ["42"] * 3
+    assert log.read_text().splitlines() == ["made"] * 2  # the killed maker's, then one of the three

@@ -9,10 +9,11 @@ number) is made again, with one warning line, never read as true and never a tra
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,20 +38,59 @@ def digest(data: Any) -> str:
 def cached(path: Path, *, load: Callable[[Any], T], make: Callable[[], T], dump: Callable[[T], Any]) -> T:
     """``load`` of the entry at ``path``; when it is missing, unreadable, unsigned (an older ljperf's), changed
     since it was written (one warning) or otherwise damaged, ``make()``, saved there signed through ``dump`` (a
-    cache that cannot be written is only slower)."""
+    cache that cannot be written is only slower). Processes that miss the same entry at once (the ranks of a
+    node, a job's concurrent plans) make it once: the first makes it, the others wait for it and read it."""
+    before = _stamp(path)
+    found, value = _load(path, load)
+    if found:
+        return value
+    with _making(path):
+        if _stamp(path) != before:  # another process made it while this one waited
+            found, value = _load(path, load)
+            if found:
+                return value
+        value = make()
+        data = json.loads(json.dumps(dump(value), default=str))  # as it reads back: tuples are lists
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, {SIGNATURE: digest(data), "data": data})
+    return value
+
+
+def _load(path: Path, load: Callable[[Any], T]) -> tuple[bool, T | None]:
     try:
         stored = read_json(path)
         if isinstance(stored, dict) and stored.keys() == {SIGNATURE, "data"}:
             if stored[SIGNATURE] == digest(stored["data"]):
-                return load(stored["data"])
+                return True, load(stored["data"])
             warn(f"cache entry {path} changed since ljperf wrote it: made again")
-    except FileNotFoundError:
-        pass
     except Exception:
         pass
-    value = make()
-    data = json.loads(json.dumps(dump(value), default=str))  # as it reads back: tuples are lists
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {SIGNATURE: digest(data), "data": data})
-    return value
+    return False, None
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_ino
+
+
+@contextlib.contextmanager
+def _making(path: Path) -> Iterator[None]:
+    """An exclusive lock on making ``path`` across processes (``flock`` of a file under the cache root's
+    ``locks/``, released by the kernel if the process dies); no lock where none can be taken."""
+    lock = cache_root() / "locks" / f"{hashlib.sha256(str(path.absolute()).encode()).hexdigest()[:32]}.lock"
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
