@@ -22,9 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch._dynamo
 import torch.utils.checkpoint
-from torch._dynamo.utils import counters, get_compilation_metrics
 
 from ljperf.core.errors import UsageError, interruption, one_line, out_of_memory
 from ljperf.core.options import COMPILE_MODES
@@ -52,6 +50,8 @@ class CompileSession:
 
     def collect(self, region: str) -> None:
         """Book to ``region`` the compilations dynamo recorded since the last ones booked."""
+        from torch._dynamo.utils import get_compilation_metrics
+
         for m in get_compilation_metrics():
             begin = m.start_time_us or 0
             if begin < self.start_us or begin <= self._seen_us:
@@ -97,7 +97,15 @@ def session() -> CompileSession | None:
 
 
 def _graph_break_count() -> int:
-    return sum(counters["graph_break"].values())
+    return sum(_counters()["graph_break"].values())
+
+
+def _counters() -> Any:
+    """dynamo's counters, imported at the first compile: a launcher that starts the ranks never pays the 1.3 s
+    (2 cores) that importing ``torch._dynamo`` takes."""
+    from torch._dynamo.utils import counters
+
+    return counters
 
 
 # Not compile failures: OOM, and the exception a non-reentrant checkpoint's recompute stops early with (torch 2.11
@@ -135,7 +143,7 @@ class Region:
             self._compiled = torch.compile(self._eager, **self._session.options)
         if self._group.failed:
             return self._eager(*args, **kwargs)
-        frames = counters["frames"]["total"]
+        frames = _counters()["frames"]["total"]
         try:
             out = self._compiled(*args, **kwargs)
         except _PASS_THROUGH:
@@ -148,7 +156,7 @@ class Region:
             out = self._eager(*args, **kwargs)  # an error of the model itself raises here as well
             self._group.failed = True
             self._session.fallback(self._group.label, exc)
-        if counters["frames"]["total"] != frames:
+        if _counters()["frames"]["total"] != frames:
             self._session.collect(self.name)
         return out
 
