@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -121,6 +122,11 @@ class RunFolder:
         return found
 
 
+TIMED_OUT = re.compile(r"timed out|timeout caused", re.IGNORECASE)
+"""What a collective that timed out raises: gloo says "Timed out waiting Nms for recv operation" or, when the
+timeout closes the connection first, "Application timeout caused pair closure"."""
+
+
 def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[str, int]:
     """One line naming the rank that failed first (or the signal), and the exit code ljperf should return; with
     the run's ``folder``, the ranks' own failure times order them, and the first one's own reason is added."""
@@ -171,7 +177,7 @@ def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[
         # the run, and one of them is what it waited for (one stopped, SIGSTOP, ends only on SIGKILL).
         stuck = (*ended, -signal.SIGKILL)
         waiting = [str(r) for r, f in sorted(exc.failures.items()) if f.exitcode in stuck and r != rank]
-        if "timed out" in left[rank][1].lower() and waiting:
+        if TIMED_OUT.search(left[rank][1]) and waiting:
             reason += f"; still running when it timed out, so maybe hung: rank {', '.join(waiting)}"
         return reason, code
     # A rank killed outright said nothing: what the first rank that did say (often that it lost its peer).
@@ -195,7 +201,11 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
         run_id=os.environ.get("LJPERF_RDZV_ID", "ljperf" if lc.nnodes > 1 else uuid.uuid4().hex[:8]),
         rdzv_endpoint=lc.rdzv_endpoint or "localhost:0",
         rdzv_backend="c10d",
-        rdzv_configs={"rank": lc.node_rank, "timeout": int(lc.collective_timeout), "join_timeout": int(lc.collective_timeout)}
+        rdzv_configs={
+            "rank": lc.node_rank,
+            "timeout": int(lc.collective_timeout),
+            "join_timeout": int(lc.collective_timeout),
+        }
         if lc.nnodes > 1
         else {"rank": 0},
         max_restarts=0,
