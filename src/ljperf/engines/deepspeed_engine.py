@@ -12,14 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ljperf.compile.regional import compile_deepspeed_engine
 from ljperf.core import deepspeed as deepspeed_config
-from ljperf.core.console import console, warn
+from ljperf.core.console import warn
 from ljperf.core.errors import interruption, one_line
 from ljperf.core.phases import phase
 from ljperf.core.records import without_secrets
@@ -52,8 +51,7 @@ class DeepSpeedEngine:
         if run.is_main:
             for finding in self.warnings:
                 warn(f"{finding.message}; fix: {finding.fix}")
-        if run.device.type == "cpu" and run.is_main and not _comm_op_built():
-            console.print("DeepSpeed is building its CPU comm op (first run only, about 20 s)...")
+        _without_shared_memory_comm_op()
         # ZeRO-3's Init reads torchrun's LOCAL_RANK; a one-process run started without torchrun has none.
         os.environ.setdefault("LOCAL_RANK", str(run.process.local_rank))
         deepspeed.init_distributed(dist_backend="gloo" if run.device.type == "cpu" else "nccl")
@@ -188,18 +186,14 @@ def _deepcompile_unavailable() -> str | None:
     return None
 
 
-def _comm_op_built() -> bool:
-    """Whether DeepSpeed's CPU shared-memory comm op is already in torch's extension cache."""
-    from deepspeed.accelerator import get_accelerator
+def _without_shared_memory_comm_op() -> None:
+    """DeepSpeed's CPU accelerator JIT-builds a shared-memory comm op at ``init_distributed`` (``c++`` on its
+    sources: about 60 CPU-s, 20-30 s, on a machine's first run, and again in each new environment). It serves
+    ``inference_all_reduce`` (AutoTP inference) alone, which training never calls: marked unavailable, DeepSpeed
+    skips the build and trains on gloo as before. (DeepSpeed keeps the probed dict in its module, edits included.)"""
+    import deepspeed.ops
 
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None:
-        return True
-    try:
-        from torch.utils.cpp_extension import _get_build_directory  # private: where torch caches built ops
-    except ImportError:
-        return False  # cannot tell: say it may build
-    return any(Path(_get_build_directory(builder.name, verbose=False)).glob("*.so"))
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def create(run: RunContext) -> DeepSpeedEngine:
