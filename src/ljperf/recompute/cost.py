@@ -86,7 +86,10 @@ REFERENCE_GPU = "H100"
 
 
 _REPEATS = 7
-_LAYER_REPEATS = 5
+_LAYER_ROUNDS = (5, 60)
+_LAYER_SECONDS = 0.5
+"""``timed_layer`` times at least 5 rounds, and more (up to 60) till its steps took half a second: a small layer's
+recompute (a few ms on CPU) is within a busy machine's noise over 5 rounds, and once measured negative."""
 _RATES_VERSION = 2
 """In the cached rates' key: a change to what ``Rates.timed`` times makes them again."""
 
@@ -165,7 +168,7 @@ def timed_layer(
 ) -> tuple[float, float]:
     """Seconds that recomputing one decoder layer of ``spec`` (of the most frequent kind) adds to a step, full and
     selective: a model of that layer alone, seeded weights, trains forward and backward at the run's shape with
-    it none, selective and full, interleaved, ``_LAYER_REPEATS`` times; the medians of each mode's difference
+    it none, selective and full, interleaved, ``_LAYER_ROUNDS`` times; the medians of each mode's difference
     from none in the same round. Device seconds: wall on a GPU, the process's CPU time per thread on a CPU
     (waiting for a core is not recompute). Cached on disk per architecture, shape, precision, device name, CPU
     threads and torch version. ``Rates.measure``'s pointwise ops run at 16 MiB a tensor, out of cache: on the
@@ -215,8 +218,14 @@ def _timed_modes(
     modes = ("none", "selective", "full")
     for mode in modes:
         step(mode)
-    rounds = [[step(mode) for mode in modes] for _ in range(_LAYER_REPEATS)]
-    return tuple(statistics.median(r[i] - r[0] for r in rounds) for i in (2, 1))
+    fewest, most = _LAYER_ROUNDS
+    rounds: list[dict[str, float]] = []
+    timed = 0.0
+    while len(rounds) < fewest or (len(rounds) < most and timed < _LAYER_SECONDS):
+        shift = len(rounds) % len(modes)  # each mode in turn first: none is not always the coldest
+        rounds.append({mode: step(mode) for mode in modes[shift:] + modes[:shift]})
+        timed += sum(rounds[-1].values())
+    return tuple(statistics.median(r[mode] - r["none"] for r in rounds) for mode in ("full", "selective"))
 
 
 def _traced_layer_cost(spec: ModelSpec, index: int, *, micro_batch: int, seq_len: int, attn: str) -> RecomputeCost:
