@@ -19,6 +19,7 @@ import pytest
 
 from ljperf.core.errors import EXIT_SIGINT, forget_signals, note_interrupt
 from ljperf.core.records import write_json
+from ljperf.dist.launch import SHUTDOWN_GRACE_S
 from ljperf.dist.memory import CPU_METHOD
 from ljperf.dist.runtime import free_port
 from ljperf.models.catalog import read_config_dict
@@ -266,8 +267,11 @@ def test_a_hung_rank_ends_the_run_after_the_timeout(tmp_path):
     wait_for_steps(tmp_path, 2)
     workers = children(proc.pid)
     os.kill(rank_pid(proc.pid, 1), signal.SIGSTOP)
+    stopped = time.monotonic()
     stdout, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 1
+    # the 15 s timeout, then launch.SHUTDOWN_GRACE_S between SIGTERM and SIGKILL (torchrun's 30 s made it 45+)
+    assert time.monotonic() - stopped < 15 + SHUTDOWN_GRACE_S + 10
     assert "Traceback" not in stdout + stderr, stdout[-3000:]  # gloo's error quotes "[/path.cc:N]": not markup
     last = stderr.strip().splitlines()[-1]
     assert "rank" in last and "timed out" in last.lower(), last

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import math
@@ -122,6 +123,26 @@ class RunFolder:
         return found
 
 
+SHUTDOWN_GRACE_S = 5
+"""Seconds the agent waits after SIGTERM before it SIGKILLs the ranks it ends (torchrun's: 30). A rank of ljperf
+keeps its record and exits within a second of SIGTERM; one that has not by then is hung (as in a driver call)."""
+
+
+@functools.cache
+def _end_ranks_within_grace() -> None:
+    """Make torch's launcher SIGKILL the ranks it ends ``SHUTDOWN_GRACE_S`` after SIGTERM. It waits 30 s, the
+    default of its process context's ``close()``, when it ends the others after one rank failed, whatever its
+    ``shutdown_timeout`` says (pytorch/pytorch#119856, unfixed as of 2026-12): a hung rank held the run 30 s more."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = PContext.close
+
+    def close_within_grace(self: PContext, death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
+        close(self, death_sig, min(timeout, SHUTDOWN_GRACE_S))
+
+    PContext.close = close_within_grace
+
+
 TIMED_OUT = re.compile(r"timed out|timeout caused", re.IGNORECASE)
 """What a collective that timed out raises: gloo says "Timed out waiting Nms for recv operation" or, when the
 timeout closes the connection first, "Application timeout caused pair closure"."""
@@ -214,6 +235,7 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # else an empty torchelastic_* folder in $TMPDIR a run
     )
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks end with this process (cli.main)
+    _end_ranks_within_grace()
     # The agent logs "failed (exitcode: N) local_rank: ..." and "Sending process P closing signal SIGTERM" with
     # its own timestamp format; ljperf's one last line names the failing rank and why (``failure_reason``).
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
