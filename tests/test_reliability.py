@@ -5,6 +5,7 @@ Each guarantee is listed in docs/reliability.md with the test that proves it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -355,6 +357,27 @@ def test_a_signal_during_start_up_exits_with_one_line(tmp_path, sig, code, delay
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == code, stderr[-3000:]
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
+
+
+def test_a_ctrl_c_an_import_turned_into_another_error_is_an_interruption(capsys):
+    """Ctrl-C inside torch's C++ init (``import torch`` in a command's ``run``) came out as ``TypeError: expected a
+    message argument``: a traceback and exit 1 (a full suite's start-up test met it). The noted signal wins."""
+    from ljperf import cli
+
+    def run(_args, _argv) -> int:
+        with contextlib.suppress(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        raise TypeError("expected a message argument")  # what torch's C++ init raised, the interrupt gone
+
+    forget_signals()
+    previous = signal.signal(signal.SIGINT, note_interrupt)
+    try:
+        command = argparse.Namespace(command="benchmark")
+        assert cli._run_command(types.SimpleNamespace(run=run), command, []) == EXIT_SIGINT
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        forget_signals()
+    assert capsys.readouterr().err == "ljperf benchmark: interrupted by SIGINT\n"
 
 
 def test_a_ctrl_c_an_import_swallowed_still_ends_the_run(tmp_path):

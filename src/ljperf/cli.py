@@ -29,6 +29,7 @@ from ljperf.core.errors import (
     forget_signals,
     interruption,
     note_interrupt,
+    noted_interruption,
 )
 from ljperf.core.options import deprecations
 from ljperf.core.parser import Parser, unrecognized
@@ -176,7 +177,9 @@ def _run_command(module: ModuleType, args: argparse.Namespace, argv: list[str]) 
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_SIGINT
     except Exception as exc:
-        if (stop := interruption(exc)) is None:  # a bug: its traceback is what a report needs
+        # A Ctrl-C inside an import may come out as another error: torch's C++ init turns the KeyboardInterrupt
+        # into "TypeError: expected a message argument"; the noted signal says what it was.
+        if (stop := interruption(exc) or noted_interruption()) is None:  # a bug: its traceback is what a report needs
             raise
         print(f"{prog}: {stop}", file=sys.stderr)
         return stop.exit_code

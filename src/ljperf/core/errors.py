@@ -150,10 +150,15 @@ def interrupts_held() -> Iterator[None]:
         raise_if_interrupted()
 
 
+def noted_interruption() -> Interrupted | None:
+    """The ``Interrupted`` of the first signal noted since the command started, or None."""
+    return Interrupted(_received[0]) if _received else None
+
+
 def raise_if_interrupted() -> None:
     """Raise the ``Interrupted`` of a signal that came (one swallowed where Python ignores exceptions)."""
-    if _received:
-        raise Interrupted(_received[0])
+    if (stop := noted_interruption()) is not None:
+        raise stop
 
 
 def interrupt_on_signals() -> dict[int, Any]:
