@@ -7,15 +7,27 @@ import sys
 
 import torch
 
+# ljperf's catalog llama-tiny (src/ljperf/models/catalog/llama-tiny.json) at 6 layers: the forecasts the hook
+# makes for it are then the suite's cached traces of that model (the trace leaves the depth out of its key)
 CONFIG = {
     "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 176,
+    "vocab_size": 2048,
+    "hidden_size": 128,
+    "intermediate_size": 352,
     "num_hidden_layers": 6,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": 2048,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-05,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
 }
 # HOOK_SCRIPT_MICRO_BATCH: a larger batch on a GPU (benchmarks/gpu_session.sh), where activations must outweigh
 # the device's fixed overheads for the plan to be tested
