@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reor
 # Bytecode: pip compiles every module it installs (transformers' thousands, most never imported): half of the
 # install, 80 -> 36 s on 2 cores without it. Instead the venv's processes started from here write the bytecode of
 # what they import, once: the project's machines set PYTHONDONTWRITEBYTECODE=1, under which each of the suite's
-# few hundred processes compiled all it imported anew (a run 7 s instead of 2.7).
+# few hundred processes would compile all it imports anew (a run 7 s instead of 2.7).
 INSTALL := $(PY) -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 

@@ -132,7 +132,7 @@ keeps its record and exits within a second of SIGTERM; one that has not by then 
 def _end_ranks_within_grace() -> None:
     """Make torch's launcher SIGKILL the ranks it ends ``SHUTDOWN_GRACE_S`` after SIGTERM. It waits 30 s, the
     default of its process context's ``close()``, when it ends the others after one rank failed, whatever its
-    ``shutdown_timeout`` says (pytorch/pytorch#119856, unfixed as of 2026-12): a hung rank held the run 30 s more."""
+    ``shutdown_timeout`` says (pytorch/pytorch#119856, open in torch 2.13): a hung rank would hold the run 30 s."""
     from torch.distributed.elastic.multiprocessing.api import PContext
 
     close = PContext.close

@@ -89,7 +89,7 @@ _REPEATS = 7
 _LAYER_ROUNDS = (5, 60)
 _LAYER_SECONDS = 0.5
 """``timed_layer`` times at least 5 rounds, and more (up to 60) till its steps took half a second: a small layer's
-recompute (a few ms on CPU) is within a busy machine's noise over 5 rounds, and once measured negative."""
+recompute (a few ms on CPU) is within a busy machine's noise over 5 rounds: its median can come out negative."""
 _RATES_VERSION = 2
 """In the cached rates' key: a change to what ``Rates.timed`` times makes them again."""
 
