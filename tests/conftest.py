@@ -15,10 +15,15 @@ from pathlib import Path
 
 import pytest
 
+# One intra-op thread in every process of the suite (set before torch is imported, inherited by every process a
+# test starts, read by ljperf's own runs in this process): two workers share the 2-core machines with the
+# processes they start, and threads beyond the cores only spin (a twelfth of the suite's CPU time).
+os.environ["OMP_NUM_THREADS"] = "1"
+
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of a CLI subprocess: one OpenMP thread per process on the 2-core machines."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    """The environment of a CLI subprocess: output unbuffered, no run folder of an outer run."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LJPERF_RUN_DIR", None)
     env.update(extra)
     return env
@@ -55,7 +60,7 @@ def use_cli_env(monkeypatch: pytest.MonkeyPatch, **extra: str) -> None:
     """This process's environment made ``cli_env(**extra)`` for the test: what ``run_main`` of a command that
     starts processes of its own (ablation's benchmark runs) hands them, as a CLI subprocess would."""
     monkeypatch.delenv("LJPERF_RUN_DIR", raising=False)
-    for key, value in {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}.items():
+    for key, value in {"PYTHONUNBUFFERED": "1", **extra}.items():
         monkeypatch.setenv(key, value)
 
 
@@ -120,15 +125,6 @@ files to the workers in this order, so no long file starts last and leaves one w
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
-
-
-@pytest.fixture(autouse=True, scope="session")
-def one_thread():
-    """One intra-op thread in the test process too, as ``cli_env`` gives each CLI subprocess: two workers share
-    the 2-core machines with the processes they start."""
-    import torch
-
-    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True, scope="session")

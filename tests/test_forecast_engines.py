@@ -204,8 +204,7 @@ def distributed_runs(tmp_path_factory):
         paths[f"overlap{stage}"].write_text(json.dumps({"zero_optimization": bucket | {"overlap_comm": True}}))
     specs = [f"{name}={args.format(**paths)}" for name, args in DISTRIBUTED.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", WORKER, str(out), *specs]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {name: json.loads((out / f"{name}.json").read_text())["results"] for name in DISTRIBUTED}
 
