@@ -103,6 +103,9 @@ class TraceError(RuntimeError):
     """The model could not be traced consistently; the forecast falls back to the analytic formula."""
 
 
+_DEVICE = torch.ops.prim.device.default
+
+
 class LiveBytesTimeline(TorchDispatchMode):
     """Live tensor-storage bytes after every allocating aten op, with named marks (works on fake tensors)."""
 
@@ -112,21 +115,26 @@ class LiveBytesTimeline(TorchDispatchMode):
         self.points: list[int] = []
         self.marks: list[tuple[str, int]] = []
         self._sizes: dict[int, int] = {}
+        self._alive: dict[int, weakref.ref] = {}
 
     def track(self, tensor: torch.Tensor) -> bool:
         if isinstance(tensor, DTensor):  # this rank's shard, as ``dist.memory.LiveTensorBytes`` counts it
             tensor = tensor._local_tensor
         storage = tensor.untyped_storage()
         key = id(storage)
-        if key in self._sizes or storage.nbytes() == 0:
+        if key in self._sizes:
             return False
-        self._sizes[key] = storage.nbytes()
-        self.current += storage.nbytes()
-        weakref.finalize(storage, self._release, key)
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return False
+        self._sizes[key] = nbytes
+        self.current += nbytes
+        self._alive[key] = weakref.ref(storage, functools.partial(self._release, key))
         return True
 
-    def _release(self, key: int) -> None:
+    def _release(self, key: int, _dead: weakref.ref | None = None) -> None:
         self.current -= self._sizes.pop(key, 0)
+        self._alive.pop(key, None)
 
     def mark(self, name: str) -> None:
         self.points.append(self.current)
@@ -136,7 +144,12 @@ class LiveBytesTimeline(TorchDispatchMode):
         self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ):
         out = func(*args, **(kwargs or {}))
-        if any([self.track(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]):
+        if func is _DEVICE:  # autograd asks every fake tensor's device, two of three calls a step: no allocation
+            return out
+        tensors = (
+            (out,) if isinstance(out, torch.Tensor) else [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        )
+        if any([self.track(t) for t in tensors]):
             self.points.append(self.current)
         return out
 
