@@ -107,13 +107,33 @@ def forget_signals() -> None:
     _received.clear()
 
 
+IMPORT_RETRY_S = 0.05
+"""How often a Ctrl-C that came during an import looks whether the import has ended."""
+
+
 def note_interrupt(signum: int, _frame: object) -> None:
     """Ctrl-C while a command imports and sets up: a ``KeyboardInterrupt`` as Python's own handler raises, and
     noted, since an import can catch it (transformers turns one inside an import into ModuleNotFoundError; a
     probe that catches that would let the run go on to its end, exit 0); ``raise_if_interrupted`` raises it
-    again where the run first checks."""
+    again where the run first checks. During an import it is raised once the import has ended: raised inside
+    torch's C++ initialisation, it aborted the process (pybind11 ``error_already_set``: SIGABRT) or ended as a
+    RecursionError."""
     _received.append(signum)
+    _raise_after_imports(signal.SIGALRM, None)
+
+
+def _raise_after_imports(_signum: int, _frame: object) -> None:
+    if _importing():
+        signal.signal(signal.SIGALRM, _raise_after_imports)
+        signal.setitimer(signal.ITIMER_REAL, IMPORT_RETRY_S)
+        return
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
     raise KeyboardInterrupt
+
+
+def _importing() -> bool:
+    """Whether a module is being imported (its spec is marked while its code runs)."""
+    return any(getattr(getattr(m, "__spec__", None), "_initializing", False) for m in list(sys.modules.values()))
 
 
 def raise_interrupted(signum: int, _frame: object) -> None:
