@@ -3,9 +3,12 @@
 Run: raise ``UsageError("...")`` anywhere: ``ljperf.cli.main`` prints it as one line and exits 2.
 """
 
+import _thread
 import contextlib
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -109,26 +112,29 @@ def forget_signals() -> None:
 
 IMPORT_RETRY_S = 0.05
 """How often a Ctrl-C that came during an import looks whether the import has ended."""
+_waiting_for_import: list[bool] = []
 
 
 def note_interrupt(signum: int, _frame: object) -> None:
     """Ctrl-C while a command imports and sets up: a ``KeyboardInterrupt`` as Python's own handler raises, and
     noted, since an import can catch it (transformers turns one inside an import into ModuleNotFoundError; a
     probe that catches that would let the run go on to its end, exit 0); ``raise_if_interrupted`` raises it
-    again where the run first checks. During an import it is raised once the import has ended: raised inside
-    torch's C++ initialisation, it aborted the process (pybind11 ``error_already_set``: SIGABRT) or ended as a
-    RecursionError."""
+    again where the run first checks. During an import it is raised once the import has ended (a thread sends it
+    again): raised inside torch's C++ initialisation, it aborted the process (pybind11 ``error_already_set``:
+    SIGABRT) or ended as a RecursionError."""
     _received.append(signum)
-    _raise_after_imports(signal.SIGALRM, None)
+    if not _importing():
+        raise KeyboardInterrupt
+    if not _waiting_for_import:
+        _waiting_for_import.append(True)
+        threading.Thread(target=_interrupt_after_imports, args=(signum,), daemon=True).start()
 
 
-def _raise_after_imports(_signum: int, _frame: object) -> None:
-    if _importing():
-        signal.signal(signal.SIGALRM, _raise_after_imports)
-        signal.setitimer(signal.ITIMER_REAL, IMPORT_RETRY_S)
-        return
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    raise KeyboardInterrupt
+def _interrupt_after_imports(signum: int) -> None:
+    while _importing():
+        time.sleep(IMPORT_RETRY_S)
+    _waiting_for_import.clear()
+    _thread.interrupt_main(signum)
 
 
 def _importing() -> bool:
