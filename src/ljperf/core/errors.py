@@ -112,7 +112,8 @@ def forget_signals() -> None:
 
 IMPORT_RETRY_S = 0.05
 """How often a Ctrl-C that came during an import looks whether the import has ended."""
-_waiting_for_import: list[bool] = []
+_waiting_for_import = threading.Event()
+"""Set while a thread waits to send a Ctrl-C again: one thread, however many came."""
 
 
 def note_interrupt(signum: int, _frame: object) -> None:
@@ -125,8 +126,8 @@ def note_interrupt(signum: int, _frame: object) -> None:
     _received.append(signum)
     if not _importing():
         raise KeyboardInterrupt
-    if not _waiting_for_import:
-        _waiting_for_import.append(True)
+    if not _waiting_for_import.is_set():
+        _waiting_for_import.set()
         threading.Thread(target=_interrupt_after_imports, args=(signum,), daemon=True).start()
 
 
