@@ -10,6 +10,7 @@ relative difference per parameter to ``OUT_DIR/NAME.grads.json``; each run's rec
 
 from __future__ import annotations
 
+import gc
 import json
 import shlex
 import sys
@@ -72,4 +73,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.freeze()  # as ljperf does: the interpreter's exit would collect over every object torch made
+    sys.exit(code)
