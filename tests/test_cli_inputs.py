@@ -241,6 +241,19 @@ def test_a_reader_that_stops_early_gets_no_traceback(args):
     assert proc.wait(timeout=60) == 141 and stderr == ""
 
 
+def test_a_command_leaves_its_objects_to_the_end_of_its_process():
+    """The interpreter's exit would collect garbage over every object torch and transformers made (~0.5-0.8
+    CPU-s a process, paid by each rank of each run): ljperf's exit freezes them first."""
+    script = "import atexit, gc, sys\n"
+    script += "atexit.register(lambda: print('frozen', gc.get_freeze_count()))\n"
+    script += "sys.argv = ['ljperf', 'models', '--json']\n"
+    script += "from ljperf.cli import entry\n"
+    script += "entry()\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.rsplit("frozen ", 1)[1]) > 0
+
+
 @pytest.mark.parametrize("command", list(cli.COMMANDS))
 def test_help_explains_every_flag_and_shows_its_default(command):
     parser = cli.build_parser(command)
