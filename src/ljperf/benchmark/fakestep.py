@@ -28,12 +28,13 @@ from ljperf.engines.parallelize import apply_optimizations
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.forecast.patches import real_code_paths, swapped
 from ljperf.forecast.recipe import Recipe
-from ljperf.forecast.trace import fake_buffers, fake_model
+from ljperf.forecast.trace import fake_buffers, fake_device, fake_model
 from ljperf.models.build import cast_parameters
 from ljperf.models.spec import ModelSpec, build_meta
 from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext
 
+DEVICE = torch.ops.prim.device.default
 FSDP_TORCH = (2, 13)
 """The first torch whose DTensor sharding propagation makes no fake tensors the measurement would count."""
 
@@ -103,10 +104,19 @@ def fake_step_peak(spec: ModelSpec, recipe: Recipe) -> int:
 def _peak_tracker() -> object:
     """PyTorch's ``MemTracker``, keeping its peak over the whole step only. After every operation it also walks
     every module it has seen to raise the peaks of those running (per module: not read here), which took half of
-    a 16-layer model's fake step (9 of 18 CPU-s): those module records are set aside while it updates its own."""
+    a 16-layer model's fake step (9 of 18 CPU-s): those module records are set aside while it updates its own.
+    And a fake tensor's device, two of three ops a fake step dispatches, is answered without its walk (8.1 -> 6.4
+    CPU-s for llama3.2-1b at 2048 tokens, the same peak)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class PeakTracker(MemTracker):
+        def __torch_dispatch__(
+            self, func: object, types: object, args: tuple[object, ...] = (), kwargs: dict | None = None
+        ) -> object:
+            if func is DEVICE and (device := fake_device(args[0])) is not None:
+                return device
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
         def _update_peak_stats(self, peak_state: object) -> None:
             modules, self.memory_tracking = self.memory_tracking, {}
             try:

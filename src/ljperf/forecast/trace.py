@@ -106,6 +106,15 @@ class TraceError(RuntimeError):
 _DEVICE = torch.ops.prim.device.default
 
 
+def fake_device(tensor: torch.Tensor) -> torch.device | None:
+    """The device of a fake tensor as FakeTensor answers ``prim.device`` (None for another tensor): a dispatch mode
+    answers it so without a trip through FakeTensorMode's dispatch. Autograd asks every fake tensor's device, two
+    of three ops a fake step dispatches; answered here, a trace takes ~13% less time."""
+    if type(tensor) is FakeTensor and not tensor.fake_mode.in_kernel_invocation:
+        return tensor.fake_device
+    return None
+
+
 class LiveBytesTimeline(TorchDispatchMode):
     """Live tensor-storage bytes after every allocating aten op, with named marks (works on fake tensors)."""
 
@@ -143,12 +152,9 @@ class LiveBytesTimeline(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ):
-        if func is _DEVICE:  # autograd asks every fake tensor's device, two of three calls a step: answered here
-            # as FakeTensor answers it, without a trip through FakeTensorMode's dispatch (a trace ~13% faster)
-            tensor = args[0]
-            if type(tensor) is FakeTensor and not tensor.fake_mode.in_kernel_invocation:
-                return tensor.fake_device
-            return func(*args)
+        if func is _DEVICE:
+            device = fake_device(args[0])
+            return func(*args) if device is None else device
         out = func(*args, **(kwargs or {}))
         tensors = (
             (out,) if isinstance(out, torch.Tensor) else [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
