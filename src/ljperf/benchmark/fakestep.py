@@ -34,7 +34,6 @@ from ljperf.models.spec import ModelSpec, build_meta
 from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext
 
-DEVICE = torch.ops.prim.device.default
 FSDP_TORCH = (2, 13)
 """The first torch whose DTensor sharding propagation makes no fake tensors the measurement would count."""
 
@@ -113,7 +112,7 @@ def _peak_tracker() -> object:
         def __torch_dispatch__(
             self, func: object, types: object, args: tuple[object, ...] = (), kwargs: dict | None = None
         ) -> object:
-            if func is DEVICE and (device := fake_device(args[0])) is not None:
+            if (device := fake_device(func, args)) is not None:
                 return device
             return super().__torch_dispatch__(func, types, args, kwargs)
 
