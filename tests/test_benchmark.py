@@ -334,12 +334,16 @@ def test_runs_under_a_users_own_torchrun(tmp_path):
 @pytest.mark.slow
 def test_a_users_torchrun_checks_the_output_before_training(tmp_path):
     """Rank 0 checks --output under any torchrun (it was skipped there: the run trained, then lost its record in a
-    FileNotFoundError traceback)."""
+    FileNotFoundError traceback), and says so though rank 1 finds it first (rank 1's exit had torchrun stop rank 0
+    before its line, half the time on a busy machine; here rank 0 starts 3 s late)."""
+    (tmp_path / "late").mkdir()
+    (tmp_path / "late" / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n"
+    )
     args = ["benchmark", *TINY, "--steps", "50", "--output", str(tmp_path / "missing" / "r.json")]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run(
-        [*torchrun, "-m", "ljperf", *args], capture_output=True, text=True, env=cli_env(), timeout=300
-    )
+    env = cli_env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "late"), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([*torchrun, "-m", "ljperf", *args], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ljperf benchmark:")]
     assert errors == [

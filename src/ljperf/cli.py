@@ -13,6 +13,7 @@ import importlib
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import NoReturn
@@ -35,6 +36,8 @@ from ljperf.core.errors import (
 from ljperf.core.options import deprecations
 from ljperf.core.parser import Parser, unrecognized
 from ljperf.dist.launch import LAUNCHER_ENV, RunFolder, end_with_parent
+
+RANK_0_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,19 @@ def _hand_to_launcher(exc: UsageError) -> bool:
     return folder is not None and rank is not None and folder.leave_usage_error(str(exc), rank=rank)
 
 
+def _outlived_rank_0() -> bool:
+    """Under a user's torchrun every rank finds the same usage error, and rank 0 says it. A rank that exited
+    first had torchrun stop rank 0 before it could (the line was lost about half the time on a busy machine), so
+    wait for the SIGTERM torchrun sends once rank 0 has exited, and end silently with the usage code. True: rank 0
+    did not end within the grace (another node's agent is not told), so this rank says it. False at once outside
+    torchrun (ranks of another launcher leave the line to rank 0, as before)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_USAGE))
+    time.sleep(RANK_0_GRACE_S)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     # A signal while the command's module imports (torch, transformers): exit 130/143, no traceback. Ctrl-C is
     # a KeyboardInterrupt again once the command runs (ablation stops its running benchmark on it).
@@ -168,8 +184,10 @@ def _run_command(module: ModuleType, args: argparse.Namespace, argv: list[str]) 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_SIGPIPE
     except UsageError as exc:
-        if not _hand_to_launcher(exc) and os.environ.get("RANK", "0") == "0":
-            print(f"{prog}: error: {exc}", file=sys.stderr)  # under a user's torchrun every rank finds the same
+        if _hand_to_launcher(exc):
+            return EXIT_USAGE
+        if (rank := os.environ.get("RANK", "0")) == "0" or _outlived_rank_0():
+            print(f"{prog}: error: {exc}" + ("" if rank == "0" else f" (rank {rank})"), file=sys.stderr)
         return EXIT_USAGE
     except RunFailed as exc:
         print(f"{prog}: failed: {exc}", file=sys.stderr)
