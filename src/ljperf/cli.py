@@ -119,6 +119,7 @@ def _outlived_rank_0() -> bool:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
     signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_USAGE))
+    signal.signal(signal.SIGINT, lambda *_: os._exit(EXIT_SIGINT))  # Ctrl-C reaches every rank: no traceback
     time.sleep(RANK_0_GRACE_S)
     return True
 
