@@ -111,11 +111,10 @@ def _hand_to_launcher(exc: UsageError) -> bool:
 
 
 def _outlived_rank_0() -> bool:
-    """Under a user's torchrun every rank finds the same usage error, and rank 0 says it. A rank that exited
-    first had torchrun stop rank 0 before it could (the line was lost about half the time on a busy machine), so
-    wait for the SIGTERM torchrun sends once rank 0 has exited, and end silently with the usage code. True: rank 0
-    did not end within the grace (another node's agent is not told), so this rank says it. False at once outside
-    torchrun (ranks of another launcher leave the line to rank 0, as before)."""
+    """Under a user's torchrun every rank finds the same usage error, and rank 0 says it. A rank that exits first
+    has torchrun stop rank 0 before it can, so wait for the SIGTERM torchrun sends once rank 0 has exited, and end
+    silently with the usage code. True: rank 0 did not end within the grace (another node's agent is not told),
+    so this rank says it. False at once outside torchrun (another launcher's ranks leave the line to rank 0)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return False
     signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_USAGE))
