@@ -519,3 +519,34 @@ def test_cached_forecast_builds_no_model(monkeypatch):
         monkeypatch.setattr(module, name, no_build)
     assert forecast(spec, recipe.with_(seq_len=4096)).peak_allocated_bytes > first.peak_allocated_bytes
     assert forecast(spec, recipe) == first
+
+
+@pytest.mark.slow
+def test_one_micro_step_traces_the_first_alone_and_forecasts_what_both_do(tmp_path, monkeypatch):
+    """A recipe of one micro-step reads only the first micro-step's segments: its family is traced up to the
+    second one's start (about half the ops) and forecasts exactly what the trace of both does, which serves it
+    where cached; a recipe of two micro-steps traces both."""
+    from ljperf.forecast import trace
+
+    monkeypatch.setenv("LJPERF_CACHE_DIR", str(tmp_path))
+    spec = resolve(name="llama-tiny")
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64, recompute=("full",) * spec.layers)
+    shape = {"micro_batch": 2, "seq_len": 64, "precision": "fp32", "attn": "sdpa", "mode": "full", "layers": 3}
+    first, both = (trace.trace_shape(spec, **shape, first_only=only) for only in (True, False))
+    assert [n for n, _ in first.marks] == [n for n, _ in both.marks][: len(first.marks)]
+    assert first.points == both.points[: len(first.points)] and len(first.points) < 0.6 * len(both.points)
+
+    def families() -> dict[str, set[int]]:
+        """Each cached family's file → the micro-steps its segments are of."""
+        files = (tmp_path / "forecast").glob("Llama-full-*.json")
+        return {f.name: {int(k.split("@")[1]) for k in json.loads(f.read_text())["data"]["segments"]} for f in files}
+
+    alone = forecast(spec, recipe)
+    assert list(families().values()) == [{1}]
+    forecast(spec, recipe.with_(grad_accum=2))
+    assert sorted(map(sorted, families().values())) == [[1], [1, 2]]
+    (first_only,) = [name for name, steps in families().items() if steps == {1}]
+    (tmp_path / "forecast" / first_only).unlink()
+    monkeypatch.setattr(trace, "_PATTERNS", {})
+    monkeypatch.setattr(trace, "trace_shape", None)  # served from the cache of both micro-steps, no trace
+    assert forecast(spec, recipe) == alone

@@ -28,7 +28,8 @@ TRACED_TOKENS = max(seq for shapes in FAMILIES.values() for _, seq in shapes)
 
 
 def _patterns(spec: ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[int, ...] | None) -> Patterns:
-    """The traced patterns of ``recipe``'s code path in recompute ``mode`` (of a copy of layers ``pick``)."""
+    """The traced patterns of ``recipe``'s code path in recompute ``mode`` (of a copy of layers ``pick``): of the
+    first micro-step alone where ``recipe`` has one (the walk reads the second one's only for later micro-steps)."""
     return traced_patterns(
         spec,
         precision=recipe.trace_precision,
@@ -39,6 +40,7 @@ def _patterns(spec: ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[int, ..
         pick=pick,
         tp=recipe.tp,
         loss=recipe.loss,
+        first_only=recipe.grad_accum == 1,
     )
 
 

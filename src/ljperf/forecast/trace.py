@@ -3,15 +3,16 @@
 Run (normally through ``forecast``): ``traced_patterns(spec, precision="fp32", attn="sdpa", mode="full")``.
 
 A 3-layer copy of the model (real hidden size, vocabulary and code) runs two micro-steps of
-``models.step.accumulate`` under ``FakeTensorMode``: nothing is allocated. ``LiveBytesTimeline`` counts
-tensor storages exactly as ``dist.memory.LiveTensorBytes`` does on a real CPU step, and module/tensor hooks mark
-block boundaries: forward and backward of the embedding part ("pre"), of each decoder layer and of the
-norm/LM-head/loss part ("post"). The layer 0 / layer 1 / layer 2 segments stand for the first, middle and
-last layer of the full-depth model, which ``timeline`` composes. A 4-layer copy is traced too (at one shape,
-and at the others only where it differs from the 3-layer one): where the edge segments (embedding, head, loss,
-the gap between micro-steps) differ between the two, the difference is what each layer leaves to them, such as
-the bf16 weight copies autocast keeps for a recomputed layer until the forward's autocast region ends, and
-``timeline`` counts it once per layer of the full model.
+``models.step.accumulate`` under ``FakeTensorMode``: nothing is allocated. A recipe of one micro-step reads only the
+first one's segments: its family is traced up to the second one's start (``first_only``), half the ops.
+``LiveBytesTimeline`` counts tensor storages exactly as ``dist.memory.LiveTensorBytes`` does on a real CPU step, and
+module/tensor hooks mark block boundaries: forward and backward of the embedding part ("pre"), of each decoder layer
+and of the norm/LM-head/loss part ("post"). The layer 0 / layer 1 / layer 2 segments stand for the first, middle and
+last layer of the full-depth model, which ``timeline`` composes. A 4-layer copy is traced too (at one shape, and at
+the others only where it differs from the 3-layer one): where the edge segments (embedding, head, loss, the gap
+between micro-steps) differ between the two, the difference is what each layer leaves to them, such as the bf16
+weight copies autocast keeps for a recomputed layer until the forward's autocast region ends, and ``timeline``
+counts it once per layer of the full model.
 
 Every segment is traced at several (micro batch b, sequence s) shapes and each of its points is fitted exactly
 as bytes = c · (1, b, s, b·s, s², b·s²) (micro batch 1 separately, as c · (1, s, s²)): tensor sizes are such
@@ -88,6 +89,10 @@ FAMILIES = {
 Each family has one shape more than coefficients, so every fit is also checked."""
 MICRO_STEPS = 2
 """Micro-step 1 allocates the gradients; micro-step 2 (and every later one) accumulates into them."""
+
+
+class _SecondMicroStep(Exception):
+    """Raised where a trace of the first micro-step only reaches the second one's start."""
 
 
 def family(micro_batch: int) -> str:
@@ -232,6 +237,8 @@ class RawTrace:
     cuda_differs: bool = False
     """An SDPA call took the math path or would take it on CUDA (``cuda_runs_math``), or an op of ``CUDA_FP32``
     ran on a bf16 input under autocast: CUDA runs each otherwise (see the module docstring)."""
+    first_only: bool = False
+    """Traced up to the second micro-step's start (its "fwd" mark): the first micro-step's segments only."""
 
 
 def block_marks(layers: int) -> list[str]:
@@ -254,8 +261,10 @@ def trace_shape(
     pick: tuple[int, ...] | None = None,
     tp: int = 1,
     loss: str = "plain",
+    first_only: bool = False,
 ) -> RawTrace:
-    """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline;
+    """Run ``MICRO_STEPS`` micro-steps of the real training code on fake tensors and record the timeline
+    (``first_only``: up to the second one's start, where the first one's gap to it ends);
     ``as_cuda``: SDPA calls as CUDA runs them (its fused kernel where CPU runs math, math where it does), and the
     ops of ``CUDA_FP32`` in fp32 as CUDA's autocast does; ``pick``: the full model's (first, middle, last) layers
     the copy is made of, the middle one repeated (``layer_picks``); ``tp``: rank 0 of that many tensor-parallel
@@ -273,7 +282,7 @@ def trace_shape(
     if loss == "chunked":
         use_chunked_loss(model)
     timeline = LiveBytesTimeline()
-    state = {"backward": False, "cuda_differs": False}
+    state = {"backward": False, "cuda_differs": False, "forwards": 1 if first_only else MICRO_STEPS}
     _install_marks(model, timeline, state)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -306,9 +315,13 @@ def trace_shape(
         stack.enter_context(timeline)
         try:
             accumulate(model, batches, autocast=_autocast(precision))
+        except _SecondMicroStep:
+            pass
         except (RuntimeError, NotImplementedError) as exc:  # e.g. a kernel whose fake version refuses fp32
             raise TraceError(f"its training step does not run on fake tensors: {one_line(exc)}") from exc
-    return RawTrace(points=timeline.points, marks=timeline.marks, cuda_differs=state["cuda_differs"])
+    return RawTrace(
+        points=timeline.points, marks=timeline.marks, cuda_differs=state["cuda_differs"], first_only=first_only
+    )
 
 
 def _autocast(precision: str) -> Callable[[], contextlib.AbstractContextManager]:
@@ -414,6 +427,9 @@ def _install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: d
 
     def model_pre(_module: torch.nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
         timeline.mark("fwd")
+        state["forwards"] -= 1
+        if state["forwards"] < 0:
+            raise _SecondMicroStep
 
     def model_post(
         _module: torch.nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: CausalLMOutputWithPast
@@ -511,13 +527,15 @@ def split_segments(raw: RawTrace, *, layers: int) -> dict[str, list[int]]:
     """``{"<segment>@<micro>": [bytes relative to the segment start, ...]}`` including start and end points."""
     names = [name for name, _ in raw.marks if name != "loss"]
     expected = block_marks(layers)
-    if names != expected * MICRO_STEPS:
+    steps = 1 if raw.first_only else MICRO_STEPS
+    if names != expected * steps + (["fwd"] if raw.first_only else []):
         raise TraceError(f"unexpected block order in the trace: {names[:20]}")
     out: dict[str, list[int]] = {}
     marks = [(n, i) for n, i in raw.marks if n != "loss"]
-    for micro in range(MICRO_STEPS):
+    for micro in range(steps):
         at = dict(marks[micro * len(expected) : (micro + 1) * len(expected)])
-        nxt = marks[(micro + 1) * len(expected)][1] if micro + 1 < MICRO_STEPS else len(raw.points) - 1
+        after = (micro + 1) * len(expected)
+        nxt = marks[after][1] if after < len(marks) else len(raw.points) - 1
         at["next"] = nxt
         for name, start, end in segments(layers):
             lo, hi = at[start], at[end]
@@ -673,17 +691,25 @@ def traced_patterns(
     pick: tuple[int, ...] | None = None,
     tp: int = 1,
     loss: str = "plain",
+    first_only: bool = False,
 ) -> Patterns:
     """The fitted patterns of one architecture and shape family on ``device``, from the cache or traced now (and
     cached): CPU's, and for CUDA those traced as CUDA runs them where CPU's differ (``cuda_differs``). ``pick``: a
     copy of those layers of the full model (``layer_picks``); ``tp``: one rank of that many tensor-parallel ones;
-    ``loss``: plain or chunked (``--loss``)."""
+    ``loss``: plain or chunked (``--loss``); ``first_only``: the first micro-step's segments suffice (a recipe of
+    one micro-step): both micro-steps' where they are cached, else the first one's alone."""
     kwargs = {"precision": precision, "attn": attn, "mode": mode, "micro_batch": micro_batch, "pick": pick}
-    kwargs |= {"tp": tp, "loss": loss}
+    kwargs |= {"tp": tp, "loss": loss, "first_only": first_only}
     patterns = _traced_patterns(spec, **kwargs)
     if device == "cuda" and patterns.cuda_differs:
         return _traced_patterns(spec, **kwargs, as_cuda=True)
     return patterns
+
+
+def _family_path(spec: ModelSpec, *, precision: str, attn: str, mode: str, fam: str, variant: str) -> Path:
+    """The cache file of one traced family: ``variant`` is ``mode`` and what else changes the traced code path."""
+    key = family_key(spec, precision=precision, attn=attn, mode=variant)
+    return cache_dir() / f"{spec.architecture}-{mode}-{fam}-{key}.json"
 
 
 def _traced_patterns(
@@ -697,6 +723,7 @@ def _traced_patterns(
     pick: tuple[int, ...] | None = None,
     tp: int = 1,
     loss: str = "plain",
+    first_only: bool = False,
 ) -> Patterns:
     fam = family(micro_batch)
     variant = mode + ("-cuda" if as_cuda else "") + (f"-tp{tp}" if tp > 1 else "")
@@ -705,13 +732,16 @@ def _traced_patterns(
     divisor = tp * (LOSS_CHUNKS if loss != "plain" else 1)
     if pick is not None:  # its layers, of this depth
         variant += f"-layers-{'-'.join(map(str, pick))}-of-{spec.layers}"
-    key = family_key(spec, precision=precision, attn=attn, mode=variant)
-    path = cache_dir() / f"{spec.architecture}-{mode}-{fam}-{key}.json"
+    path = _family_path(spec, precision=precision, attn=attn, mode=mode, fam=fam, variant=variant)
+    if first_only and path not in _PATTERNS and path not in _FAILED and not path.exists():
+        path = _family_path(spec, precision=precision, attn=attn, mode=mode, fam=fam, variant=f"{variant}-first")
+    else:
+        first_only = False
     if path in _FAILED:
         raise _FAILED[path]
     if path not in _PATTERNS:
         options = {"precision": precision, "attn": attn, "mode": mode, "as_cuda": as_cuda, "pick": pick}
-        options |= {"tp": tp, "loss": loss}
+        options |= {"tp": tp, "loss": loss, "first_only": first_only}
 
         def trace(shape: tuple[int, int], layers: int) -> RawTrace:
             return trace_shape(spec, micro_batch=shape[0], seq_len=shape[1], layers=layers, **options)
