@@ -550,3 +550,24 @@ def test_one_micro_step_traces_the_first_alone_and_forecasts_what_both_do(tmp_pa
     monkeypatch.setattr(trace, "_PATTERNS", {})
     monkeypatch.setattr(trace, "trace_shape", None)  # served from the cache of both micro-steps, no trace
     assert forecast(spec, recipe) == alone
+
+
+@pytest.mark.slow
+def test_a_cuda_trace_casts_in_a_recomputed_layer_as_in_its_forward(tmp_path):
+    """CUDA's autocast runs GPT-2's tanh GELU cube in fp32 in a checkpointed layer's recompute (in backward) as in
+    its forward. The trace's stand-in was off in backward (a mode is off while its own handler, here
+    ``Tensor.backward``'s, runs): the recompute made bf16 tensors where the forward had saved fp32 ones, torch's
+    checkpoint raised, and the recomputing CUDA forecasts of GPT-2, Falcon, BLOOM, OPT and DeepSeek-V3 were the
+    analytic formula's."""
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps(GPT2_TINY | {"attn_pdrop": 0.0}))
+    spec = resolve(path=path)
+    shape = {"micro_batch": 2, "seq_len": 64, "precision": "bf16-mixed", "attn": "sdpa", "mode": "full", "layers": 3}
+    peaks = {}
+    for cuda in (False, True):
+        raw = trace.trace_shape(spec, **shape, as_cuda=cuda, first_only=True)
+        peaks[cuda] = {name: max(points) for name, points in trace.split_segments(raw, layers=3).items()}
+    # each layer's backward recomputes its GELU, and on CUDA keeps that GELU's fp32 copies until it is done
+    assert all(peaks[True][f"b{i}@1"] > peaks[False][f"b{i}@1"] for i in range(3)), peaks
+    recipe = Recipe(device="cuda", precision="bf16-mixed", micro_batch=1, seq_len=256, recompute=("full",) * 4)
+    assert forecast(spec, recipe).source == "traced"

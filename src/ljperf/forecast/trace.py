@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.autograd.graph import _engine_run_backward
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -355,6 +356,8 @@ class CudaAutocastFp32(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.cast and func is torch.Tensor.backward and kwargs.get("inputs") is None and len(args) < 5:
+            return self._backward(*args, **kwargs)
         listed = func in CUDA_FP32 or (func in CUDA_FP32_UNLESS_DTYPE and kwargs.get("dtype") is None)
         if listed and torch.is_autocast_enabled("cpu"):
             if any(_low_precision(t) for t in tree_leaves((args, kwargs))):
@@ -362,6 +365,24 @@ class CudaAutocastFp32(TorchFunctionMode):
                 if self.cast:
                     args, kwargs = tree_map(lambda t: t.float() if _low_precision(t) else t, (args, kwargs))
         return func(*args, **kwargs)
+
+    def _backward(
+        self,
+        tensor: torch.Tensor,
+        gradient: torch.Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: None = None,
+    ) -> None:
+        """``tensor.backward()`` with this mode on: a mode is off while its own handler runs, and a checkpointed
+        layer's forward is recomputed inside backward, under autocast, where CUDA casts as in the forward."""
+        if gradient is None:  # as ``torch.autograd.backward`` makes it
+            gradient = torch.ones_like(tensor, memory_format=torch.preserve_format)
+        keep = create_graph if retain_graph is None else retain_graph
+        with self:
+            _engine_run_backward(
+                (tensor,), (gradient,), keep, create_graph, (), allow_unreachable=True, accumulate_grad=True
+            )
 
 
 def _low_precision(value: Any) -> bool:
