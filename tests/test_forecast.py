@@ -547,7 +547,8 @@ def test_one_micro_step_traces_the_first_alone_and_forecasts_what_both_do(tmp_pa
     assert sorted(map(sorted, families().values())) == [[1], [1, 2]]
     (first_only,) = [name for name, steps in families().items() if steps == {1}]
     (tmp_path / "forecast" / first_only).unlink()
-    monkeypatch.setattr(trace, "_PATTERNS", {})
+    monkeypatch.setattr(trace, "_PATTERNS", {})  # a new process, as it finds the cache
+    monkeypatch.setattr(trace, "_ONE_STEP", {})
     monkeypatch.setattr(trace, "trace_shape", None)  # served from the cache of both micro-steps, no trace
     assert forecast(spec, recipe) == alone
 

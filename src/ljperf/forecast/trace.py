@@ -679,6 +679,9 @@ _PATTERNS: dict[Path, Patterns] = {}
 """Patterns read or traced in this process: a solver calls ``forecast`` hundreds of times."""
 _FAILED: dict[Path, TraceError] = {}
 """Traces that failed in this process: each of those calls falls back to the analytic formula at once."""
+_ONE_STEP: dict[Path, Path] = {}
+"""A family's file of both micro-steps → the file a recipe of one micro-step reads: that one where it was at hand,
+else the first micro-step's alone."""
 
 
 def layer_picks(kinds: Sequence[int]) -> dict[int, tuple[int, int, int] | None]:
@@ -754,10 +757,13 @@ def _traced_patterns(
     if pick is not None:  # its layers, of this depth
         variant += f"-layers-{'-'.join(map(str, pick))}-of-{spec.layers}"
     path = _family_path(spec, precision=precision, attn=attn, mode=mode, fam=fam, variant=variant)
-    if first_only and path not in _PATTERNS and path not in _FAILED and not path.exists():
-        path = _family_path(spec, precision=precision, attn=attn, mode=mode, fam=fam, variant=f"{variant}-first")
-    else:
-        first_only = False
+    if first_only:
+        if path not in _ONE_STEP:  # once per process: a solver forecasts hundreds of times
+            both = path in _PATTERNS or path in _FAILED or path.exists()
+            first = _family_path(spec, precision=precision, attn=attn, mode=mode, fam=fam, variant=f"{variant}-first")
+            _ONE_STEP[path] = path if both else first
+        chosen = _ONE_STEP[path]
+        first_only, path = chosen != path, chosen
     if path in _FAILED:
         raise _FAILED[path]
     if path not in _PATTERNS:
