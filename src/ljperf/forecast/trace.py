@@ -356,7 +356,7 @@ class CudaAutocastFp32(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.cast and func is torch.Tensor.backward and kwargs.get("inputs") is None and len(args) < 5:
+        if self.cast and func is torch.Tensor.backward:
             return self._backward(*args, **kwargs)
         listed = func in CUDA_FP32 or (func in CUDA_FP32_UNLESS_DTYPE and kwargs.get("dtype") is None)
         if listed and torch.is_autocast_enabled("cpu"):
@@ -372,16 +372,17 @@ class CudaAutocastFp32(TorchFunctionMode):
         gradient: torch.Tensor | None = None,
         retain_graph: bool | None = None,
         create_graph: bool = False,
-        inputs: None = None,
+        inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ) -> None:
         """``tensor.backward()`` with this mode on: a mode is off while its own handler runs, and a checkpointed
         layer's forward is recomputed inside backward, under autocast, where CUDA casts as in the forward."""
         if gradient is None:  # as ``torch.autograd.backward`` makes it
             gradient = torch.ones_like(tensor, memory_format=torch.preserve_format)
         keep = create_graph if retain_graph is None else retain_graph
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs or ())
         with self:
             _engine_run_backward(
-                (tensor,), (gradient,), keep, create_graph, (), allow_unreachable=True, accumulate_grad=True
+                (tensor,), (gradient,), keep, create_graph, inputs, allow_unreachable=True, accumulate_grad=True
             )
 
 
