@@ -148,6 +148,11 @@ TIMED_OUT = re.compile(r"timed out|timeout caused", re.IGNORECASE)
 timeout closes the connection first, "Application timeout caused pair closure"."""
 
 
+LOST_PEER = re.compile(r"closed by peer|reset by peer|broken pipe|remote process exited", re.IGNORECASE)
+"""What a rank says when its peer vanished (gloo: "Connection closed by peer", "Connection reset by peer"; NCCL:
+"remote process exited"): the peer's failure is the cause, whatever second the launcher saw each exit in."""
+
+
 def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[str, int]:
     """One line naming the rank that failed first (or the signal), and the exit code ljperf should return; with
     the run's ``folder``, the ranks' own failure times order them, and the first one's own reason is added."""
@@ -174,14 +179,17 @@ def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[
     # often fails in the same second as the peer. When every failed rank left its own time (to the microsecond,
     # when it caught the error) those order them. A rank killed outright leaves none: then within a second a
     # signal, an OOM or a usage error is the cause, not an exit 1, and the ranks' own times break what ties remain.
+    # A rank that said it lost its peer comes after the others: the launcher may see a killed rank's exit seconds
+    # after its peer's, when the machine is loaded.
     left = folder.failures() if folder is not None else {}
     precise = all(r in left for r in failures)
 
     def first(item: tuple[int, Any]) -> tuple[float, ...]:
         rank, failure = item
+        lost_peer = bool(LOST_PEER.search(left.get(rank, (0.0, ""))[1]))
         if precise:
-            return left[rank][0], rank
-        return failure.timestamp, failure.exitcode == EXIT_ERROR, left.get(rank, (-math.inf, ""))[0], rank
+            return lost_peer, left[rank][0], rank
+        return lost_peer, failure.timestamp, failure.exitcode == EXIT_ERROR, left.get(rank, (-math.inf, ""))[0], rank
 
     rank, failure = min(failures.items(), key=first)
     if failure.exitcode < 0:
