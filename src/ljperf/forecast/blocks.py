@@ -87,7 +87,7 @@ def _load_blocks(data: dict) -> BlockParams:
 def _block_counts(spec: ModelSpec, *, tp: int) -> BlockParams:
     """``BlockParams`` of a full-depth build on the meta device (about 1 s at 70B–671B: nothing allocated), split
     over ``tp`` ranks (rank 0's shards are counted)."""
-    model = build_meta(spec)
+    model = build_meta(spec, initialize=False)
     if tp > 1:
         parallelize(model, fake_tp_mesh(tp))
     layers = decoder_layers(model)
