@@ -35,6 +35,7 @@ from ljperf.core.errors import (
 )
 from ljperf.core.options import deprecations
 from ljperf.core.parser import Parser, unrecognized
+from ljperf.core.startup import pause_collection, resume_collection
 from ljperf.dist.launch import LAUNCHER_ENV, RunFolder, end_with_parent
 
 RANK_0_GRACE_S = 60.0
@@ -46,11 +47,16 @@ class Command:
 
     help: str
     module: str
+    resumes_collection: bool = False
+    """Its ``run`` resumes garbage collection where its work starts (``core.startup``); else it resumes before
+    ``run``."""
 
 
 COMMANDS: dict[str, Command] = {
     "benchmark": Command(
-        "train a model on synthetic tokens and measure throughput, MFU and memory", "ljperf.commands.benchmark"
+        "train a model on synthetic tokens and measure throughput, MFU and memory",
+        "ljperf.commands.benchmark",
+        resumes_collection=True,
     ),
     "models": Command("list the model catalog with parameter counts", "ljperf.commands.models"),
     "plan": Command(
@@ -155,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> NoReturn:
     """The ``ljperf`` process (console script and ``python -m ljperf``): ``main``'s code is its exit status."""
+    pause_collection()
     code = main()
     dist = sys.modules.get("torch.distributed")
     group_open = dist is not None and dist.is_available() and dist.is_initialized()
@@ -176,6 +183,8 @@ def entry() -> NoReturn:
 def _run_command(module: ModuleType, args: argparse.Namespace, argv: list[str]) -> int:
     """Run a subcommand's module; its failures become one line and an exit code."""
     prog = f"ljperf {args.command}"
+    if not COMMANDS[args.command].resumes_collection:
+        resume_collection()
     try:
         code = module.run(args, argv)
         sys.stdout.flush()  # a reader that stopped early (| head) shows here, not in the interpreter's exit

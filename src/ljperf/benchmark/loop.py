@@ -41,6 +41,7 @@ from ljperf.core.errors import (
 )
 from ljperf.core.phases import PhaseClock
 from ljperf.core.records import write_json
+from ljperf.core.startup import resume_collection
 from ljperf.dist import memory
 from ljperf.dist.launch import RunFolder, launcher_gone
 from ljperf.dist.runtime import shutdown_process
@@ -70,6 +71,7 @@ def run_worker(cfg: RunConfig, *, picture: Callable[..., None] | None = None) ->
         engine = make_engine(run)
         engine.setup(build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
         record["config"]["engine"] = engine.describe()
+        resume_collection()  # start-up is over: imports, forecast, the built and sharded model
         train_loop(run, engine, state=state, reporter=reporter)
         hold_interrupts()
         raise_if_interrupted()

@@ -25,6 +25,7 @@ from typing import Any
 
 from ljperf.core.errors import EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
 from ljperf.core.options import LaunchConfig
+from ljperf.core.startup import resume_collection
 
 RUN_DIR_ENV = "LJPERF_RUN_DIR"
 LAUNCHER_ENV = "LJPERF_LAUNCHER_PID"
@@ -254,6 +255,7 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
             file=sys.stderr,
             flush=True,
         )
+    resume_collection()  # this process's start-up is over: it now watches the ranks
     elastic_launch(config, sys.executable)("-m", "ljperf", *argv)
 
 
