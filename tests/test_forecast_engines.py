@@ -21,6 +21,8 @@ from ljperf.forecast.recipe import ZeroSettings
 from ljperf.models.catalog import read_config_dict, split_model_arg
 from ljperf.models.spec import resolve
 
+from conftest import read_record, run_ljperf
+
 NEEDS_FSDP_TORCH = pytest.mark.skipif(
     fakestep.torch_version() < fakestep.FSDP_TORCH, reason="FSDP2's fake step counts DTensor's propagation before 2.13"
 )
@@ -268,6 +270,20 @@ def test_forecast_of_two_processes_per_rank(distributed_runs, engine, tolerance)
     # Where ranks hold different states by design the forecast is the highest rank's; elsewhere every rank's.
     for measured in [max(per_rank)] if engine in RANKS_DIFFER else per_rank:
         assert abs(predicted - measured) / measured < tolerance, (predicted, per_rank)
+
+
+@pytest.mark.slow
+def test_fsdp2_on_one_process_is_forecast_without_a_collectives_copy(tmp_path):
+    """One shard: FSDP2 runs no reduce-scatter (it copies the input to the output), so gloo copies nothing; the
+    forecast counted gloo's copy of the root's gradients, +10.4% at this shape. Left: +1.3%, not yet explained
+    (docs/forecast.md); never below."""
+    out = tmp_path / "one.json"
+    argv = ["--model", "fsdp/llama-tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1", "--device", "cpu"]
+    proc = run_ljperf("benchmark", *argv, "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = read_record(out)["results"]
+    predicted, (measured,) = results["forecast"]["peak_allocated_bytes"], results["peak_allocated_bytes_per_rank"]
+    assert 0 <= (predicted - measured) / measured < 0.02, (predicted, measured, results["forecast"]["phase"])
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def fsdp_sharding(spec: ModelSpec, recipe: Recipe) -> Sharding:
         gathering=gathering,
         fsdp=FsdpReduce(
             reduce_input=blocks.layer * master,
-            copies_input=recipe.device == "cpu",
+            copies_input=recipe.device == "cpu" and size.world > 1,  # one shard: no collective runs
             prefetched=tuple(layer if recipe.reshard_after_forward and i > 0 else 0 for i in range(n)),
             holds_reduce_output=recipe.dp_replicate > 1,
         ),
