@@ -471,12 +471,10 @@ def _empty_on_meta() -> contextlib.AbstractContextManager:
 def build_meta(spec: ModelSpec, *, attn_implementation: str | None = None, initialize: bool = True) -> torch.nn.Module:
     """The model with fp32 parameters on the meta device and real (CPU) buffers such as RoPE frequencies;
     ``initialize=False`` skips transformers' weight initialization, for a build whose sizes alone are read: on
-    meta tensors it changes no value but still walks every module (``ljperf models``' 18 builds: 10.7 -> 3.1
-    CPU-s)."""
+    meta tensors it changes no value but still walks every module (most of a parameter count's time)."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
 
     config = copy.deepcopy(spec.config)  # the spec's own is shared (its dict keys the forecast cache)
     if attn_implementation is not None:
@@ -484,7 +482,12 @@ def build_meta(spec: ModelSpec, *, attn_implementation: str | None = None, initi
     config.use_cache = False
     # fp32 master weights whatever the config's dtype (the catalog's real models say bfloat16): every engine and
     # the forecast's trace take their dtype from here; bf16 compute is the engines' mixed precision.
-    skip_init = contextlib.nullcontext() if initialize else no_init_weights()
+    if initialize:
+        skip_init = contextlib.nullcontext()
+    else:
+        from transformers.initialization import no_init_weights
+
+        skip_init = no_init_weights()
     with init_empty_weights(include_buffers=False), _empty_on_meta(), skip_init:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     model.tie_weights()  # transformers 5 ties only in from_pretrained
