@@ -24,7 +24,7 @@ FLOOR := transformers==5.17.0 accelerate==1.1.0 deepspeed==0.17.0 rich==13.0.0 m
 
 .PHONY: run test test-quick test-floor lint format clean
 
-$(VENV)/.installed: pyproject.toml Makefile src/ljperf/hooks/ljperf_startup.pth
+$(VENV)/.installed: pyproject.toml Makefile src/ljperf/startup_hooks/ljperf_startup.pth
 	$(PYTHON) -m venv $(VENV)
 	# torch first: on the project's machines torch==2.13.0 is a local CPU-build file; elsewhere pass
 	# TORCH='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu' to avoid PyPI's CUDA build.
@@ -51,7 +51,7 @@ test: lint
 test-quick: lint
 	$(PYTEST) -m "not slow"
 
-$(FLOOR_VENV)/.installed: pyproject.toml Makefile src/ljperf/hooks/ljperf_startup.pth
+$(FLOOR_VENV)/.installed: pyproject.toml Makefile src/ljperf/startup_hooks/ljperf_startup.pth
 	$(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install -q --no-compile $(FLOOR_TORCH)
 	DS_BUILD_OPS=0 $(FLOOR_VENV)/bin/python -m pip install -q --no-compile $(FLOOR) -e '.[dev]'

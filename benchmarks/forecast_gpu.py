@@ -34,9 +34,9 @@ from ljperf.benchmark.loop import measured_memory_step
 from ljperf.benchmark.record import LoopState
 from ljperf.core import hardware
 from ljperf.core.errors import describe
-from ljperf.core.options import OptimConfig, TrainConfig
+from ljperf.core.options import OptimizationConfig, TrainConfig
 from ljperf.core.records import environment, write_atomic, write_json
-from ljperf.dist.runtime import Process
+from ljperf.distributed.runtime import Process
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.forecast import Recipe, forecast
 from ljperf.models.spec import build_meta, resolve
@@ -121,7 +121,9 @@ def main() -> None:
                 predicted = forecast(spec, recipe, device_name=info.name)
                 seconds = time.perf_counter() - start
                 train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device=args.device)
-                cfg = RunConfig(engine="torch", model=spec, train=train, optim=OptimConfig(recompute=args.recompute))
+                cfg = RunConfig(
+                    engine="torch", model=spec, train=train, optim=OptimizationConfig(recompute=args.recompute)
+                )
                 run = RunContext(config=cfg, process=Process(device=info), plan=fixed_recompute(cfg))
                 measured = measure(run)
             except Exception as exc:  # one model's failure (a kernel, a trace) is a row; the others still run

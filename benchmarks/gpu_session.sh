@@ -98,7 +98,7 @@ PY
     echo "hook budget $budget bytes (micro batch $HOOK_MB)" >>"$OUT/session.log"
     step hook 60 env LJPERF_CACHE_DIR="$WORK/hook-cache" CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET="$budget" \
         HOOK_SCRIPT_DEVICE="$DEVICE" "$PY" -c \
-        "import runpy, sys; sys.path.insert(0, 'tests/scripts'); from ljperf.hooks import startup; startup.install();
+        "import runpy, sys; sys.path.insert(0, 'tests/scripts'); from ljperf.startup_hooks.install import install; install();
 sys.argv = ['hf_trainer.py', '$WORK/hook']; runpy.run_path('tests/scripts/hf_trainer.py', run_name='__main__')"
 else
     echo "== hook skipped: $((DEADLINE - SECONDS))s left of ${DEADLINE}s" | tee -a "$OUT/session.log"

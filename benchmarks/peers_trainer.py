@@ -10,7 +10,7 @@ initial weights, and the tokens are ljperf's synthetic stream (same seed), one o
 A callback times each step between device synchronisations, from ``on_step_begin`` (the batch already fetched, as
 ljperf's loop fetches its batch before the timer) to ``on_step_end`` (after the optimizer step); the median of the
 steps after the warm-up is the step time. Peak memory as ljperf measures it: CUDA's allocator peak from the second
-step on; on CPU the live tensor storages of one untimed step (``ljperf.dist.memory.LiveTensorBytes``).
+step on; on CPU the live tensor storages of one untimed step (``ljperf.distributed.memory.LiveTensorBytes``).
 Writes one JSON object: step_s, device, peak_bytes, final_loss, losses, step_times_s, trainer settings.
 """
 
@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from ljperf.benchmark.data import SyntheticTokens
 from ljperf.core import hardware
-from ljperf.dist import memory
+from ljperf.distributed import memory
 from ljperf.models.build import materialize
 from ljperf.models.spec import build_meta, resolve
 from peers import runner_main

@@ -20,7 +20,7 @@ from ljperf.benchmark.config import config_from_args
 from ljperf.benchmark.data import SyntheticTokens
 from ljperf.benchmark.loop import run_worker
 from ljperf.commands import benchmark as benchmark_command
-from ljperf.dist import memory
+from ljperf.distributed import memory
 from ljperf.models.build import materialize
 from ljperf.models.spec import build_meta, resolve
 from ljperf.models.step import causal_lm_loss
@@ -193,7 +193,7 @@ def test_a_cpu_run_beyond_the_ram_is_refused_as_oom_with_its_record(tmp_path, ca
 )
 def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypatch):
     """The fix named is checked against the forecast: RAM set between two plans' forecast peaks."""
-    from ljperf.benchmark.forecast import check_memory
+    from ljperf.benchmark.memory_check import check_memory
     from ljperf.core import hardware
     from ljperf.forecast import Recipe, forecast
 
@@ -228,7 +228,7 @@ def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypat
 def test_the_memory_check_uses_the_devices_calibration(tmp_path, monkeypatch):
     """The check forecasts as the record does, with this device's saved calibration: a calibration that doubles
     the forecast refuses a run that the uncalibrated forecast would have let start."""
-    from ljperf.benchmark.forecast import check_memory
+    from ljperf.benchmark.memory_check import check_memory
     from ljperf.core import hardware
     from ljperf.forecast import Recipe, forecast
 
@@ -252,9 +252,9 @@ def test_a_gpu_run_over_its_memory_is_told_what_would_fit():
     forecast runs here: an 8B recipe on one 80 GB GPU."""
     import dataclasses
 
-    from ljperf.benchmark.forecast import shortfall
+    from ljperf.benchmark.memory_check import shortfall
     from ljperf.core.hardware import DeviceInfo
-    from ljperf.dist.runtime import Process
+    from ljperf.distributed.runtime import Process
 
     parser = argparse.ArgumentParser()
     benchmark_command.add_arguments(parser)
@@ -271,7 +271,7 @@ def test_a_gpu_run_over_its_memory_is_told_what_would_fit():
 def test_a_forecast_that_fails_is_one_warning_line_and_no_figure(capsys):
     """A recipe the forecast refuses (here no precision): the run goes on without ``results.forecast``; the
     warning is one ``warning:`` line on stderr (it was a UserWarning naming benchmark.py, as long as the error)."""
-    from ljperf.benchmark.forecast import benchmark_forecast
+    from ljperf.benchmark.memory_check import benchmark_forecast
     from ljperf.core.options import TrainConfig
 
     parser = argparse.ArgumentParser()

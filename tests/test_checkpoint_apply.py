@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ljperf.checkpoint.apply import apply_plan, current_plan, find_blocks
 from ljperf.core.errors import UsageError
 from ljperf.core.plans import fixed_plan, parse_recompute, summary
-from ljperf.dist import memory
+from ljperf.distributed import memory
 from ljperf.models.build import materialize
 from ljperf.models.spec import build_meta, resolve
 

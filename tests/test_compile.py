@@ -19,7 +19,7 @@ from ljperf.checkpoint.apply import apply_plan
 from ljperf.compile.line import compile_line
 from ljperf.compile.regional import compile_model
 from ljperf.core.errors import Interrupted
-from ljperf.dist import memory
+from ljperf.distributed import memory
 from ljperf.models.build import materialize
 from ljperf.models.catalog import read_config_dict
 from ljperf.models.spec import ModelSpec, build_meta, hf_config
@@ -180,7 +180,7 @@ def test_a_graph_break_in_a_block_is_counted():
     the graph splits the forward into more graphs, each break counted (the report's own test, slow, sees a model
     without breaks). torch 2.13's explain lists no reason for a break inside a layer, so none is checked."""
     from ljperf.benchmark.compile_report import explain_breaks
-    from ljperf.core.options import OptimConfig, TrainConfig
+    from ljperf.core.options import OptimizationConfig, TrainConfig
     from ljperf.run.config import RunConfig, fixed_recompute
     from ljperf.run.context import RunContext
 
@@ -194,7 +194,7 @@ def test_a_graph_break_in_a_block_is_counted():
 
     block.__class__ = Breaking
     train = TrainConfig(micro_batch=1, seq_len=SEQ_LENS[0], precision="fp32", device="cpu")
-    cfg = RunConfig(engine="torch", model=tiny_spec(), train=train, optim=OptimConfig())
+    cfg = RunConfig(engine="torch", model=tiny_spec(), train=train, optim=OptimizationConfig())
     tokens = torch.randint(0, 2048, (1, SEQ_LENS[0]), generator=torch.Generator().manual_seed(1))
     explained = explain_breaks(model, tokens, RunContext(config=cfg, plan=fixed_recompute(cfg)))
     assert explained["count"] >= 1 and explained["graphs"] == explained["count"] + 1, explained

@@ -15,9 +15,9 @@ import pytest
 
 from ljperf.benchmark.config import config_from_args
 from ljperf.commands import benchmark as benchmark_command
-from ljperf.core import deepspeed as dsc
+from ljperf.core import deepspeed_config as dsc
 from ljperf.core.errors import UsageError
-from ljperf.dist.runtime import free_port
+from ljperf.distributed.runtime import free_port
 from ljperf.models.catalog import read_config_dict
 
 from conftest import cli_env, read_record, run_main

@@ -13,7 +13,7 @@ import ljperf.forecast.blocks
 from ljperf.benchmark.loop import measured_memory_step
 from ljperf.benchmark.record import LoopState
 from ljperf.cli import main
-from ljperf.core.options import OptimConfig, TrainConfig
+from ljperf.core.options import OptimizationConfig, TrainConfig
 from ljperf.core.plans import fixed_plan, parse_recompute
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.forecast import Recipe, analytic, forecast, layer_costs, patches, sharding, trace, walk
@@ -39,7 +39,7 @@ def measured_peak(
     """Peak live bytes of step 2 of a real torch-engine run, measured as ``ljperf benchmark`` does."""
     spec = resolve(name=name) if isinstance(name, str) else name
     train = TrainConfig(micro_batch=micro_batch, seq_len=seq_len, precision=precision, device="cpu", warmup=1, steps=1)
-    cfg = RunConfig(engine="torch", model=spec, train=train, optim=OptimConfig(recompute=recompute))
+    cfg = RunConfig(engine="torch", model=spec, train=train, optim=OptimizationConfig(recompute=recompute))
     run = RunContext(config=cfg, plan=fixed_recompute(cfg))
     engine = TorchEngine(run)
     engine.setup(build_meta(spec, attn_implementation=attn))

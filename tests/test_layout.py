@@ -7,6 +7,7 @@ Run: ``.venv/bin/python -m pytest tests/test_layout.py`` (a second); docs/archit
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +21,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("commands",),
     ("ablation",),
-    ("benchmark", "plan", "doctor", "comm", "hooks"),
+    ("benchmark", "plan", "doctor", "comm", "startup_hooks"),
     ("recompute", "engines"),
     ("forecast", "compile"),
     ("checkpoint",),
     ("run",),
-    ("models", "dist"),
+    ("models", "distributed"),
     ("core",),
     ("__init__",),
 )
@@ -36,7 +37,7 @@ HEAVY = frozenset({"torch", "transformers", "deepspeed", "accelerate", "matplotl
 """Third-party packages whose import takes seconds: the only reason for an import inside a function."""
 
 LONGEST_FUNCTION = 80
-AT_EVERY_START = frozenset({"ljperf.hooks.imports"})
+AT_EVERY_START = frozenset({"ljperf.startup_hooks.post_import"})
 """What ``ljperf_startup.pth`` loads in every Python process while a hook's variable is set: it imports ``sys``
 alone (each module more costs every ``python``, ``pip`` and tool start), the rest when a hook acts."""
 
@@ -235,3 +236,16 @@ def test_the_checks_find_a_planted_upward_import_a_cycle_and_a_needless_lazy_imp
     assert upward(imports) == ["ljperf.core.units:2 imports ljperf.models.spec (core may not import models)"]
     assert cycles(imports, set(trees)) == [["ljperf.models.build", "ljperf.models.spec"]]
     assert "ljperf.engines.base:3 imports ljperf.core.units inside a function" in needless_lazy(imports, set(trees))
+
+
+def test_ruff_lints_every_python_file_of_src_tests_and_benchmarks():
+    """ruff's default ``exclude`` skips folders named like build outputs (``dist``, ``build``, ``venv``): a package
+    so named is never linted. Every ``.py`` the repository keeps must be in ruff's own list of what it checks."""
+    root = SRC.parent
+    shown = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--show-files", "."], cwd=root, capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    linted = {Path(line.strip()).resolve() for line in shown.stdout.splitlines() if line.strip().endswith(".py")}
+    kept = {p.resolve() for folder in ("src", "tests", "benchmarks") for p in (root / folder).rglob("*.py")}
+    assert sorted(str(p.relative_to(root)) for p in kept - linted) == []

@@ -114,7 +114,7 @@ def test_an_unsupported_layout_is_said_in_a_whole_sentence():
 def test_a_hook_warning_is_one_line_that_a_scripts_filter_does_not_hide(capsys):
     """Hook warnings were ``train.py:19: UserWarning: [ljperf] ...`` and ``warnings.simplefilter("ignore")`` in
     the script hid them (the DeepSpeed bucket advice among them)."""
-    from ljperf.hooks.messages import warn
+    from ljperf.startup_hooks.messages import warn
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -17,7 +17,7 @@ from ljperf.ablation import report
 from ljperf.ablation.stats import summarize
 from ljperf.ablation.variants import parse_variants
 from ljperf.benchmark.compile_report import length_row, print_report
-from ljperf.benchmark.forecast import shortfall
+from ljperf.benchmark.memory_check import shortfall
 from ljperf.commands.ablation import check_variant, split_argv, warn_untested_recompute
 from ljperf.core.errors import EXIT_DOES_NOT_FIT
 from ljperf.core.options import EngineConfig, TrainConfig

@@ -22,9 +22,9 @@ import pytest
 
 from ljperf.core.errors import EXIT_SIGINT, forget_signals, note_interrupt
 from ljperf.core.records import write_json
-from ljperf.dist.launch import SHUTDOWN_GRACE_S
-from ljperf.dist.memory import CPU_METHOD
-from ljperf.dist.runtime import free_port
+from ljperf.distributed.launch import SHUTDOWN_GRACE_S
+from ljperf.distributed.memory import CPU_METHOD
+from ljperf.distributed.runtime import free_port
 from ljperf.models.catalog import read_config_dict
 from ljperf.models.spec import build_meta, resolve
 
@@ -156,7 +156,7 @@ def test_the_cause_is_named_before_a_rank_that_lost_its_peer_in_the_same_second(
     second earlier still comes first."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from ljperf.dist.launch import failure_reason
+    from ljperf.distributed.launch import failure_reason
 
     def failures(cause_code: int, *, lost_earlier_by: int = 0) -> ChildFailedError:
         cause = ProcessFailure(local_rank=1, pid=2, exitcode=cause_code, error_file="")
@@ -175,7 +175,7 @@ def test_the_ranks_own_failure_times_order_two_exits_with_code_1(tmp_path):
     microsecond) say which failed first, and its own reason is named; it named rank 0, which lost its peer."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from ljperf.dist.launch import RunFolder, failure_reason
+    from ljperf.distributed.launch import RunFolder, failure_reason
 
     lost, cause = (ProcessFailure(local_rank=r, pid=r + 1, exitcode=1, error_file="") for r in (0, 1))
     lost.timestamp = cause.timestamp
@@ -210,7 +210,7 @@ def test_both_of_gloos_timeouts_name_the_rank_that_may_hang(tmp_path, error):
     The second made the hung-rank test below fail once in a full suite (the reason said no more than gloo's)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from ljperf.dist.launch import RunFolder, failure_reason
+    from ljperf.distributed.launch import RunFolder, failure_reason
 
     waited = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="")
     stopped = ProcessFailure(local_rank=1, pid=2, exitcode=-signal.SIGKILL, error_file="")

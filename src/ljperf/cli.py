@@ -33,10 +33,10 @@ from ljperf.core.errors import (
     note_interrupt,
     noted_interruption,
 )
+from ljperf.core.gc_pause import pause_collection, resume_collection
 from ljperf.core.options import deprecations
 from ljperf.core.parser import Parser, unrecognized
-from ljperf.core.startup import pause_collection, resume_collection
-from ljperf.dist.launch import LAUNCHER_ENV, RunFolder, end_with_parent
+from ljperf.distributed.launch import LAUNCHER_ENV, RunFolder, end_with_parent
 
 RANK_0_GRACE_S = 60.0
 
@@ -48,7 +48,7 @@ class Command:
     help: str
     module: str
     resumes_collection: bool = False
-    """Its ``run`` resumes garbage collection where its work starts (``core.startup``); else it resumes before
+    """Its ``run`` resumes garbage collection where its work starts (``core.gc_pause``); else it resumes before
     ``run``."""
 
 

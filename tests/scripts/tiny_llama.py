@@ -80,7 +80,7 @@ def leave_group() -> None:
     """Leave the process group as a careful script does: a barrier and a short sleep first. gloo's threads free a
     finished collective after ``wait()`` returns, and a group destroyed at once can abort the process at exit on
     a loaded CPU ("terminate called without an active exception": 2 in 5 plain DeepSpeed runs without ljperf,
-    with two busy processes beside them). ``ljperf.dist.runtime.shutdown_process`` does the same."""
+    with two busy processes beside them). ``ljperf.distributed.runtime.shutdown_process`` does the same."""
     import time
 
     import torch.distributed as dist

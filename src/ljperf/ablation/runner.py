@@ -26,7 +26,7 @@ from ljperf.core.console import console, warn
 from ljperf.core.errors import UsageError, interrupt_on_signals, interrupts_held, restore_signals
 from ljperf.core.records import SCHEMA_VERSION, now_iso, read_json, write_json
 from ljperf.core.switches import HOOKS
-from ljperf.dist.launch import RUN_DIR_ENV, end_with_parent
+from ljperf.distributed.launch import RUN_DIR_ENV, end_with_parent
 
 # Seconds a timed-out run gets after SIGTERM to write its partial record before SIGKILL.
 STOP_GRACE_S = 15.0

@@ -12,8 +12,8 @@ import os
 
 from ljperf.core.console import check_output
 from ljperf.core.records import check_output_folder, check_writable
-from ljperf.dist.launch import under_torchrun
-from ljperf.dist.runtime import check_process_count
+from ljperf.distributed.launch import under_torchrun
+from ljperf.distributed.runtime import check_process_count
 from ljperf.engines.deepspeed_engine import resolved_config
 from ljperf.models.flags import model_files
 from ljperf.run import config as run_config

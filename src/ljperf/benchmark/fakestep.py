@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ljperf.core.hardware import DeviceInfo
-from ljperf.core.options import EngineConfig, OptimConfig, TrainConfig
-from ljperf.dist.runtime import Process
+from ljperf.core.options import EngineConfig, OptimizationConfig, TrainConfig
+from ljperf.distributed.runtime import Process
 from ljperf.engines.common import adamw
 from ljperf.engines.fsdp_engine import FSDPEngine
 from ljperf.engines.parallelize import apply_optimizations
@@ -64,7 +64,11 @@ def fake_step_peak(spec: ModelSpec, recipe: Recipe) -> int:
     engine_opts = EngineConfig(reshard_after_forward=recipe.reshard_after_forward)
     run = RunContext(
         config=RunConfig(
-            engine=recipe.engine, model=spec, train=train, engine_opts=engine_opts, optim=OptimConfig(loss=recipe.loss)
+            engine=recipe.engine,
+            model=spec,
+            train=train,
+            engine_opts=engine_opts,
+            optim=OptimizationConfig(loss=recipe.loss),
         ),
         process=Process(world=recipe.world, device=DeviceInfo(type="cpu", index=None, name="fake")),
         plan=recipe.layer_modes(spec.layers),

@@ -19,7 +19,7 @@ import torch
 
 from ljperf.benchmark.data import SyntheticTokens
 from ljperf.benchmark.faults import Fault
-from ljperf.benchmark.forecast import benchmark_forecast, check_memory
+from ljperf.benchmark.memory_check import benchmark_forecast, check_memory
 from ljperf.benchmark.profile import profile_steps
 from ljperf.benchmark.progress import ProgressReporter
 from ljperf.benchmark.record import LoopState, new_record, results_section
@@ -39,12 +39,12 @@ from ljperf.core.errors import (
     raise_if_interrupted,
     restore_signals,
 )
+from ljperf.core.gc_pause import resume_collection
 from ljperf.core.phases import PhaseClock
 from ljperf.core.records import write_json
-from ljperf.core.startup import resume_collection
-from ljperf.dist import memory
-from ljperf.dist.launch import RunFolder, launcher_gone
-from ljperf.dist.runtime import shutdown_process
+from ljperf.distributed import memory
+from ljperf.distributed.launch import RunFolder, launcher_gone
+from ljperf.distributed.runtime import shutdown_process
 from ljperf.engines import make_engine
 from ljperf.models.spec import build_meta
 from ljperf.recompute.closed_loop import close_the_loop

@@ -12,7 +12,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ljperf.core.console import console
-from ljperf.dist.launch import RunFolder
+from ljperf.distributed.launch import RunFolder
 
 
 class ProgressReporter:

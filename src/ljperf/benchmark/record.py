@@ -21,7 +21,7 @@ from ljperf.compile.regional import session
 from ljperf.core import hardware
 from ljperf.core.options import LaunchConfig, default_adamw_impl
 from ljperf.core.records import record_header
-from ljperf.dist.launch import local_world_size, under_torchrun
+from ljperf.distributed.launch import local_world_size, under_torchrun
 from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext, unjoined
 

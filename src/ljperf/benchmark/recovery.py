@@ -18,7 +18,7 @@ from typing import Any
 from ljperf.benchmark.table import last_line, print_result_table
 from ljperf.core.errors import EXIT_OOM, EXIT_USAGE, RunFailed
 from ljperf.core.records import STDOUT, read_json, write_json
-from ljperf.dist.launch import RUN_DIR_ENV, RunFolder, failure_reason, run_workers
+from ljperf.distributed.launch import RUN_DIR_ENV, RunFolder, failure_reason, run_workers
 from ljperf.run.config import RunConfig
 
 

@@ -31,11 +31,8 @@ from ljperf.core.errors import (
 from ljperf.core.options import LaunchConfig
 from ljperf.core.records import record_header, write_json
 from ljperf.core.units import format_bytes
-from ljperf.dist.runtime import (
-    Process,
-    local_world_size,
-    shutdown_process,
-)
+from ljperf.distributed.launch import local_world_size
+from ljperf.distributed.runtime import Process, shutdown_process
 
 # Ops whose buffers are split in n equal chunks: their size is rounded down to a multiple of n elements.
 SPLIT_OPS = frozenset({"all_gather", "reduce_scatter", "all_to_all"})

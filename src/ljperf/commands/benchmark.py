@@ -13,9 +13,9 @@ import sys
 
 from ljperf.benchmark.recovery import launch
 from ljperf.core import options
-from ljperf.core.options import EngineConfig, ExplainConfig, LaunchConfig, OptimConfig, TrainConfig
+from ljperf.core.options import EngineConfig, ExplainConfig, LaunchConfig, OptimizationConfig, TrainConfig
 from ljperf.core.switches import enabled
-from ljperf.dist.launch import under_torchrun
+from ljperf.distributed.launch import under_torchrun
 from ljperf.models.flags import add_model_arguments
 from ljperf.run.config import check_flags
 
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, environment: bool = True) 
     )
     options.add_arguments(parser, TrainConfig)
     options.add_arguments(parser, EngineConfig)
-    options.add_arguments(parser, OptimConfig)
+    options.add_arguments(parser, OptimizationConfig)
     if environment and enabled("CHECKPOINT_OPTIMIZATION"):
         parser.set_defaults(recompute="auto")
     parser.add_argument("--compile", action="store_true", help="same as --compile-mode regional")

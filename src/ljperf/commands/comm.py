@@ -13,7 +13,7 @@ from ljperf.core import options
 from ljperf.core.console import check_output
 from ljperf.core.errors import RunFailed
 from ljperf.core.options import LaunchConfig
-from ljperf.dist.launch import failure_reason, run_workers, under_torchrun
+from ljperf.distributed.launch import failure_reason, run_workers, under_torchrun
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = options.from_args(CommConfig, args)
     launch = options.from_args(LaunchConfig, args)
     from ljperf.comm.bench import run_worker
-    from ljperf.dist.runtime import check_process_count, resolve_device_type
+    from ljperf.distributed.runtime import check_process_count, resolve_device_type
 
     device_type = resolve_device_type(cfg.device)
     check_process_count(launch, device_type)

@@ -15,7 +15,7 @@ from typing import ClassVar
 from ljperf.core import options
 from ljperf.core.console import check_output
 from ljperf.core.errors import UsageError
-from ljperf.core.options import LARGEST, OptimConfig, TrainConfig, opt, positive
+from ljperf.core.options import LARGEST, OptimizationConfig, TrainConfig, opt, positive
 from ljperf.core.records import write_json
 from ljperf.models.flags import add_model_arguments, engine_from_args, model_files, spec_from_args
 from ljperf.run.config import RunConfig, resolve_train
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_arguments(group, TrainConfig, only=SHARED, defaults={"steps": 3}, deepspeed=False)
     modes = {"compile_mode": ("regional", "whole")}
     options.add_arguments(
-        group, OptimConfig, only=("compile_mode",), defaults={"compile_mode": "regional"}, choices=modes
+        group, OptimizationConfig, only=("compile_mode",), defaults={"compile_mode": "regional"}, choices=modes
     )
 
 
@@ -76,10 +76,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if engine_from_args(args) != "torch":
         raise UsageError(f"compile-report runs one process: use --model torch/{args.model.split('/')[-1]}")
     cfg = options.from_args(ReportConfig, args)
-    train, optim = options.from_args(TrainConfig, args), options.from_args(OptimConfig, args)
+    train, optim = options.from_args(TrainConfig, args), options.from_args(OptimizationConfig, args)
     check_output(args.output, inputs=model_files(args.model_config))
     from ljperf.benchmark.compile_report import compile_report, print_report
-    from ljperf.dist.runtime import resolve_device_type
+    from ljperf.distributed.runtime import resolve_device_type
     from ljperf.run.context import RunContext, init_process
 
     spec = spec_from_args(args)

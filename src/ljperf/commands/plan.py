@@ -16,7 +16,7 @@ from dataclasses import asdict
 from ljperf.core import hardware, options
 from ljperf.core.console import say
 from ljperf.core.errors import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError
-from ljperf.core.options import EngineConfig, ExplainConfig, OptimConfig, TrainConfig, positive
+from ljperf.core.options import EngineConfig, ExplainConfig, OptimizationConfig, TrainConfig, positive
 from ljperf.core.records import check_writable
 from ljperf.core.units import format_bytes
 from ljperf.forecast.calibrate import calibrate, calibration_path
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus", type=int, default=1, metavar="N", help="data-parallel ranks, the world size (default: 1)")
     narrow = {"device": ("cpu", "cuda"), "attn_implementation": ("sdpa", "eager")}
     options.add_arguments(g, TrainConfig, only=TRAIN, defaults={"device": "cuda"}, choices=narrow)
-    options.add_arguments(g, OptimConfig, only=("recompute", "optimizer_impl", "loss"))
+    options.add_arguments(g, OptimizationConfig, only=("recompute", "optimizer_impl", "loss"))
     options.add_arguments(g, EngineConfig)
     m = parser.add_argument_group("memory")
     m.add_argument("--gpu-memory", metavar="SIZE", help="memory per device, e.g. 80GiB (default: this machine's)")
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a known GPU instead, at the capacity torch reports (H100-80GB: 79.11 GiB): "
         + ", ".join(hardware.GPU_MEMORY_BYTES),
     )
-    options.add_arguments(m, OptimConfig, only=("memory_budget",))
+    options.add_arguments(m, OptimizationConfig, only=("memory_budget",))
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     out.add_argument("--calibrate", nargs="+", metavar="FILE", help="fit device overheads from benchmark records")

@@ -222,7 +222,7 @@ class EngineConfig:
 
 
 @dataclass(kw_only=True)
-class OptimConfig:
+class OptimizationConfig:
     """Optimizations, applied in a fixed order before the engine shards: checkpoint → loss → compile."""
 
     TITLE: ClassVar[str] = "optimizations"

@@ -9,10 +9,11 @@ import os
 import sys
 
 HOOKS = {
-    "CHECKPOINT_OPTIMIZATION": "ljperf.hooks.checkpoint",
-    "COMPILE_OPTIMIZATION": "ljperf.hooks.compile_trainer",
+    "CHECKPOINT_OPTIMIZATION": "ljperf.startup_hooks.checkpoint",
+    "COMPILE_OPTIMIZATION": "ljperf.startup_hooks.compile_trainer",
 }
-"""Environment variable → module whose ``register()`` installs the hook (``hooks.imports.when_imported``)."""
+"""Environment variable → module whose ``register()`` installs the hook
+(``startup_hooks.post_import.when_imported``)."""
 
 ON = ("1", "true", "yes", "on")
 OFF = ("", "0", "false", "no", "off")

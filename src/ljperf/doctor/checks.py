@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ljperf.core import deepspeed as deepspeed_config
+from ljperf.core import deepspeed_config
 from ljperf.core.errors import describe
 from ljperf.core.records import installed_versions, read_json
 from ljperf.doctor import manifest as manifest_mod

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from ljperf.compile.regional import compile_deepspeed_engine
-from ljperf.core import deepspeed as deepspeed_config
+from ljperf.core import deepspeed_config
 from ljperf.core.console import warn
 from ljperf.core.errors import interruption, one_line
 from ljperf.core.phases import phase
 from ljperf.core.records import without_secrets
-from ljperf.dist import memory
+from ljperf.distributed import memory
 from ljperf.engines.common import adamw, decoder_blocks, parameter_names
 from ljperf.engines.parallelize import apply_optimizations
 from ljperf.models.build import init_value, materialize, replace_parameters

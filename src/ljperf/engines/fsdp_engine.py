@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from ljperf.core.mesh import MeshShape
 from ljperf.core.phases import phase
-from ljperf.dist.mesh import data_parallel_mesh, device_mesh
+from ljperf.distributed.mesh import data_parallel_mesh, device_mesh
 from ljperf.engines.common import adamw, decoder_blocks, parameter_names
 from ljperf.engines.parallelize import apply_optimizations
 from ljperf.models.build import cast_parameters, init_value, parameter_slots

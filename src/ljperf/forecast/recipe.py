@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ljperf.core import deepspeed as deepspeed_config
+from ljperf.core import deepspeed_config
 from ljperf.core.errors import UsageError
 from ljperf.core.mesh import MeshShape
 from ljperf.core.options import (

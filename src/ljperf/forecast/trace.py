@@ -63,7 +63,7 @@ from ljperf.checkpoint.apply import apply_plan
 from ljperf.core.cache import cache_root, cached
 from ljperf.core.errors import one_line
 from ljperf.core.options import LOSS_CHUNKS
-from ljperf.dist.mesh import fake_tp_mesh
+from ljperf.distributed.mesh import fake_tp_mesh
 from ljperf.forecast.patches import real_code_paths, swapped
 from ljperf.models.build import build_picked, replace_parameters
 from ljperf.models.layout import decoder_layers

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from rich.markup import escape
 
-from ljperf.core import deepspeed as deepspeed_config
+from ljperf.core import deepspeed_config
 from ljperf.core.console import console, titled_table
 from ljperf.core.mesh import MeshShape
 from ljperf.core.plans import describe

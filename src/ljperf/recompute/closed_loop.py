@@ -11,8 +11,8 @@ import torch
 from ljperf.checkpoint.apply import apply_plan
 from ljperf.core.console import say
 from ljperf.core.units import format_bytes
-from ljperf.dist.collectives import max_over_ranks, shared_from_rank0
-from ljperf.dist.memory import reset_cuda_peak
+from ljperf.distributed.collectives import max_over_ranks, shared_from_rank0
+from ljperf.distributed.memory import reset_cuda_peak
 from ljperf.forecast.api import forecast
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.models.spec import ModelSpec

@@ -14,8 +14,8 @@ import torch
 from ljperf.core.console import say
 from ljperf.core.errors import UsageError
 from ljperf.core.plans import BUDGET_ENV, budget_holds_all, fixed_plan, no_recompute_line, parse_recompute
-from ljperf.dist.collectives import shared_from_rank0
-from ljperf.dist.launch import local_world_size
+from ljperf.distributed.collectives import shared_from_rank0
+from ljperf.distributed.launch import local_world_size
 from ljperf.forecast.api import forecast
 from ljperf.forecast.recipe import Recipe
 from ljperf.recompute.budget import budget_bytes

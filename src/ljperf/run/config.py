@@ -12,8 +12,7 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
-from ljperf.core import deepspeed as deepspeed_config
-from ljperf.core import options
+from ljperf.core import deepspeed_config, options
 from ljperf.core.console import say
 from ljperf.core.errors import UsageError
 from ljperf.core.mesh import MeshShape
@@ -22,11 +21,11 @@ from ljperf.core.options import (
     EngineConfig,
     ExplainConfig,
     LaunchConfig,
-    OptimConfig,
+    OptimizationConfig,
     TrainConfig,
 )
 from ljperf.core.plans import Plan, fixed_plan, parse_recompute
-from ljperf.dist.launch import local_world_size, under_torchrun
+from ljperf.distributed.launch import local_world_size, under_torchrun
 from ljperf.models.catalog import split_model_arg
 from ljperf.models.flags import engine_from_args, spec_from_args
 from ljperf.models.layout import TENSOR_PARALLEL
@@ -47,7 +46,7 @@ class RunConfig:
     """Processes, nodes and timeouts."""
     engine_opts: EngineConfig = field(default_factory=EngineConfig)
     """FSDP2 / DeepSpeed options."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    optim: OptimizationConfig = field(default_factory=OptimizationConfig)
     """Optimizations (activation checkpoint, compile), as given."""
     explain: ExplainConfig = field(default_factory=ExplainConfig)
     """The profiler trace and the memory picture asked for (``--profile``, ``--plot``)."""
@@ -67,7 +66,7 @@ class RunConfig:
             fixed_plan(plan, self.model.layers)  # one that does not match the model fails here, not in every rank
 
 
-def check_together(engine: str, train: TrainConfig, optim: OptimConfig, *, model: str) -> None:
+def check_together(engine: str, train: TrainConfig, optim: OptimizationConfig, *, model: str) -> None:
     """The option groups' rules that span two of them, for ``engine``: checked before the model is read
     (``check_flags``) and when a ``RunConfig`` is made."""
     if optim.compile_mode == "deepspeed" and engine != "deepspeed":
@@ -172,7 +171,7 @@ def _compile_mode(args: argparse.Namespace) -> str:
     """``--compile-mode``, with ``--compile`` as ``regional``."""
     if args.compile and args.compile_mode not in (None, "regional"):
         raise UsageError(f"--compile is --compile-mode regional: it contradicts --compile-mode {args.compile_mode}")
-    return "regional" if args.compile else args.compile_mode or OptimConfig.compile_mode
+    return "regional" if args.compile else args.compile_mode or OptimizationConfig.compile_mode
 
 
 @dataclass(frozen=True)
@@ -212,12 +211,12 @@ def check_flags(args: argparse.Namespace, *, world: int | None = None) -> Flags:
     if hasattr(args, "compile"):
         resolved.compile_mode = given.compile_mode = _compile_mode(args)
         given.warmup = TrainConfig.warmup if args.warmup is None else args.warmup  # its default waits for the device
-    kinds = (TrainConfig, LaunchConfig, EngineConfig, OptimConfig, ExplainConfig)
+    kinds = (TrainConfig, LaunchConfig, EngineConfig, OptimizationConfig, ExplainConfig)
     groups = {cls: options.from_args(cls, given) for cls in kinds}
     model = split_model_arg(args.model)[1] if args.model else "MODEL"
-    check_together(engine, groups[TrainConfig], groups[OptimConfig], model=model)
+    check_together(engine, groups[TrainConfig], groups[OptimizationConfig], model=model)
     engine_opts = groups[EngineConfig]
-    options.check_loss(groups[OptimConfig].loss, tp=engine_opts.tp)
+    options.check_loss(groups[OptimizationConfig].loss, tp=engine_opts.tp)
     world = world if world is not None else launch_world(groups[LaunchConfig])
     MeshShape.of(world=world, tp=engine_opts.tp, dp_replicate=engine_opts.dp_replicate)
     return Flags(engine=engine, deepspeed_user=user, args=resolved)
@@ -229,7 +228,7 @@ def from_args(
     """The ``RunConfig`` of a command's parsed flags (those it has: ``plan`` has no launch or compile flags) on
     ``device_type`` (None: ``--device``, resolved); ``flags``: ``check_flags``' answer where the command asked it
     first. The model is read last, after every flag that needs none."""
-    from ljperf.dist.runtime import resolve_device_type  # torch: after the flags are checked
+    from ljperf.distributed.runtime import resolve_device_type  # torch: after the flags are checked
 
     flags = flags or check_flags(args)
     engine, user, args = flags.engine, flags.deepspeed_user, flags.args
@@ -240,7 +239,7 @@ def from_args(
         name: options.from_args(cls, args)
         for name, cls in (("train", TrainConfig), ("launch", LaunchConfig), ("engine_opts", EngineConfig))
     }
-    optim = options.from_args(OptimConfig, args)
+    optim = options.from_args(OptimizationConfig, args)
     explain = options.from_args(ExplainConfig, args)
     spec = spec_from_args(args)  # after the flags: reading the model takes seconds
     launch = groups["launch"]

@@ -15,9 +15,9 @@ import torch
 
 from ljperf.core import hardware
 from ljperf.core.mesh import MeshShape
-from ljperf.core.options import EngineConfig, LaunchConfig, OptimConfig, TrainConfig
+from ljperf.core.options import EngineConfig, LaunchConfig, OptimizationConfig, TrainConfig
 from ljperf.core.plans import Plan
-from ljperf.dist.runtime import Process, resolve_device_type
+from ljperf.distributed.runtime import Process, resolve_device_type
 from ljperf.run.config import RunConfig, fixed_recompute
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class RunContext:
         return self.config.engine_opts
 
     @property
-    def optim(self) -> OptimConfig:
+    def optim(self) -> OptimizationConfig:
         return self.config.optim
 
     @property

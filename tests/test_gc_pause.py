@@ -1,5 +1,5 @@
 """The garbage collector paused while an ``ljperf`` process starts and resumed where its work starts
-(``core.startup``), in processes of their own: a pause or freeze here would change this worker's collector."""
+(``core.gc_pause``), in processes of their own: a pause or freeze here would change this worker's collector."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from conftest import cli_env
 
 CYCLE = """
 import gc, weakref
-from ljperf.core.startup import pause_collection, resume_collection
+from ljperf.core.gc_pause import pause_collection, resume_collection
 
 class Node:
     pass

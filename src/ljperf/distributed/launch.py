@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ljperf.core.errors import EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
+from ljperf.core.gc_pause import resume_collection
 from ljperf.core.options import LaunchConfig
-from ljperf.core.startup import resume_collection
 
 RUN_DIR_ENV = "LJPERF_RUN_DIR"
 LAUNCHER_ENV = "LJPERF_LAUNCHER_PID"
@@ -251,7 +251,8 @@ def run_workers(argv: list[str], lc: LaunchConfig, *, cpu: bool) -> None:
         logging.getLogger(name).addFilter(_not_the_agents_failure_lines)
     if lc.nnodes > 1:
         print(
-            f"node {lc.node_rank} of {lc.nnodes}: waiting up to {lc.collective_timeout:g} s for the others at {lc.rdzv_endpoint}",
+            f"node {lc.node_rank} of {lc.nnodes}: waiting up to {lc.collective_timeout:g} s for the others"
+            f" at {lc.rdzv_endpoint}",
             file=sys.stderr,
             flush=True,
         )

@@ -11,23 +11,24 @@ import goes on unchanged.
 import sys
 
 TRIGGERS = ("transformers.trainer", "deepspeed", "torch.distributed.fsdp")
-"""The imports a startup hook patches (``hooks.checkpoint``, ``hooks.compile_trainer``): the hooks load at the first."""
+"""The imports a startup hook patches (``startup_hooks.checkpoint``, ``startup_hooks.compile_trainer``): the hooks
+load at the first."""
 
 _PENDING: dict = {}
 """Module name → callbacks waiting for its import."""
 
 
 def boot() -> None:
-    """Load the startup hooks (``hooks.startup.install``) when the script first imports one of ``TRIGGERS``: a
+    """Load the startup hooks (``startup_hooks.install``) when the script first imports one of ``TRIGGERS``: a
     process that never does (``pip``, a tool, ``python -c``) pays for this module alone."""
     for name in TRIGGERS:
         when_imported(name, _install)
 
 
 def _install(module: object) -> None:
-    from ljperf.hooks import startup  # the hooks and their variables' check: only where a hook can act
+    from ljperf.startup_hooks.install import install  # the hooks and their variables' check: only where a hook can act
 
-    startup.install()
+    install()
 
 
 def when_imported(name: str, callback: object) -> None:

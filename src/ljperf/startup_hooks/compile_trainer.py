@@ -15,8 +15,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ljperf.compile.line import compile_line
-from ljperf.hooks.imports import when_imported
-from ljperf.hooks.messages import log, warn
+from ljperf.startup_hooks.messages import log, warn
+from ljperf.startup_hooks.post_import import when_imported
 
 if TYPE_CHECKING:  # transformers is imported by the user's script, never by the hook
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments

@@ -8,10 +8,10 @@ training batch's shape (and again when a batch is larger), applies the plan befo
 line; a script's own gradient checkpointing (``gradient_checkpointing=True``) is replaced by the plan, and the
 line says so. Ranks plan with rank 0's budget and device rates; under ZeRO-3 every rank plans for the largest batch
 of any rank, so all run one plan (``_agreed``). The second training step's peak is measured and, when it
-misses the forecast, the plan is corrected once (the closed loop, ``planner._Planner``): under ZeRO-3 from the largest
-peak of any rank, elsewhere by each rank from its own. When even full recompute cannot fit, the cheapest plan
-at the lowest peak runs (``solver.solve``) and one warning says what would fit. Any failure warns once and
-removes the hook: training goes on exactly as without the variable. Models ljperf builds are left alone: there
+misses the forecast, the plan is corrected once (the closed loop, ``checkpoint_planner._Planner``): under ZeRO-3
+from the largest peak of any rank, elsewhere by each rank from its own. When even full recompute cannot fit, the
+cheapest plan at the lowest peak runs (``solver.solve``) and one warning says what would fit. Any failure warns once
+and removes the hook: training goes on exactly as without the variable. Models ljperf builds are left alone: there
 ``CHECKPOINT_OPTIMIZATION=true`` makes ``ljperf benchmark`` default to ``--recompute auto``.
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ljperf.hooks.imports import when_imported
-from ljperf.hooks.messages import warn
+from ljperf.startup_hooks.messages import warn
+from ljperf.startup_hooks.post_import import when_imported
 
 if TYPE_CHECKING:  # the hook imports ljperf's planning code only when it plans
     import torch
@@ -50,11 +50,11 @@ def _patch(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
 
 
 def _attach(model: torch.nn.Module, setup: str, *args: Any, holders: list | None = None) -> None:
-    """Plan ``model`` from its first training forward (``planner.attach``), its recipe read by
-    ``planner.<setup>(*args)``; any failure warns once and leaves training as it is. The planner imports torch and
-    ljperf's forecast: by now the script has imported torch (and transformers, DeepSpeed or FSDP2)."""
+    """Plan ``model`` from its first training forward (``checkpoint_planner.attach``), its recipe read by
+    ``checkpoint_planner.<setup>(*args)``; any failure warns once and leaves training as it is. The planner imports
+    torch and ljperf's forecast: by now the script has imported torch (and transformers, DeepSpeed or FSDP2)."""
     try:
-        from ljperf.hooks import planner
+        from ljperf.startup_hooks import checkpoint_planner as planner
 
         planner.attach(model, functools.partial(getattr(planner, setup), *args), holders=holders)
     except Exception as exc:

@@ -2,7 +2,7 @@
 or FSDP2 call, the plan made at the first training forward (again for a larger batch), and the closed loop after
 the second step.
 
-Run: ``attach(model, lambda: fsdp_setup(model, {}))``; ``hooks.checkpoint`` calls it when the script builds its
+Run: ``attach(model, lambda: fsdp_setup(model, {}))``; ``startup_hooks.checkpoint`` calls it when the script builds its
 Trainer, DeepSpeed engine or FSDP2 root (docs/checkpoint.md).
 """
 
@@ -19,17 +19,23 @@ from transformers import PreTrainedModel
 from ljperf.checkpoint.apply import apply_plan
 from ljperf.core.errors import UsageError
 from ljperf.core.hardware import calibration_name
-from ljperf.dist.collectives import max_over_ranks, shared_from_rank0
-from ljperf.dist.launch import local_world_size
-from ljperf.dist.memory import LiveTensorBytes, cuda_peaks, reachable_tensors, reset_cuda_peak, training_state_tensors
+from ljperf.distributed.collectives import max_over_ranks, shared_from_rank0
+from ljperf.distributed.launch import local_world_size
+from ljperf.distributed.memory import (
+    LiveTensorBytes,
+    cuda_peaks,
+    reachable_tensors,
+    reset_cuda_peak,
+    training_state_tensors,
+)
 from ljperf.forecast.recipe import Recipe, ZeroSettings
-from ljperf.hooks.messages import log, warn
 from ljperf.models.layout import decoder_layers, find_blocks
 from ljperf.models.spec import ModelSpec
 from ljperf.recompute.budget import budget_bytes
 from ljperf.recompute.closed_loop import judge_plan, loop_line
 from ljperf.recompute.cost import Rates, RecomputeCost
 from ljperf.recompute.solver import Decision, solve_recipe
+from ljperf.startup_hooks.messages import log, warn
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine

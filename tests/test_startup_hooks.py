@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ljperf.hooks.checkpoint import REPLACES
+from ljperf.startup_hooks.checkpoint import REPLACES
 
 from conftest import cli_env, own_cache, read_record, run_ljperf, stale_calibration_cache
 
@@ -55,11 +55,14 @@ def test_unset_imports_nothing():
 def test_a_value_neither_on_nor_off_warns_once_where_the_hook_would_act_and_stays_off(value, warns):
     """Said once, by a process that imports what the hook patches (it was said by every Python process)."""
     env = cli_env(CHECKPOINT_OPTIMIZATION=value)
-    code = "import sys; import torch.distributed.fsdp; print([m for m in sys.modules if m.startswith('ljperf.hooks.')])"
+    code = (
+        "import sys; import torch.distributed.fsdp;"
+        " print([m for m in sys.modules if m.startswith('ljperf.startup_hooks.')])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     lines = out.stderr.splitlines()
     assert len(lines) == warns and all(f"CHECKPOINT_OPTIMIZATION={value!r} is neither on" in line for line in lines)
-    assert ("ljperf.hooks.checkpoint" in out.stdout) == (value.strip().lower() == "on")
+    assert ("ljperf.startup_hooks.checkpoint" in out.stdout) == (value.strip().lower() == "on")
     quiet = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True, env=env, check=True)
     assert quiet.stderr == ""
 
@@ -74,7 +77,7 @@ def test_a_set_variable_loads_three_small_modules_until_a_patched_library_is_imp
         env = cli_env(COMPILE_OPTIMIZATION=value)
         loaded[value] = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                                            check=True).stdout.split())  # fmt: skip
-    assert loaded["true"] - loaded[""] == {"ljperf", "ljperf.hooks", "ljperf.hooks.imports"}
+    assert loaded["true"] - loaded[""] == {"ljperf", "ljperf.startup_hooks", "ljperf.startup_hooks.post_import"}
 
 
 def test_set_patches_trainer_only_when_imported():
@@ -177,7 +180,7 @@ def test_trainer_script_gets_the_planned_layers_and_logs_one_line(tmp_path, plai
 
 def test_the_scripts_own_gradient_checkpointing_is_told_apart_from_a_plan():
     from ljperf.checkpoint.apply import apply_plan
-    from ljperf.hooks.planner import _script_checkpoints
+    from ljperf.startup_hooks.checkpoint_planner import _script_checkpoints
     from scripts.tiny_llama import build
 
     model = build()
@@ -308,7 +311,7 @@ def test_a_trainer_deepspeed_config_without_a_stage_is_planned_as_zero_1():
     from types import SimpleNamespace
 
     from ljperf.forecast import Recipe
-    from ljperf.hooks.planner import trainer_setup
+    from ljperf.startup_hooks.checkpoint_planner import trainer_setup
 
     ds = SimpleNamespace(config={"zero_optimization": {}, "train_micro_batch_size_per_gpu": 1})
     args = SimpleNamespace(fsdp="", world_size=2, bf16=True, gradient_accumulation_steps=1, hf_deepspeed_config=ds)
@@ -335,7 +338,7 @@ def test_a_trainer_model_loaded_in_bf16_is_planned_with_bf16_weights(dtype, bf16
     from types import SimpleNamespace
 
     from ljperf.forecast import Recipe
-    from ljperf.hooks.planner import trainer_setup
+    from ljperf.startup_hooks.checkpoint_planner import trainer_setup
 
     ds = SimpleNamespace(config={"zero_optimization": {"stage": 3}}) if engine == "deepspeed" else None
     fsdp = "full_shard auto_wrap" if engine == "fsdp" else ""
@@ -356,7 +359,7 @@ def test_a_fully_shard_script_is_planned_in_its_models_dtype(dtype, param_dtype,
 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from ljperf.hooks.planner import fsdp_setup
+    from ljperf.startup_hooks.checkpoint_planner import fsdp_setup
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype)
     kwargs = {"mesh": SimpleNamespace(size=lambda: 2), "mp_policy": policy}
@@ -368,7 +371,7 @@ def test_a_fully_shard_script_is_planned_in_its_models_dtype(dtype, param_dtype,
 def test_planning_leaves_the_global_random_state_alone(monkeypatch):
     """The plan (rates measured on this device, layers traced, the solver) draws nothing from torch's global
     generator: a model with dropout trained differently under the variable (the rates drew from it)."""
-    from ljperf.hooks.planner import plan_model
+    from ljperf.startup_hooks.checkpoint_planner import plan_model
     from scripts.tiny_llama import MICRO_BATCH, SEQ_LEN, build
 
     model = build()
@@ -385,7 +388,7 @@ def test_a_model_the_forecast_cannot_plan_is_named_in_the_warning():
     from transformers import XLNetConfig, XLNetLMHeadModel
 
     from ljperf.core.errors import UsageError
-    from ljperf.hooks.planner import model_recipe
+    from ljperf.startup_hooks.checkpoint_planner import model_recipe
 
     xlnet = XLNetLMHeadModel(XLNetConfig(d_model=32, n_layer=2, n_head=2, d_inner=64, vocab_size=64))
     for model, message in (
@@ -399,8 +402,8 @@ def test_a_model_the_forecast_cannot_plan_is_named_in_the_warning():
 def test_no_fit_is_warned_once_and_a_replan_for_a_longer_batch_is_logged(monkeypatch, capsys):
     """Each longer batch re-plans; when nothing fits, only the first plan warns (a warning per re-plan was noise
     in every longer batch's log), the later ones print their line."""
-    from ljperf.hooks.messages import PREFIX
-    from ljperf.hooks.planner import attach
+    from ljperf.startup_hooks.checkpoint_planner import attach
+    from ljperf.startup_hooks.messages import PREFIX
     from scripts.tiny_llama import build
 
     model = build().train()
@@ -418,7 +421,7 @@ def test_the_scripts_adamw_implementation_is_planned():
     the optimizer step (llama3.2-1b fp32: 4.6 GiB). Read through accelerate's and ZeRO's ``.optimizer`` wrappers."""
     from types import SimpleNamespace
 
-    from ljperf.hooks.planner import optimizer_impl, trainer_setup
+    from ljperf.startup_hooks.checkpoint_planner import optimizer_impl, trainer_setup
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     for kwargs, impl in (({"fused": True}, "fused"), ({"foreach": True}, "foreach"), ({"foreach": False}, "single")):

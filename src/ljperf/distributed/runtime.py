@@ -20,7 +20,7 @@ from ljperf.core import hardware
 from ljperf.core.errors import UsageError
 from ljperf.core.hardware import DeviceInfo
 from ljperf.core.options import LaunchConfig
-from ljperf.dist.launch import local_world_size, under_torchrun
+from ljperf.distributed.launch import under_torchrun
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,8 +14,8 @@ from ljperf.core import hardware
 from ljperf.core.console import warn
 from ljperf.core.errors import describe
 from ljperf.core.units import format_bytes
-from ljperf.dist.collectives import shared_from_rank0
-from ljperf.dist.launch import local_world_size
+from ljperf.distributed.collectives import shared_from_rank0
+from ljperf.distributed.launch import local_world_size
 from ljperf.forecast.advice import dominant_term
 from ljperf.forecast.api import forecast, max_micro_batch
 from ljperf.forecast.recipe import Recipe
