@@ -38,6 +38,7 @@ run: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/codespell src docs README.md
 
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .
