@@ -677,3 +677,25 @@ def test_auto_map_in_a_config_is_ignored(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(data))
     model = build_meta(resolve(path=tmp_path))
     assert type(model).__module__.startswith("transformers.models.llama")
+
+
+def test_a_full_disk_during_profile_keeps_the_timed_results_and_lists_no_partial_trace(tmp_path, capsys):
+    """The probe before the run passes (the folder has room for a small file); the trace of the profiled steps
+    does not fit. The measured run stands (status ok, exit 0), the profile's failure is in the record, and no
+    part of a trace is left in the folder or listed."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)], check=False).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        out = tmp_path / "r.json"
+        code, _, stderr = run_main(capsys, *TINY, "--steps", "2", "--profile", str(mnt / "prof"), "--output", str(out))
+        left = sorted(p.name for p in (mnt / "prof").iterdir())
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+    res = read_record(out)["results"]
+    assert code == 0 and res["status"] == "ok" and res["tokens_per_s"] > 0, (code, res["status"], stderr)
+    assert res["profile"]["traces"] == [] and "No space left" in res["profile"]["error"]
+    assert left == []
+    assert res["breakdown"]["source"] == "timers"
+    assert "the profile could not be written (No space left on device)" in stderr

@@ -9,6 +9,7 @@ Flow: flags → ``RunConfig`` → ``RunContext`` → recompute plan and memory c
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import sys
 import time
@@ -31,6 +32,7 @@ from ljperf.core.errors import (
     EXIT_OK,
     EXIT_SIGINT,
     EXIT_SIGTERM,
+    Diverged,
     UsageError,
     describe,
     failure,
@@ -225,6 +227,8 @@ def _steps(
                 state.step_times.append(elapsed)
                 state.step_cpu_times.append(time.process_time() - cpu_start)
                 state.losses.append(loss)
+        if not math.isfinite(value := float(loss)):
+            raise Diverged(f"the loss became {value} at step {step + 1} of {total}")
         peaks = None
         if step in measure_steps:
             peaks = {

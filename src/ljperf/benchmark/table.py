@@ -79,8 +79,10 @@ def breakdown_table(bd: dict[str, Any]) -> Table:
 
 
 def profile_line(profile: dict[str, Any]) -> str:
-    """Where ``--profile`` wrote its files, and what opens them."""
+    """Where ``--profile`` wrote its files, and what opens them (or why a rank's could not be written)."""
     text = f"profile: {len(profile['traces'])} trace(s) in {profile['folder']} (open in https://ui.perfetto.dev)"
+    if profile.get("error"):
+        text += f"; not written: {profile['error']}"
     if profile["memory_snapshots"]:
         text += "; memory snapshots: drag a .memory.pickle into https://pytorch.org/memory_viz"
     return text
@@ -104,9 +106,9 @@ def forecast_line(results: dict[str, Any]) -> str | None:
 
 def last_line(reason: str, *, interrupted: bool, output: str | None, status: str = "error") -> str:
     """The line a failed or interrupted run ends with, the same for one process and for ljperf's launcher; an
-    out-of-memory run says ``oom``."""
+    out-of-memory run says ``oom``, a diverged one ``diverged``."""
     kept = output not in (None, STDOUT)
     if interrupted:
         return f"ljperf benchmark: {reason}" + (f"; partial result kept: {output}" if kept else "")
-    word = "oom" if status == "oom" else "failed"
+    word = status if status in ("oom", "diverged") else "failed"
     return f"ljperf benchmark: {word}: {reason}" + (f"; result record: {output}" if kept else "")

@@ -19,6 +19,8 @@ EXIT_OOM = 3
 EXIT_DOES_NOT_FIT = 4
 """``ljperf plan``: the forecast does not fit the memory (or ``--recompute auto`` found no plan within its budget);
 the answer was printed, so a script can branch on it without reading the table."""
+EXIT_DIVERGED = 5
+"""``ljperf benchmark``: the loss became NaN or infinite; the run stopped there (``status: "diverged"``)."""
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 EXIT_SIGPIPE = 141
@@ -35,6 +37,10 @@ class RunFailed(Exception):
     def __init__(self, reason: str, *, exit_code: int = EXIT_ERROR):
         super().__init__(reason)
         self.exit_code = exit_code
+
+
+class Diverged(Exception):
+    """The training loss became NaN or infinite: the figures of such a run measure nothing worth comparing."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -96,6 +102,8 @@ def failure(exc: BaseException) -> tuple[str, str, int]:
         return "error", str(stop), stop.exit_code
     if oom := out_of_memory(exc):
         return "oom", oom, EXIT_OOM
+    if isinstance(exc, Diverged):
+        return "diverged", str(exc), EXIT_DIVERGED
     return "error", describe(exc), EXIT_ERROR
 
 
