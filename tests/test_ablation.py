@@ -119,7 +119,8 @@ def _record(**results: object) -> dict:
     env = {"name": "local", "python": sys.executable, "prefix": sys.prefix, "versions": {}}
     meta = {"variant": "base", "variant_index": 0, "flags": "", "repeat": 1, "environment": env}
     meta |= {"environment_index": 0, "command": list(SHORT), "wall_s": 1.5, "log": "base.r1.log"}
-    return {"ablation": meta, "results": {"status": "error", "reason": "crashed", **results}}
+    results = {"status": "error", "reason": "crashed", **results}
+    return {"schema_version": 1, "kind": "ablation-run", "ablation": meta, "results": results}
 
 
 def test_an_even_count_of_repeats_shows_one_runs_throughput_and_step_time():
@@ -290,6 +291,15 @@ def test_ablation_report_failure_and_resume(tmp_path, monkeypatch, capsys):
     _, stdout, _ = run_main(capsys, "ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out))
     assert "5 of 6 runs already finished" in stdout and "[1/1] local/mb2.r2: ok" in stdout
     assert read_record(out / "runs" / "local" / "mb2.r2.json")["results"]["status"] == "ok"
+    # A record whose figure is not a number ljperf writes (NaN) counts as unfinished: it runs again.
+    poisoned = out / "runs" / "local" / "mb1.r1.json"
+    poisoned.write_text(
+        poisoned.read_text().replace('"peak_allocated_bytes": ', '"peak_allocated_bytes": NaN, "_": ', 1)
+    )
+    _, stdout, stderr = run_main(capsys, "ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out))
+    assert "5 of 6 runs already finished" in stdout and "[1/1] local/mb1.r1: ok" in stdout
+    assert f"skipping {poisoned}: results.peak_allocated_bytes is NaN, not a finite number" in stderr
+    assert read_record(poisoned)["results"]["peak_allocated_bytes"] > 0
     # Other flags with the same folder: refused rather than mixed.
     code, _, stderr = run_main(
         capsys, "ablation", *SHORT, "--lr", "1e-3", *VARIANTS, "--repeat", "2", "--out", str(out)

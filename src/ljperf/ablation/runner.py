@@ -135,7 +135,7 @@ def read_records(out: Path) -> tuple[dict[Path, dict[str, Any]], list[str]]:
     for path in sorted(p for p in out.glob("runs/*/*.json") if not p.name.startswith(".")):
         try:
             record = read_json(path)
-            problem = record_problem(record) or _missing(record)
+            problem = _missing(record) or record_problem(record)
         except (OSError, ValueError) as exc:
             problem = f"unreadable: {exc}"
         if problem is None:

@@ -70,5 +70,5 @@ def _validator(schema_file: str) -> Any:
 
 
 def _shown(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    text = _JSON_NAMES.get(repr(value), repr(value)) if isinstance(value, float) else json.dumps(value)
     return text if len(text) <= 20 else text[:19] + "…"
