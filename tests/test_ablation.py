@@ -135,6 +135,17 @@ def test_an_even_count_of_repeats_shows_one_runs_throughput_and_step_time():
     assert (base.tokens_per_s.low, base.tokens_per_s.high, base.step_time_s.low) == (4096.0, 20480.0, 0.025)
 
 
+def test_a_diverged_variant_is_reported_as_diverged_and_never_ranked(tmp_path):
+    """Its measured steps before the NaN loss have a tokens/s; ranked, it stood beside real runs."""
+    base = _record(status="ok", tokens_per_s=100.0, step_time_s_p50=0.5, losses=[2.0])
+    high_lr = _record(status="diverged", reason="the loss became nan at step 2", tokens_per_s=400.0, losses=[None])
+    high_lr["ablation"] |= {"variant": "high-lr", "variant_index": 1}
+    stats = summarize([base, high_lr])
+    assert stats[1].statuses == {"diverged": 1} and stats[1].tokens_per_s is None and stats[1].speedup is None
+    assert stats[1].reason == "the loss became nan at step 2"
+    assert "| high-lr | (none) | diverged | - |" in report.markdown([base, high_lr], stats, command=None)
+
+
 def test_a_file_that_is_not_a_run_record_is_skipped_with_a_warning(tmp_path, capsys):
     runs = tmp_path / "runs" / "local"
     runs.mkdir(parents=True)

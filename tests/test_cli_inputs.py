@@ -149,6 +149,16 @@ CASES = [
     (["doctor", "--output", ""], {}, "--output is empty"),
     (["benchmark", *TINY, "--recompute", "auto", "--memory-budget", "80"], {}, "'80' is 80 bytes: write a unit"),
     (["benchmark", *TINY, "--recompute", "auto"], {"LJPERF_MEMORY_BUDGET": "64"}, "is 64 bytes: write a unit"),
+    # libgomp could not start them: a segmentation fault after 21 s, with nothing from ljperf
+    (["benchmark", *TINY, "--threads", "100000"], {}, "--threads 100000: this machine has"),
+    (["benchmark", *TINY], {"OMP_NUM_THREADS": "100000"}, "OMP_NUM_THREADS=100000: this machine has"),
+    # the picture overwrote the JSON record, exit 0
+    (["benchmark", *TINY, "--output", "{png}", "--plot", "{png}"], {}, "--output and --plot name the same file"),
+    (["benchmark", *TINY, "--output", "{trace}", "--profile", "{folder}"], {}, "is in --profile"),
+    (["benchmark", *TINY, "--plot", "{png}", "--profile", "{png}"], {}, "is in --profile"),
+    # planned as if it were 4096
+    (["plan", "--model-config", "{no_positions}"], {}, "max_position_embeddings must be a whole number of 1 or more"),
+    (["benchmark", "--model-config", "{nan_head}"], {}, "head_dim must be a whole number of 1 or more (got nan)"),
 ]
 
 
@@ -166,7 +176,14 @@ def files(tmp_path):
         "zero_null": tmp_path / "zero_null.json",
         "damaged_runs": tmp_path / "ablation",
         "kv3": tmp_path / "kv3.json",
+        "png": tmp_path / "same.png",
+        "trace": tmp_path / "rank0.trace.json.gz",
+        "no_positions": tmp_path / "no_positions.json",
+        "nan_head": tmp_path / "nan_head.json",
     }
+    tiny = read_config_dict(name="llama-tiny")
+    paths["no_positions"].write_text(json.dumps({**tiny, "max_position_embeddings": 0}))
+    paths["nan_head"].write_text(json.dumps({**tiny, "head_dim": float("nan")}))
     paths["kv3"].write_text(json.dumps({**read_config_dict(name="llama-tiny"), "num_key_value_heads": 3}))
     paths["bad"].write_text(BAD_JSON)
     paths["wrong_batch"].write_text(WRONG_BATCH)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ljperf.core.errors import EXIT_SIGINT, forget_signals, note_interrupt
+from ljperf.core.errors import EXIT_DIVERGED, EXIT_SIGINT, forget_signals, note_interrupt
 from ljperf.core.records import write_json
 from ljperf.distributed.launch import SHUTDOWN_GRACE_S
 from ljperf.distributed.memory import CPU_METHOD
@@ -699,3 +699,31 @@ def test_a_full_disk_during_profile_keeps_the_timed_results_and_lists_no_partial
     assert left == []
     assert res["breakdown"]["source"] == "timers"
     assert "the profile could not be written (No space left on device)" in stderr
+
+
+def test_a_loss_that_becomes_nan_ends_the_run_as_diverged(tmp_path, capsys):
+    """``rms_norm_eps: NaN`` makes every loss NaN: the run was exit 0 with ``status: ok`` and ``losses: [null,
+    null]``, beside real runs in an ablation. It stops at the first such step, with its own status and code."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**read_config_dict(name="llama-tiny"), "rms_norm_eps": float("nan")}))
+    out = tmp_path / "r.json"
+    argv = ["benchmark", "--model-config", str(config), "--engine", "torch", "--seq-len", "32", "--steps", "3"]
+    code, _, stderr = run_main(capsys, *argv, "--warmup", "1", "--output", str(out))
+    res = read_record(out)["results"]
+    assert code == EXIT_DIVERGED == 5 and res["status"] == "diverged", (code, res["status"], stderr[-500:])
+    assert res["reason"] == "the loss became nan at step 1" and res["steps_completed"] == 0
+    assert stderr.strip().splitlines()[-1] == f"ljperf benchmark: diverged: {res['reason']}; result record: {out}"
+
+
+@pytest.mark.slow
+def test_a_diverged_run_on_two_processes_keeps_its_status_and_exit_code(tmp_path):
+    """DDP at a learning rate of 10^10: step 2's loss is NaN on both ranks; the launcher keeps the status, the
+    code and the record (its table printed the NaN loss, a traceback before)."""
+    out = tmp_path / "r.json"
+    proc = run_ljperf(*TINY, "--nproc-per-node", "2", "--steps", "3", "--lr", "1e10", "--output", str(out))
+    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-2000:]
+    res = read_record(out)["results"]
+    assert res["status"] == "diverged" and res["reason"] == "the loss became nan at step 2"
+    assert res["losses"] == [None] and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("ljperf benchmark: diverged: the loss became nan at step 2")
+    assert "not finite → not finite" in proc.stdout

@@ -199,7 +199,7 @@ def _run_command(module: ModuleType, args: argparse.Namespace, argv: list[str]) 
             print(f"{prog}: error: {exc}" + ("" if rank == "0" else f" (rank {rank})"), file=sys.stderr)
         return EXIT_USAGE
     except RunFailed as exc:
-        print(f"{prog}: failed: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc.word}: {exc}", file=sys.stderr)
         return exc.exit_code
     except Interrupted as exc:
         print(f"{prog}: {exc}", file=sys.stderr)

@@ -228,7 +228,7 @@ def _steps(
                 state.step_cpu_times.append(time.process_time() - cpu_start)
                 state.losses.append(loss)
         if not math.isfinite(value := float(loss)):
-            raise Diverged(f"the loss became {value} at step {step + 1} of {total}")
+            raise Diverged(f"the loss became {value} at step {step + 1}")
         peaks = None
         if step in measure_steps:
             peaks = {

@@ -63,8 +63,9 @@ def launch(cfg: RunConfig, *, record_from_progress: Callable[[Path], dict[str, A
             kept=KEPT_STATUS.get(code),
         )
         code = next((c for c, status in KEPT_STATUS.items() if status == results["status"]), code)
+        word = results["status"] if results["status"] in KEPT_STATUS.values() else "failed"
         raise RunFailed(
-            results["reason"] + (f"; result record: {record_path}" if to_file else ""), exit_code=code
+            results["reason"] + (f"; result record: {record_path}" if to_file else ""), exit_code=code, word=word
         ) from None
     finally:
         shutil.rmtree(folder.path, ignore_errors=True)

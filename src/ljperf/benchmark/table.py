@@ -88,8 +88,10 @@ def profile_line(profile: dict[str, Any]) -> str:
     return text
 
 
-def _loss_range(losses: list[float]) -> str:
-    return f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "-"
+def _loss_range(losses: list[float | None]) -> str:
+    """First → last; a loss the record holds as null was NaN or infinite (strict JSON has neither)."""
+    shown = ["not finite" if x is None else f"{x:.4f}" for x in (losses[0], losses[-1])] if losses else []
+    return " → ".join(shown) or "-"
 
 
 def forecast_line(results: dict[str, Any]) -> str | None:

@@ -32,11 +32,13 @@ class UsageError(Exception):
 
 
 class RunFailed(Exception):
-    """A run failed after starting; carries the exit code and a one-line reason."""
+    """A run failed after starting; carries the exit code, a one-line reason and the word its line starts with
+    (``failed``; ``oom`` or ``diverged`` where the run's status says so, as a one-process run's last line)."""
 
-    def __init__(self, reason: str, *, exit_code: int = EXIT_ERROR):
+    def __init__(self, reason: str, *, exit_code: int = EXIT_ERROR, word: str = "failed"):
         super().__init__(reason)
         self.exit_code = exit_code
+        self.word = word
 
 
 class Diverged(Exception):
