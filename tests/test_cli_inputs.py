@@ -159,6 +159,9 @@ CASES = [
     # planned as if it were 4096
     (["plan", "--model-config", "{no_positions}"], {}, "max_position_embeddings must be a whole number of 1 or more"),
     (["benchmark", "--model-config", "{nan_head}"], {}, "head_dim must be a whole number of 1 or more (got nan)"),
+    # plan and doctor took it (exit 0, OK) while benchmark refused it: one check for all three
+    (["plan", "--model", "deepspeed/llama-tiny", "--device", "cpu", "--deepspeed-config", "{nan_lr}"], {}, "lr is NaN"),
+    (["benchmark", "--model", "deepspeed/llama-tiny", "--deepspeed-config", "{nan_lr}"], {}, "lr is NaN (fix: write"),
 ]
 
 
@@ -180,10 +183,12 @@ def files(tmp_path):
         "trace": tmp_path / "rank0.trace.json.gz",
         "no_positions": tmp_path / "no_positions.json",
         "nan_head": tmp_path / "nan_head.json",
+        "nan_lr": tmp_path / "nan_lr.json",
     }
     tiny = read_config_dict(name="llama-tiny")
     paths["no_positions"].write_text(json.dumps({**tiny, "max_position_embeddings": 0}))
     paths["nan_head"].write_text(json.dumps({**tiny, "head_dim": float("nan")}))
+    paths["nan_lr"].write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": float("nan")}}}))
     paths["kv3"].write_text(json.dumps({**read_config_dict(name="llama-tiny"), "num_key_value_heads": 3}))
     paths["bad"].write_text(BAD_JSON)
     paths["wrong_batch"].write_text(WRONG_BATCH)

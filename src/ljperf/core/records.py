@@ -231,11 +231,11 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         raise
 
 
-def write_json(path: str | os.PathLike, data: Any) -> None:
+def write_json(path: str | os.PathLike, data: Any, *, strict: bool = True) -> None:
     """Write JSON atomically (``write_atomic``); a float that is not finite (a diverged loss) is ``null``, as
-    strict JSON has no NaN."""
+    strict JSON has no NaN, unless ``strict=False`` (a cache entry, read back by ljperf alone: Python's ``NaN``)."""
     try:
-        text = json.dumps(data, indent=2, default=str, allow_nan=False)
+        text = json.dumps(data, indent=2, default=str, allow_nan=not strict)
     except ValueError:  # rare: walked only then
         text = json.dumps(_finite(data), indent=2, default=str, allow_nan=False)
     write_atomic(path, lambda f: f.write((text + "\n").encode()))
