@@ -27,6 +27,19 @@ EXIT_SIGPIPE = 141
 """What a shell reports for a command whose reader closed the pipe (``ljperf models --json | head``)."""
 
 
+LINE_LIMIT = 400
+"""Characters of a one-line error ljperf prints: input it echoes (a model name of 100,000 characters) is cut."""
+
+
+def cut(line: str, *, limit: int = LINE_LIMIT) -> str:
+    """``line`` as printed: whole up to ``limit`` characters, else its start and its end (what the error says and
+    the fix it names) around the cut."""
+    if len(line) <= limit:
+        return line
+    tail = limit // 4
+    return f"{line[: limit - tail - 30]} … ({len(line) - limit + 30:,} characters cut) … {line[-tail:]}"
+
+
 class UsageError(Exception):
     """Bad input from the user: exit 2 with this one-line message, never a traceback."""
 
