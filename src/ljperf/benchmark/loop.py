@@ -162,6 +162,7 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
     if solved and train.warmup < loop_warmup and run.is_main:
         say(f"closed loop off: it needs --warmup {loop_warmup} or more here; the solver's plan runs as forecast")
     clock = PhaseClock(device_type=device.type)
+    fault = Fault.from_env()
     try:
         _steps(
             run,
@@ -174,10 +175,10 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
             measure_steps=measure_steps,
             track_step=track_step,
             closed_loop=solved and train.warmup >= loop_warmup,
-            fault=Fault.from_env(),
+            fault=fault,
         )
         if run.config.explain.profile is not None:
-            state.profile = profile_steps(run, engine, data, first=total)
+            state.profile = profile_steps(run, engine, data, first=total, fault=fault)
     finally:  # a run that fails after its measured step (out of memory in a later one) keeps its peak
         if device.type == "cuda":
             with contextlib.suppress(RuntimeError):  # a broken CUDA context must not hide the run's own error

@@ -19,6 +19,7 @@ import torch
 
 from ljperf.benchmark.breakdown import from_trace
 from ljperf.benchmark.data import SyntheticTokens
+from ljperf.benchmark.faults import Fault
 from ljperf.core import hardware
 from ljperf.core.console import say, warn
 from ljperf.core.phases import PhaseClock
@@ -40,7 +41,9 @@ def snapshot_path(folder: str | Path, rank: int) -> Path:
     return Path(folder) / f"rank{rank}.memory.pickle"
 
 
-def profile_steps(run: RunContext, engine: Any, data: SyntheticTokens, *, first: int) -> dict[str, Any]:
+def profile_steps(
+    run: RunContext, engine: Any, data: SyntheticTokens, *, first: int, fault: Fault | None = None
+) -> dict[str, Any]:
     """Profile ``PROFILER_WARMUP + PROFILED_STEPS`` steps from step ``first`` on, write this rank's trace, and on
     CUDA snapshot the allocator over one more step. Returns this rank's ``results.profile`` (``record``), the
     profiled steps' seconds by part (``steps``, ``from_trace``) and the files it wrote (``written``). A file that
@@ -53,13 +56,13 @@ def profile_steps(run: RunContext, engine: Any, data: SyntheticTokens, *, first:
     record: dict[str, Any] = {"steps": PROFILED_STEPS, "with_stack": explain.profile_with_stack}
     try:
         trace = trace_path(explain.profile, run.rank)
-        wall = _traced_steps(run, engine, data, first=first, into=trace)
+        wall = _traced_steps(run, engine, data, first=first, into=trace, fault=fault)
         written["traces"].append(str(trace))
         with gzip.open(trace, "rt") as f:
             steps = from_trace(json.load(f)["traceEvents"], device_type=device.type)
         record["step_times_s"] = wall
         if device.type == "cuda":
-            batches = data.micro_batches(first + PROFILER_WARMUP + PROFILED_STEPS, run.rank, device)
+            batches = data.micro_batches(first + PROFILER_WARMUP + PROFILED_STEPS, run.dp_rank, device)
             snapshot = snapshot_path(explain.profile, run.rank)
             memory_snapshot(engine, batches, path=snapshot, device=device)
             written["memory_snapshots"].append(str(snapshot))
@@ -70,9 +73,12 @@ def profile_steps(run: RunContext, engine: Any, data: SyntheticTokens, *, first:
     return {"record": record, "steps": steps, "written": written}
 
 
-def _traced_steps(run: RunContext, engine: Any, data: SyntheticTokens, *, first: int, into: Path) -> list[float]:
+def _traced_steps(
+    run: RunContext, engine: Any, data: SyntheticTokens, *, first: int, into: Path, fault: Fault | None
+) -> list[float]:
     """The profiled steps' wall seconds; their trace (CPU activities, CUDA's too on a GPU, shapes; stacks with
-    ``--profile-with-stack``) goes to a hidden file in the folder, renamed to ``into`` once whole."""
+    ``--profile-with-stack``) goes to a hidden file in the folder, renamed to ``into`` once whole. ``fault``
+    (``LJPERF_FAULT``) fires in them as in the timed steps: its step counts on from theirs."""
     explain, device = run.config.explain, run.device.torch_device
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -89,7 +95,9 @@ def _traced_steps(run: RunContext, engine: Any, data: SyntheticTokens, *, first:
             with_stack=explain.profile_with_stack,
         ) as prof:
             for i in range(PROFILER_WARMUP + PROFILED_STEPS):
-                batches = data.micro_batches(first + i, run.rank, device)
+                batches = data.micro_batches(first + i, run.dp_rank, device)
+                if fault is not None:
+                    fault.maybe_fire(first + i, run.rank)
                 hardware.synchronize(device)
                 start = time.perf_counter()
                 with clock.step():
