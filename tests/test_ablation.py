@@ -119,7 +119,8 @@ def _record(**results: object) -> dict:
     env = {"name": "local", "python": sys.executable, "prefix": sys.prefix, "versions": {}}
     meta = {"variant": "base", "variant_index": 0, "flags": "", "repeat": 1, "environment": env}
     meta |= {"environment_index": 0, "command": list(SHORT), "wall_s": 1.5, "log": "base.r1.log"}
-    return {"ablation": meta, "results": {"status": "error", "reason": "crashed", **results}}
+    results = {"status": "error", "reason": "crashed", **results}
+    return {"schema_version": 1, "kind": "ablation-run", "ablation": meta, "results": results}
 
 
 def test_an_even_count_of_repeats_shows_one_runs_throughput_and_step_time():
@@ -132,6 +133,17 @@ def test_an_even_count_of_repeats_shows_one_runs_throughput_and_step_time():
     [base] = summarize(runs)
     assert (base.tokens_per_s.median, base.step_time_s.median, base.mfu.median) == (4096.0, 0.6, 0.004096)
     assert (base.tokens_per_s.low, base.tokens_per_s.high, base.step_time_s.low) == (4096.0, 20480.0, 0.025)
+
+
+def test_a_diverged_variant_is_reported_as_diverged_and_never_ranked(tmp_path):
+    """Its measured steps before the NaN loss have a tokens/s; ranked, it stood beside real runs."""
+    base = _record(status="ok", tokens_per_s=100.0, step_time_s_p50=0.5, losses=[2.0])
+    high_lr = _record(status="diverged", reason="the loss became nan at step 2", tokens_per_s=400.0, losses=[None])
+    high_lr["ablation"] |= {"variant": "high-lr", "variant_index": 1}
+    stats = summarize([base, high_lr])
+    assert stats[1].statuses == {"diverged": 1} and stats[1].tokens_per_s is None and stats[1].speedup is None
+    assert stats[1].reason == "the loss became nan at step 2"
+    assert "| high-lr | (none) | diverged | - |" in report.markdown([base, high_lr], stats, command=None)
 
 
 def test_a_file_that_is_not_a_run_record_is_skipped_with_a_warning(tmp_path, capsys):
@@ -290,6 +302,15 @@ def test_ablation_report_failure_and_resume(tmp_path, monkeypatch, capsys):
     _, stdout, _ = run_main(capsys, "ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out))
     assert "5 of 6 runs already finished" in stdout and "[1/1] local/mb2.r2: ok" in stdout
     assert read_record(out / "runs" / "local" / "mb2.r2.json")["results"]["status"] == "ok"
+    # A record whose figure is not a number ljperf writes (NaN) counts as unfinished: it runs again.
+    poisoned = out / "runs" / "local" / "mb1.r1.json"
+    poisoned.write_text(
+        poisoned.read_text().replace('"peak_allocated_bytes": ', '"peak_allocated_bytes": NaN, "_": ', 1)
+    )
+    _, stdout, stderr = run_main(capsys, "ablation", *SHORT, *VARIANTS, "--repeat", "2", "--out", str(out))
+    assert "5 of 6 runs already finished" in stdout and "[1/1] local/mb1.r1: ok" in stdout
+    assert f"skipping {poisoned}: results.peak_allocated_bytes is NaN, not a finite number" in stderr
+    assert read_record(poisoned)["results"]["peak_allocated_bytes"] > 0
     # Other flags with the same folder: refused rather than mixed.
     code, _, stderr = run_main(
         capsys, "ablation", *SHORT, "--lr", "1e-3", *VARIANTS, "--repeat", "2", "--out", str(out)

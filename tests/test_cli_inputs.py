@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ljperf import cli
+from ljperf.core.errors import LINE_LIMIT
 from ljperf.models.catalog import read_config_dict
 
 BAD_JSON = "{not: json"
@@ -149,6 +150,30 @@ CASES = [
     (["doctor", "--output", ""], {}, "--output is empty"),
     (["benchmark", *TINY, "--recompute", "auto", "--memory-budget", "80"], {}, "'80' is 80 bytes: write a unit"),
     (["benchmark", *TINY, "--recompute", "auto"], {"LJPERF_MEMORY_BUDGET": "64"}, "is 64 bytes: write a unit"),
+    # libgomp could not start them: a segmentation fault after 21 s, with nothing from ljperf
+    (["benchmark", *TINY, "--threads", "100000"], {}, "--threads 100000: this machine has"),
+    (["benchmark", *TINY], {"OMP_NUM_THREADS": "100000"}, "OMP_NUM_THREADS=100000: this machine has"),
+    # the picture overwrote the JSON record, exit 0
+    (["benchmark", *TINY, "--output", "{png}", "--plot", "{png}"], {}, "--output and --plot name the same file"),
+    (["benchmark", *TINY, "--output", "{trace}", "--profile", "{folder}"], {}, "is in --profile"),
+    (["benchmark", *TINY, "--plot", "{png}", "--profile", "{png}"], {}, "is in --profile"),
+    # planned as if it were 4096
+    (["plan", "--model-config", "{no_positions}"], {}, "max_position_embeddings must be a whole number of 1 or more"),
+    (["benchmark", "--model-config", "{nan_head}"], {}, "head_dim must be a whole number of 1 or more (got nan)"),
+    # echoed whole: a line of 100 KB
+    (["benchmark", "--model", "torch/" + "x" * 100_000], {}, "characters cut) … "),
+    (["plan", "--model", "torch/llama-tiny", "--precision", "x" * 100_000], {}, "characters cut) … "),
+    # a file name longer than the system's: tracebacks from pathlib's checks
+    (["benchmark", "--model-config", "/tmp/" + "x" * 300], {}, "a path is longer than this system allows"),
+    (["benchmark", *TINY, "--output", "{long}"], {}, "a path is longer than this system allows"),
+    (["benchmark", *TINY, "--profile", "{long}"], {}, "a path is longer than this system allows"),
+    (["plan", *TINY, "--device", "cpu", "--plot", "{long}.png"], {}, "a path is longer than this system allows"),
+    (["report", "{long}"], {}, "a path is longer than this system allows"),
+    (["doctor", "--output", "{long}"], {}, "a path is longer than this system allows"),
+    (["comm", "--output", "{long}"], {}, "a path is longer than this system allows"),
+    # plan and doctor took it (exit 0, OK) while benchmark refused it: one check for all three
+    (["plan", "--model", "deepspeed/llama-tiny", "--device", "cpu", "--deepspeed-config", "{nan_lr}"], {}, "lr is NaN"),
+    (["benchmark", "--model", "deepspeed/llama-tiny", "--deepspeed-config", "{nan_lr}"], {}, "lr is NaN (fix: write"),
 ]
 
 
@@ -166,7 +191,17 @@ def files(tmp_path):
         "zero_null": tmp_path / "zero_null.json",
         "damaged_runs": tmp_path / "ablation",
         "kv3": tmp_path / "kv3.json",
+        "png": tmp_path / "same.png",
+        "trace": tmp_path / "rank0.trace.json.gz",
+        "no_positions": tmp_path / "no_positions.json",
+        "nan_head": tmp_path / "nan_head.json",
+        "nan_lr": tmp_path / "nan_lr.json",
+        "long": tmp_path / ("x" * 300),
     }
+    tiny = read_config_dict(name="llama-tiny")
+    paths["no_positions"].write_text(json.dumps({**tiny, "max_position_embeddings": 0}))
+    paths["nan_head"].write_text(json.dumps({**tiny, "head_dim": float("nan")}))
+    paths["nan_lr"].write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": float("nan")}}}))
     paths["kv3"].write_text(json.dumps({**read_config_dict(name="llama-tiny"), "num_key_value_heads": 3}))
     paths["bad"].write_text(BAD_JSON)
     paths["wrong_batch"].write_text(WRONG_BATCH)
@@ -205,6 +240,7 @@ def test_bad_input_exits_2_with_one_line(argv, env, expected, files, monkeypatch
     assert code == 2, err
     assert len(lines) == 1, err
     assert "Traceback" not in err and expected in lines[0], err
+    assert len(lines[0]) <= LINE_LIMIT, len(lines[0])
 
 
 FLAGS = ["--micro-batch", "--seq-len", "--grad-accum", "--steps", "--warmup", "--precision", "--lr", "--zero-stage"]
@@ -274,6 +310,7 @@ def test_help_and_a_mistyped_flag_answer_without_importing_torch():
     code = """
 import contextlib, io, sys
 from ljperf import cli
+from ljperf.core.errors import LINE_LIMIT
 for command in cli.COMMANDS:
     for flag in ("--bogus", "--help"):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:

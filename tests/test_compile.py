@@ -7,6 +7,7 @@ and every compiled run uses the same shapes so inductor's on-disk cache serves t
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -332,6 +333,35 @@ def test_compile_report_explains_times_and_names_the_recompile(tmp_path):
     assert any("size mismatch at index 1. expected 64, actual 96" in r for r in second["recompiles"])
     assert set(report["compile"]["time_s_per_region"]) == {"model.layers.0", "loss"}
     assert "recompile at seq 96" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_signal_during_compile_report_keeps_the_lengths_measured_before(tmp_path, monkeypatch, capsys):
+    """A real SIGTERM as the second length's eager steps start (sent by the process to itself there): exit 143,
+    one line, and the record holds the first length's round (it lost everything before)."""
+    from ljperf import cli
+    from ljperf.benchmark import compile_report
+
+    calls, real = [], compile_report._timed_steps
+
+    def timed(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compile_report, "_timed_steps", timed)
+    out = tmp_path / "report.json"
+    lens = f"{SEQ_LENS[0]},{SEQ_LENS[1]}"
+    code = cli.main(["compile-report", "--model", "torch/llama-tiny", "--seq-lens", lens, "--steps", "1",
+                     "--repeats", "1", "--output", str(out)])  # fmt: skip
+    assert code == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"ljperf compile-report: interrupted by SIGTERM; partial result kept: {out}"
+    )
+    report = read_record(out)
+    assert report["status"] == "interrupted" and report["reason"] == "interrupted by SIGTERM"
+    assert [row["seq_len"] for row in report["lengths"]] == [SEQ_LENS[0]]
 
 
 def test_deepcompile_warms_up_past_deepspeeds_recompile_at_step_5(capsys):

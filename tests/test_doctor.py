@@ -198,6 +198,7 @@ def test_deepspeed_config_rows(tmp_path):
     assert any("stage3_prefetch_bucket_size" in f for f in by_status[WARN])
     assert any("train_batch_sze" in f for f in by_status[WARN])
     assert any("gradient_clipping is NaN (want a number)" in f for f in by_status[WARN])
+    assert any(f.endswith("gradient_clipping is NaN") for f in by_status[FAIL])  # the check plan and benchmark run
     assert any('steps_per_print is "10" (want an integer)' in f for f in by_status[WARN])
     assert any("bf16 and fp16" in f for f in by_status[FAIL])
     assert any("train_batch_size 16 ≠" in f for f in by_status[FAIL])

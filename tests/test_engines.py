@@ -57,7 +57,7 @@ def levels(findings: list[dsc.Finding]) -> list[str]:
 
 def test_lint_clean_config_is_all_ok():
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
-    assert levels(dsc.lint(config, world_size=2)) == ["ok"] * 6
+    assert levels(dsc.lint(config, world_size=2)) == ["ok"] * 7
 
 
 def test_lint_batch_identity_fails_with_the_numbers():
@@ -128,7 +128,8 @@ def test_lint_warns_numeric_prefetch_and_unknown_keys_and_fails_two_precisions()
         "bf16": {"enabled": True},
         "fp16": {"enabled": True},
     }
-    unknown, batch, precision, prefetch, types, stage = dsc.lint(config)
+    finite, unknown, batch, precision, prefetch, types, stage = dsc.lint(config)
+    assert finite.level == "ok"
     assert unknown.level == "warn" and "train_micro_batch_size_per_gpu" in unknown.message  # the close match
     assert batch.level == "ok"
     assert precision.level == "fail" and "bf16 and fp16" in precision.message
@@ -136,7 +137,7 @@ def test_lint_warns_numeric_prefetch_and_unknown_keys_and_fails_two_precisions()
     assert types.level == "ok"  # 5e7 is a number (a wrong one for this key, which prefetch names)
     assert stage.level == "ok"
     auto = {"zero_optimization": {"stage3_prefetch_bucket_size": "auto"}}
-    assert dsc.lint(auto)[3].level == "ok"
+    assert dsc.lint(auto)[4].level == "ok"
 
 
 def test_generated_config_resolves_every_auto_and_keeps_prefetch_auto():

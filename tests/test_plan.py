@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from ljperf.cli import main
 from ljperf.forecast import Recipe, calibrate, forecast
 from ljperf.models.spec import resolve
+
+RECORD = Path(__file__).resolve().parents[1] / "benchmarks/ablation-llama-tiny-cpu-quiet/runs/local/base.r1.json"
 
 
 def test_plan_json_fits_and_max_micro_batch(capsys):
@@ -196,16 +199,12 @@ def test_plan_output_keeps_each_note_on_one_line_and_zero_for_deepspeed(capsys):
 
 def test_calibration_fits_scale_and_offset(tmp_path, monkeypatch, capsys):
     def record(predicted: int, measured: int) -> dict:
-        return {
-            "env": {"devices": ["NVIDIA H200"]},
-            "config": {"train": {"device": "cuda"}},
-            "results": {
-                "status": "ok",
-                "peak_allocated_bytes": measured,
-                "peak_reserved_bytes": int(measured * 1.1),
-                "forecast": {"traced_peak_allocated_bytes": predicted},
-            },
-        }
+        """A benchmark record as ljperf writes it (a committed one), with a GPU's figures: --calibrate checks it."""
+        rec = json.loads(RECORD.read_text())
+        rec["env"]["devices"], rec["config"]["train"]["device"] = ["NVIDIA H200"], "cuda"
+        figures = {"peak_allocated_bytes": measured, "peak_reserved_bytes": int(measured * 1.1)}
+        rec["results"] |= {"status": "ok", **figures, "forecast": {"traced_peak_allocated_bytes": predicted}}
+        return rec
 
     paths = []
     for i, (p, m) in enumerate([(10_000, 11_000 + 500), (20_000, 22_000 + 500)]):

@@ -13,14 +13,16 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import pytest
 
-from ljperf.core.errors import EXIT_SIGINT, forget_signals, note_interrupt
+from ljperf.core.errors import EXIT_DIVERGED, EXIT_SIGINT, forget_signals, note_interrupt
 from ljperf.core.records import write_json
 from ljperf.distributed.launch import SHUTDOWN_GRACE_S
 from ljperf.distributed.memory import CPU_METHOD
@@ -92,6 +94,22 @@ def start(args: list[str], tmp_path: Path, **env: str) -> subprocess.Popen:
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+
+
+class Lines:
+    """A process's output read line by line on a thread of its own, so a test can wait for a line and the pipe
+    never fills."""
+
+    def __init__(self, stream: IO[str]):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=lambda: self.lines.extend(stream), daemon=True)
+        self._thread.start()
+
+    def wait_for(self, text: str, *, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.lines):
+            assert time.monotonic() < deadline and self._thread.is_alive(), f"no {text!r} within {timeout} s"
+            time.sleep(0.1)
 
 
 def wait_for_steps(tmp_path: Path, n: int, timeout: float = 240) -> None:
@@ -677,3 +695,128 @@ def test_auto_map_in_a_config_is_ignored(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(data))
     model = build_meta(resolve(path=tmp_path))
     assert type(model).__module__.startswith("transformers.models.llama")
+
+
+def test_a_full_disk_during_profile_keeps_the_timed_results_and_lists_no_partial_trace(tmp_path, capsys):
+    """The probe before the run passes (the folder has room for a small file); the trace of the profiled steps
+    does not fit. The measured run stands (status ok, exit 0), the profile's failure is in the record, and no
+    part of a trace is left in the folder or listed."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)], check=False).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        out = tmp_path / "r.json"
+        code, _, stderr = run_main(capsys, *TINY, "--steps", "2", "--profile", str(mnt / "prof"), "--output", str(out))
+        left = sorted(p.name for p in (mnt / "prof").iterdir())
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+    res = read_record(out)["results"]
+    assert code == 0 and res["status"] == "ok" and res["tokens_per_s"] > 0, (code, res["status"], stderr)
+    assert res["profile"]["traces"] == [] and "No space left" in res["profile"]["error"]
+    assert left == []
+    assert res["breakdown"]["source"] == "timers"
+    assert "the profile could not be written (No space left on device)" in stderr
+
+
+def test_a_loss_that_becomes_nan_ends_the_run_as_diverged(tmp_path, capsys):
+    """``rms_norm_eps: NaN`` makes every loss NaN: the run was exit 0 with ``status: ok`` and ``losses: [null,
+    null]``, beside real runs in an ablation. It stops at the first such step, with its own status and code."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**read_config_dict(name="llama-tiny"), "rms_norm_eps": float("nan")}))
+    out = tmp_path / "r.json"
+    argv = ["benchmark", "--model-config", str(config), "--engine", "torch", "--seq-len", "32", "--steps", "3"]
+    code, _, stderr = run_main(capsys, *argv, "--warmup", "1", "--output", str(out))
+    res = read_record(out)["results"]
+    assert code == EXIT_DIVERGED == 5 and res["status"] == "diverged", (code, res["status"], stderr[-500:])
+    assert res["reason"] == "the loss became nan at step 1" and res["steps_completed"] == 0
+    assert stderr.strip().splitlines()[-1] == f"ljperf benchmark: diverged: {res['reason']}; result record: {out}"
+
+
+@pytest.mark.slow
+def test_a_diverged_run_on_two_processes_keeps_its_status_and_exit_code(tmp_path):
+    """DDP at a learning rate of 10^10: step 2's loss is NaN on both ranks; the launcher keeps the status, the
+    code and the record (its table printed the NaN loss, a traceback before)."""
+    out = tmp_path / "r.json"
+    proc = run_ljperf(*TINY, "--nproc-per-node", "2", "--steps", "3", "--lr", "1e10", "--output", str(out))
+    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-2000:]
+    res = read_record(out)["results"]
+    assert res["status"] == "diverged" and res["reason"] == "the loss became nan at step 2"
+    assert res["losses"] == [None] and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("ljperf benchmark: diverged: the loss became nan at step 2")
+    assert "not finite → not finite" in proc.stdout
+
+
+@pytest.mark.slow
+def test_faults_on_two_processes_during_profile_keep_the_record_and_leave_no_process(tmp_path):
+    """Rank 1 dies in the first profiled step (its trace never written), then, in a second run, SIGTERM reaches
+    the launcher while rank 0 stalls there: each keeps the timed steps' record, lists no trace and leaves no
+    process behind. (``--steps 2 --warmup 1`` profile from step 4: the untimed memory step is 3.)"""
+    for fault, sig, code in (("exit,step=4,rank=1", None, 1), ("sleep,step=4,rank=0", signal.SIGTERM, 143)):
+        out, prof = tmp_path / f"{code}.json", tmp_path / f"prof{code}"
+        args = [*TINY, "--nproc-per-node", "2", "--steps", "2", "--profile", str(prof), "--output", str(out)]
+        proc = start(args, tmp_path, LJPERF_FAULT=fault)
+        wait_for_steps(tmp_path, 4)
+        workers = children(proc.pid)
+        if sig is not None:
+            os.kill(proc.pid, sig)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == code, stderr[-2000:]
+        res = read_record(out)["results"]
+        assert res["status"] == "error" and res["steps_completed"] == 2, res
+        assert ("rank 1 exited with code 1" if sig is None else "interrupted by SIGTERM") in res["reason"]
+        assert res["profile"]["traces"] == [] and list(prof.iterdir()) == []
+        time.sleep(1)
+        assert not [p for p in workers if alive(p)], "orphan processes"
+
+
+@pytest.mark.slow
+def test_faults_on_two_processes_during_an_ablation_keep_the_records_and_leave_no_process(tmp_path):
+    """A rank of an ablation's 2-process run dies: that run's record names it and the ablation ends 1. Then
+    SIGTERM to an ablation whose 2-process run is in its steps: exit 143, no pending record, nothing left."""
+    out = tmp_path / "abl"
+    args = ["ablation", *TINY[1:], "--steps", "2", "--nproc-per-node", "2", "--variants", "base", "--repeat", "1"]
+    killed = run_ljperf(*args, "--out", str(out), env=cli_env(LJPERF_FAULT="exit,step=2,rank=1"))
+    assert killed.returncode == 1 and "1 of 1 runs failed" in killed.stderr, killed.stderr[-2000:]
+    res = read_record(out / "runs" / "local" / "base.r1.json")["results"]
+    assert res["status"] == "error" and res["reason"].startswith("rank 1 exited with code 1")
+    proc = start([*args, "--out", str(tmp_path / "abl2")], tmp_path, LJPERF_FAULT="sleep,step=3,rank=0")
+    wait_for_steps(tmp_path, 3)
+    workers = children(proc.pid)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and stderr.strip().splitlines()[-1] == "ljperf ablation: interrupted by SIGTERM"
+    assert list((tmp_path / "abl2" / "runs" / "local").glob("*.json")) == []  # no pending run counted finished
+    time.sleep(1)
+    assert not [p for p in workers if alive(p)], "orphan processes"
+
+
+@pytest.mark.slow
+def test_faults_on_two_processes_of_comm_keep_the_sizes_measured_and_name_the_cause(tmp_path):
+    """SIGTERM to the launcher, then a rank killed: one line each (rank 0 and the launcher both said it), the
+    record keeps the sizes measured before and says what the launcher found (the killed rank, not rank 0's lost
+    peer); no process is left."""
+    # all_reduce's table prints once its sizes are measured; the fault comes while all_gather's are
+    sizes = ["--device", "cpu", "--ops", "all_reduce,all_gather", "--min-bytes", "1K", "--max-bytes", "256M"]
+    for fault in ("sigterm", "kill rank 1"):
+        out = tmp_path / f"{fault.split()[0]}.json"
+        proc = start(["comm", "--nproc-per-node", "2", *sizes, "--iters", "2", "--output", str(out)], tmp_path)
+        stdout = Lines(proc.stdout)
+        stdout.wait_for("avg bus bandwidth", timeout=240)
+        victim, workers = rank_pid(proc.pid, 1), children(proc.pid)
+        assert victim is not None
+        os.kill(*((proc.pid, signal.SIGTERM) if fault == "sigterm" else (victim, signal.SIGKILL)))
+        stderr = proc.stderr.read()
+        proc.wait(timeout=120)
+        lines = [line for line in stderr.strip().splitlines() if line.startswith("ljperf comm:")]
+        res = read_record(out)["results"]
+        assert res["status"] == "error" and len(res["rows"]) >= 1, res
+        if fault == "sigterm":
+            assert proc.returncode == 143 and lines == [
+                f"ljperf comm: interrupted by SIGTERM; partial result kept: {out}"
+            ]
+        else:
+            assert proc.returncode == 1 and len(lines) == 1 and "rank 1 was killed by SIGKILL" in lines[0], lines
+            assert res["reason"].startswith("rank 1 was killed by SIGKILL")
+        time.sleep(1)
+        assert not [p for p in workers if alive(p)], "orphan processes"

@@ -8,6 +8,7 @@ Bad input exits 2 with one line on stderr; a failed run exits non-zero with one 
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import importlib
 import os
@@ -28,6 +29,7 @@ from ljperf.core.errors import (
     Interrupted,
     RunFailed,
     UsageError,
+    cut,
     forget_signals,
     interruption,
     note_interrupt,
@@ -192,14 +194,20 @@ def _run_command(module: ModuleType, args: argparse.Namespace, argv: list[str]) 
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_SIGPIPE
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:  # any other is a bug or a fault, whose traceback a report needs
+            raise
+        # A path given to the command (output, config, folder): whichever check first touched it
+        print(cut(f"{prog}: error: a path is longer than this system allows: {exc.filename!r}"), file=sys.stderr)
+        return EXIT_USAGE
     except UsageError as exc:
         if _hand_to_launcher(exc):
             return EXIT_USAGE
         if (rank := os.environ.get("RANK", "0")) == "0" or _outlived_rank_0():
-            print(f"{prog}: error: {exc}" + ("" if rank == "0" else f" (rank {rank})"), file=sys.stderr)
+            print(cut(f"{prog}: error: {exc}" + ("" if rank == "0" else f" (rank {rank})")), file=sys.stderr)
         return EXIT_USAGE
     except RunFailed as exc:
-        print(f"{prog}: failed: {exc}", file=sys.stderr)
+        print(cut(f"{prog}: {exc.word}: {exc}"), file=sys.stderr)
         return exc.exit_code
     except Interrupted as exc:
         print(f"{prog}: {exc}", file=sys.stderr)

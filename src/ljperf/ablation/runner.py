@@ -24,6 +24,7 @@ from rich.markup import escape
 from ljperf.ablation.variants import Environment, Variant
 from ljperf.core.console import console, warn
 from ljperf.core.errors import UsageError, interrupt_on_signals, interrupts_held, restore_signals
+from ljperf.core.record_check import record_problem
 from ljperf.core.records import SCHEMA_VERSION, now_iso, read_json, write_json
 from ljperf.core.switches import HOOKS
 from ljperf.distributed.launch import RUN_DIR_ENV, end_with_parent
@@ -134,7 +135,7 @@ def read_records(out: Path) -> tuple[dict[Path, dict[str, Any]], list[str]]:
     for path in sorted(p for p in out.glob("runs/*/*.json") if not p.name.startswith(".")):
         try:
             record = read_json(path)
-            problem = _missing(record)
+            problem = _missing(record) or record_problem(record)
         except (OSError, ValueError) as exc:
             problem = f"unreadable: {exc}"
         if problem is None:

@@ -20,6 +20,7 @@ from ljperf.benchmark.data import SyntheticTokens
 from ljperf.compile.regional import compile_model
 from ljperf.core import hardware
 from ljperf.core.console import console, titled_table
+from ljperf.core.errors import Interrupted, hold_interrupts, interrupt_on_signals, raise_if_interrupted, restore_signals
 from ljperf.core.records import record_header
 from ljperf.core.spread import OVERLAP_NOTE, Spread, format_ratio, format_spread, ratio
 from ljperf.engines.torch_engine import TorchEngine
@@ -47,22 +48,37 @@ def compile_report(
     compiled: dict[int, list[float]] = {seq: [] for seq in lengths}
     compile_s = dict.fromkeys(lengths, 0.0)
     recompiles: dict[int, list[str]] = {seq: [] for seq in lengths}
-    for _ in range(repeats):
-        for seq in lengths:
-            with torch.compiler.set_stance("force_eager"):
-                eager[seq].append(_timed_steps(engine, batches[seq], steps=steps, device=device))
-            before_time = sum(session.region_time_s.values())
-            before_recompiles = len(session.recompile_reasons)
-            compiled[seq].append(_timed_steps(engine, batches[seq], steps=steps, device=device))
-            compile_s[seq] += sum(session.region_time_s.values()) - before_time
-            recompiles[seq] += session.recompile_reasons[before_recompiles:]
+    status, reason, previous = "ok", None, interrupt_on_signals()
+    try:
+        for _ in range(repeats):
+            for seq in lengths:
+                raise_if_interrupted()
+                with torch.compiler.set_stance("force_eager"):
+                    eager_s = _timed_steps(engine, batches[seq], steps=steps, device=device)
+                before_time = sum(session.region_time_s.values())
+                before_recompiles = len(session.recompile_reasons)
+                compiled_s = _timed_steps(engine, batches[seq], steps=steps, device=device)
+                eager[seq].append(eager_s)  # a length's round counts once both halves ran
+                compiled[seq].append(compiled_s)
+                compile_s[seq] += sum(session.region_time_s.values()) - before_time
+                recompiles[seq] += session.recompile_reasons[before_recompiles:]
+        hold_interrupts()
+        raise_if_interrupted()
+    except Interrupted as exc:  # SIGTERM or Ctrl-C: the rounds measured before it are kept
+        hold_interrupts()
+        status, reason = "interrupted", str(exc)
+    finally:
+        restore_signals(previous)
     rows = [
         length_row(seq, eager[seq], compiled[seq], compile_s=compile_s[seq], recompiles=recompiles[seq])
         for seq in lengths
+        if eager[seq]
     ]
     return {
         **header,
         "config": {"model": run.model.name, **config, "precision": run.train.precision},
+        "status": status,
+        "reason": reason,
         "graph_breaks": explained,
         "lengths": rows,
         "compile": session.results(),

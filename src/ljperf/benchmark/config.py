@@ -11,7 +11,7 @@ import argparse
 import os
 
 from ljperf.core.console import check_output
-from ljperf.core.records import check_output_folder, check_writable
+from ljperf.core.records import check_distinct_outputs, check_output_folder, check_writable
 from ljperf.distributed.launch import under_torchrun
 from ljperf.distributed.runtime import check_process_count
 from ljperf.engines.deepspeed_engine import resolved_config
@@ -25,6 +25,10 @@ def config_from_args(args: argparse.Namespace, argv: list[str], *, flags: run_co
     """The run of ``ljperf benchmark``'s parsed flags, checked (exit 2 on bad input); ``flags``: already checked."""
     cfg = run_config.from_args(args, argv, flags=flags)
     check_process_count(cfg.launch, cfg.train.device)
+    written = ("rank*.trace.json.gz", "rank*.memory.pickle")
+    check_distinct_outputs(
+        {"--output": cfg.output, "--plot": cfg.explain.plot}, folders={"--profile": (cfg.explain.profile, written)}
+    )
     if cfg.output is not None and os.environ.get("GROUP_RANK", "0") == "0":
         # Rank 0's node writes it, under any launcher. All its ranks check: one blocked joining the group would
         # not see torchrun's SIGTERM, and would hold the run 30 s until its SIGKILL.

@@ -9,6 +9,7 @@ Flow: flags → ``RunConfig`` → ``RunContext`` → recompute plan and memory c
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import sys
 import time
@@ -31,6 +32,7 @@ from ljperf.core.errors import (
     EXIT_OK,
     EXIT_SIGINT,
     EXIT_SIGTERM,
+    Diverged,
     UsageError,
     describe,
     failure,
@@ -160,6 +162,7 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
     if solved and train.warmup < loop_warmup and run.is_main:
         say(f"closed loop off: it needs --warmup {loop_warmup} or more here; the solver's plan runs as forecast")
     clock = PhaseClock(device_type=device.type)
+    fault = Fault.from_env()
     try:
         _steps(
             run,
@@ -172,10 +175,10 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
             measure_steps=measure_steps,
             track_step=track_step,
             closed_loop=solved and train.warmup >= loop_warmup,
-            fault=Fault.from_env(),
+            fault=fault,
         )
         if run.config.explain.profile is not None:
-            state.profile = profile_steps(run, engine, data, first=total)
+            state.profile = profile_steps(run, engine, data, first=total, fault=fault)
     finally:  # a run that fails after its measured step (out of memory in a later one) keeps its peak
         if device.type == "cuda":
             with contextlib.suppress(RuntimeError):  # a broken CUDA context must not hide the run's own error
@@ -225,6 +228,8 @@ def _steps(
                 state.step_times.append(elapsed)
                 state.step_cpu_times.append(time.process_time() - cpu_start)
                 state.losses.append(loss)
+        if not math.isfinite(value := float(loss)):
+            raise Diverged(f"the loss became {value} at step {step + 1}")
         peaks = None
         if step in measure_steps:
             peaks = {

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ljperf.benchmark import profile
 from ljperf.benchmark.breakdown import breakdown, over_ranks
 from ljperf.benchmark.metrics import Throughput, throughput
 from ljperf.compile.regional import session
@@ -146,16 +145,21 @@ def results_section(
     return {**figures, **out}
 
 
+PROFILE_FILES = ("traces", "memory_snapshots")
+"""``results.profile``'s lists of the files every rank wrote (a file a rank could not write is not listed)."""
+
+
 def explained(cfg: RunConfig, run: RunContext, state: LoopState, *, healthy: bool) -> dict[str, Any]:
     """``breakdown`` (every run: the profiled steps' with ``--profile``, else the timed steps') and ``profile``
     (its files and steps), gathered from the ranks when the run is healthy."""
-    if state.profile is not None:
+    if state.profile is not None and state.profile["steps"] is not None:
         mine = breakdown(state.profile["steps"], source="profiler", world=run.world)
-    else:
+    else:  # no --profile, or its trace could not be written
         mine = breakdown(state.phase_seconds, source="timers", world=run.world)
     out: dict[str, Any] = {"breakdown": over_ranks(_gathered(run, mine, healthy))}
     if cfg.explain.profile is not None:
-        written = profile.files(cfg.explain.profile, world=run.world, device_type=run.device.type)
+        each = _gathered(run, (state.profile or {}).get("written", {}), healthy)
+        written = {kind: [path for files in each for path in files.get(kind, [])] for kind in PROFILE_FILES}
         out["profile"] = {"folder": cfg.explain.profile, **written, **(state.profile or {}).get("record", {})}
     return out
 

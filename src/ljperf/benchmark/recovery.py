@@ -16,10 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from ljperf.benchmark.table import last_line, print_result_table
-from ljperf.core.errors import EXIT_OOM, EXIT_USAGE, RunFailed
+from ljperf.core.errors import EXIT_DIVERGED, EXIT_OOM, EXIT_USAGE, RunFailed
 from ljperf.core.records import STDOUT, read_json, write_json
 from ljperf.distributed.launch import RUN_DIR_ENV, RunFolder, failure_reason, run_workers
 from ljperf.run.config import RunConfig
+
+KEPT_STATUS = {EXIT_OOM: "oom", EXIT_DIVERGED: "diverged"}
+"""A rank's exit code whose status the record keeps (another rank may only have seen its peer vanish)."""
 
 
 def launch(cfg: RunConfig, *, record_from_progress: Callable[[Path], dict[str, Any]]) -> int:
@@ -57,12 +60,12 @@ def launch(cfg: RunConfig, *, record_from_progress: Callable[[Path], dict[str, A
             folder=folder,
             reason=reason,
             record_from_progress=record_from_progress,
-            oom=code == EXIT_OOM,
+            kept=KEPT_STATUS.get(code),
         )
-        if results["status"] == "oom":
-            code = EXIT_OOM
+        code = next((c for c, status in KEPT_STATUS.items() if status == results["status"]), code)
+        word = results["status"] if results["status"] in KEPT_STATUS.values() else "failed"
         raise RunFailed(
-            results["reason"] + (f"; result record: {record_path}" if to_file else ""), exit_code=code
+            results["reason"] + (f"; result record: {record_path}" if to_file else ""), exit_code=code, word=word
         ) from None
     finally:
         shutil.rmtree(folder.path, ignore_errors=True)
@@ -76,21 +79,21 @@ def _keep_failed_record(
     folder: RunFolder,
     reason: str,
     record_from_progress: Callable[[Path], dict[str, Any]],
-    oom: bool = False,
+    kept: str | None = None,
 ) -> dict[str, Any]:
-    """Make sure a record with a failed status exists (``oom`` when a rank ran out of memory) whose reason is the
-    launcher's ``reason`` (``failure_reason``: it names the ranks' own reasons); prints its table (rank 0 left it
-    to this) and returns its results."""
+    """Make sure a record with a failed status exists (``kept``: the status of the failing rank's exit code, out of
+    memory or diverged) whose reason is the launcher's ``reason`` (``failure_reason``: it names the ranks' own
+    reasons); prints its table (rank 0 left it to this) and returns its results."""
     record = None
     if record_path.exists() and folder.finished():
         record = read_json(record_path)
     if record is None:
         record = record_from_progress(folder.progress)
     results = record["results"]
-    if results["status"] == "oom":
+    if results["status"] in KEPT_STATUS.values():
         pass
-    elif oom:  # another rank ran out of memory; rank 0 only saw its peer vanish
-        results["status"], results["reason"] = "oom", reason
+    elif kept is not None:  # another rank ran out of memory or diverged; rank 0 only saw its peer vanish
+        results["status"], results["reason"] = kept, reason
     else:  # the launcher's reason: the first failing rank's own, or what another rank said of it
         results["status"], results["reason"] = "error", reason
     if cfg.output:

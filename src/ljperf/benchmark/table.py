@@ -79,15 +79,19 @@ def breakdown_table(bd: dict[str, Any]) -> Table:
 
 
 def profile_line(profile: dict[str, Any]) -> str:
-    """Where ``--profile`` wrote its files, and what opens them."""
+    """Where ``--profile`` wrote its files, and what opens them (or why a rank's could not be written)."""
     text = f"profile: {len(profile['traces'])} trace(s) in {profile['folder']} (open in https://ui.perfetto.dev)"
+    if profile.get("error"):
+        text += f"; not written: {profile['error']}"
     if profile["memory_snapshots"]:
         text += "; memory snapshots: drag a .memory.pickle into https://pytorch.org/memory_viz"
     return text
 
 
-def _loss_range(losses: list[float]) -> str:
-    return f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "-"
+def _loss_range(losses: list[float | None]) -> str:
+    """First → last; a loss the record holds as null was NaN or infinite (strict JSON has neither)."""
+    shown = ["not finite" if x is None else f"{x:.4f}" for x in (losses[0], losses[-1])] if losses else []
+    return " → ".join(shown) or "-"
 
 
 def forecast_line(results: dict[str, Any]) -> str | None:
@@ -104,9 +108,9 @@ def forecast_line(results: dict[str, Any]) -> str | None:
 
 def last_line(reason: str, *, interrupted: bool, output: str | None, status: str = "error") -> str:
     """The line a failed or interrupted run ends with, the same for one process and for ljperf's launcher; an
-    out-of-memory run says ``oom``."""
+    out-of-memory run says ``oom``, a diverged one ``diverged``."""
     kept = output not in (None, STDOUT)
     if interrupted:
         return f"ljperf benchmark: {reason}" + (f"; partial result kept: {output}" if kept else "")
-    word = "oom" if status == "oom" else "failed"
+    word = status if status in ("oom", "diverged") else "failed"
     return f"ljperf benchmark: {word}: {reason}" + (f"; result record: {output}" if kept else "")

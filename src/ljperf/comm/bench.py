@@ -8,9 +8,14 @@ nccl-tests' definitions (docs/comm.md). ``--output FILE`` writes the JSON record
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,6 +26,8 @@ from ljperf.core.console import console, titled_table
 from ljperf.core.errors import (
     EXIT_ERROR,
     EXIT_OK,
+    EXIT_SIGINT,
+    EXIT_SIGTERM,
     RunFailed,
     failure,
     hold_interrupts,
@@ -29,9 +36,9 @@ from ljperf.core.errors import (
     restore_signals,
 )
 from ljperf.core.options import LaunchConfig
-from ljperf.core.records import record_header, write_json
+from ljperf.core.records import STDOUT, read_json, record_header, write_json
 from ljperf.core.units import format_bytes
-from ljperf.distributed.launch import local_world_size
+from ljperf.distributed.launch import RUN_DIR_ENV, RunFolder, failure_reason, local_world_size, run_workers
 from ljperf.distributed.runtime import Process, shutdown_process
 
 # Ops whose buffers are split in n equal chunks: their size is rounded down to a multiple of n elements.
@@ -253,9 +260,36 @@ def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, outpu
     if status == "ok" or process.world == 1:  # a failed group is kept: its barrier could wait on a lost peer
         shutdown_process()
     restore_signals(previous)
+    if status != "ok" and (folder := RunFolder.watching()) is not None:
+        folder.leave_failure(reason or "", rank=process.rank)
+        return exit_code  # ljperf's launcher names the rank that failed first, in one line
     if status != "ok":
         raise RunFailed(reason, exit_code=exit_code)
     return 0
+
+
+def launch(argv: list[str], launch: LaunchConfig, *, device_type: str, output: str | None) -> int:
+    """The ranks through ljperf's launcher. A failed run's record gets the launcher's reason (the rank that failed
+    first, which rank 0 may only have seen as a lost peer), and one line says it."""
+    folder = RunFolder(Path(tempfile.mkdtemp(prefix="ljperf-comm-")))
+    os.environ[RUN_DIR_ENV] = str(folder.path)
+    try:
+        run_workers(argv, launch, cpu=device_type != "cuda")
+        return EXIT_OK
+    except Exception as exc:  # torch's SignalException too: SIGTERM or SIGINT to this process
+        reason, code = failure_reason(exc, folder=folder)
+    finally:
+        os.environ.pop(RUN_DIR_ENV, None)
+        shutil.rmtree(folder.path, ignore_errors=True)
+    kept = output is not None and output != STDOUT and os.path.isfile(output)
+    if kept:
+        record = read_json(output)
+        record["results"]["reason"] = reason
+        write_json(output, record)
+    if code in (EXIT_SIGINT, EXIT_SIGTERM):
+        print(f"ljperf comm: {reason}" + (f"; partial result kept: {output}" if kept else ""), file=sys.stderr)
+        return code
+    raise RunFailed(reason + (f"; result record: {output}" if kept else ""), exit_code=code)
 
 
 def average_busbw(rows: list[Row]) -> float:

@@ -11,9 +11,8 @@ import argparse
 from ljperf.comm.config import CommConfig
 from ljperf.core import options
 from ljperf.core.console import check_output
-from ljperf.core.errors import RunFailed
 from ljperf.core.options import LaunchConfig
-from ljperf.distributed.launch import failure_reason, run_workers, under_torchrun
+from ljperf.distributed.launch import under_torchrun
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +27,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     imported."""
     cfg = options.from_args(CommConfig, args)
     launch = options.from_args(LaunchConfig, args)
+    from ljperf.comm.bench import launch as launch_ranks
     from ljperf.comm.bench import run_worker
     from ljperf.distributed.runtime import check_process_count, resolve_device_type
 
@@ -36,10 +36,5 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.output is not None and not under_torchrun():
         check_output(args.output)
     if launch.distributed and not under_torchrun():
-        try:
-            run_workers(argv, launch, cpu=device_type != "cuda")
-        except Exception as exc:
-            reason, code = failure_reason(exc)
-            raise RunFailed(reason, exit_code=code) from None
-        return 0
+        return launch_ranks(argv, launch, device_type=device_type, output=args.output)
     return run_worker(cfg, launch, device_type=device_type, output=args.output, argv=argv)

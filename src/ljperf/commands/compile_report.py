@@ -9,12 +9,13 @@ bad flag answer without torch.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from ljperf.core import options
 from ljperf.core.console import check_output
-from ljperf.core.errors import UsageError
+from ljperf.core.errors import EXIT_SIGINT, EXIT_SIGTERM, UsageError
 from ljperf.core.options import LARGEST, OptimizationConfig, TrainConfig, opt, positive
 from ljperf.core.records import write_json
 from ljperf.models.flags import add_model_arguments, engine_from_args, model_files, spec_from_args
@@ -96,4 +97,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     print_report(report)
     if args.output:
         write_json(args.output, report)
+    if report["status"] != "ok":  # interrupted: what was measured is printed and kept
+        kept = f"; partial result kept: {args.output}" if args.output and args.output != "-" else ""
+        print(f"ljperf compile-report: {report['reason']}{kept}", file=sys.stderr)
+        return EXIT_SIGINT if report["reason"].endswith("SIGINT") else EXIT_SIGTERM
     return 0

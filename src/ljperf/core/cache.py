@@ -51,10 +51,26 @@ def cached(path: Path, *, load: Callable[[Any], T], make: Callable[[], T], dump:
                 return value
         value = make()
         data = json.loads(json.dumps(dump(value), default=str))  # as it reads back: tuples are lists
-        with contextlib.suppress(OSError):
+        try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(path, {SIGNATURE: digest(data), "data": data})
+            # NaN kept as NaN (a config's own, say): a null read back would never match the signature
+            write_json(path, {SIGNATURE: digest(data), "data": data}, strict=False)
+        except OSError as exc:
+            _cannot_write(exc)
     return value
+
+
+_told: list[str] = []
+"""The cache root this process said it cannot use (said once: every entry would say it again)."""
+
+
+def _cannot_write(exc: OSError) -> None:
+    root = str(cache_root())
+    if root in _told:
+        return
+    _told.append(root)
+    why = "it is a file, not a folder" if os.path.isfile(root) else exc.strerror or str(exc)
+    warn(f"the cache {root} cannot be used ({why}): each forecast traces again; set LJPERF_CACHE_DIR to a folder")
 
 
 def _load(path: Path, load: Callable[[Any], T]) -> tuple[bool, T | None]:

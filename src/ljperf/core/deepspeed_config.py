@@ -130,6 +130,7 @@ def lint(config: dict, *, world_size: int | None = None) -> list[Finding]:
     if not isinstance(config, dict):
         return [Finding(level="fail", message="a DeepSpeed config must be a JSON object", fix="write {...}")]
     return [
+        _finite(config),
         _unknown_keys(config),
         _batch_identity(config, world_size),
         _precision(config),
@@ -137,6 +138,23 @@ def lint(config: dict, *, world_size: int | None = None) -> list[Finding]:
         _types(config),
         _stage(config),
     ]
+
+
+def _not_finite(value: Any, path: str = "") -> list[str]:
+    """Where ``value`` holds NaN or an infinity (Python's JSON reader takes ``NaN`` and ``Infinity``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{path} is {json.dumps(value)}"]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _not_finite(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _not_finite(v, f"{path}[{i}]")]
+    return []
+
+
+def _finite(config: dict) -> Finding:
+    if not (found := _not_finite(config)):
+        return Finding(level="ok", message="every number is finite", fix="")
+    return Finding(level="fail", message="; ".join(found), fix='write a finite number, or "auto"')
 
 
 def _unknown_keys(config: dict) -> Finding:
@@ -464,6 +482,7 @@ def resolve(config: dict, opts: Options, *, source: str) -> tuple[dict, list[Fin
 
     A number that contradicts an ljperf option, and every ``fail`` finding, raise ``UsageError``.
     """
+    _refuse_not_finite(config, source=source)
     config = copy.deepcopy(config)
     lr = {("optimizer", "params", "lr"): (opts.lr, f"--lr {opts.lr:g}")}
     batch = Settings(micro_batch=opts.micro_batch, grad_accum=opts.grad_accum, zero_stage=opts.zero_stage)
@@ -487,6 +506,7 @@ def check(config: dict, batch: Settings, *, world: int, bf16: bool, source: str)
     """``resolve``'s checks of a merged config for a command without an optimizer (``ljperf plan``): a number
     that contradicts ``batch`` or the precision, and every ``fail`` finding, raise ``UsageError``; returns the
     lint's warnings."""
+    _refuse_not_finite(config, source=source)
     config = copy.deepcopy(config)
     retyped = _agree(config, _wanted(batch, bf16=bf16), source=source)
     _fill_train_batch(config, batch, world=world)
@@ -533,6 +553,12 @@ def _agree(config: dict, wanted: dict[tuple[str, ...], tuple[Any, str]], *, sour
 def _fill_train_batch(config: dict, batch: Settings, *, world: int) -> None:
     if _get(config, ("train_batch_size",)) == AUTO:
         _set(config, ("train_batch_size",), batch.micro_batch * batch.grad_accum * world)
+
+
+def _refuse_not_finite(config: dict, *, source: str) -> None:
+    """The lint's finite-number check first: a NaN that another check compares reads as a contradiction."""
+    if (finding := _finite(config)).level == "fail":
+        raise UsageError(f"{source}: {finding.message} (fix: {finding.fix})")
 
 
 def _warnings(config: dict, *, world: int, source: str) -> list[Finding]:

@@ -19,10 +19,25 @@ EXIT_OOM = 3
 EXIT_DOES_NOT_FIT = 4
 """``ljperf plan``: the forecast does not fit the memory (or ``--recompute auto`` found no plan within its budget);
 the answer was printed, so a script can branch on it without reading the table."""
+EXIT_DIVERGED = 5
+"""``ljperf benchmark``: the loss became NaN or infinite; the run stopped there (``status: "diverged"``)."""
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 EXIT_SIGPIPE = 141
 """What a shell reports for a command whose reader closed the pipe (``ljperf models --json | head``)."""
+
+
+LINE_LIMIT = 400
+"""Characters of a one-line error ljperf prints: input it echoes (a model name of 100,000 characters) is cut."""
+
+
+def cut(line: str, *, limit: int = LINE_LIMIT) -> str:
+    """``line`` as printed: whole up to ``limit`` characters, else its start and its end (what the error says and
+    the fix it names) around the cut."""
+    if len(line) <= limit:
+        return line
+    tail = limit // 4
+    return f"{line[: limit - tail - 30]} … ({len(line) - limit + 30:,} characters cut) … {line[-tail:]}"
 
 
 class UsageError(Exception):
@@ -30,11 +45,17 @@ class UsageError(Exception):
 
 
 class RunFailed(Exception):
-    """A run failed after starting; carries the exit code and a one-line reason."""
+    """A run failed after starting; carries the exit code, a one-line reason and the word its line starts with
+    (``failed``; ``oom`` or ``diverged`` where the run's status says so, as a one-process run's last line)."""
 
-    def __init__(self, reason: str, *, exit_code: int = EXIT_ERROR):
+    def __init__(self, reason: str, *, exit_code: int = EXIT_ERROR, word: str = "failed"):
         super().__init__(reason)
         self.exit_code = exit_code
+        self.word = word
+
+
+class Diverged(Exception):
+    """The training loss became NaN or infinite: the figures of such a run measure nothing worth comparing."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -96,6 +117,8 @@ def failure(exc: BaseException) -> tuple[str, str, int]:
         return "error", str(stop), stop.exit_code
     if oom := out_of_memory(exc):
         return "oom", oom, EXIT_OOM
+    if isinstance(exc, Diverged):
+        return "diverged", str(exc), EXIT_DIVERGED
     return "error", describe(exc), EXIT_ERROR
 
 

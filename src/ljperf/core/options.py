@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -71,6 +72,15 @@ def positive(name: str, value: int | float | None, *, bounded: bool = True) -> N
         raise UsageError(f"{flag} must be larger than zero and at most {LARGEST} (got {got})")
     if not bounded and not 0 < value <= FLOAT32_MAX:
         raise UsageError(f"{flag} must be larger than zero and fit a float32, at most {FLOAT32_MAX:.3g} (got {got})")
+
+
+def check_threads(threads: int | None) -> None:
+    """At most one thread per logical CPU of this machine: more only share the cores, and the OpenMP runtime
+    cannot start tens of thousands (``--threads 100000`` ended in libgomp's "Thread creation failed" and a
+    segmentation fault, with nothing from ljperf)."""
+    cores = os.cpu_count() or 1
+    if threads is not None and threads > cores:
+        raise UsageError(f"--threads {threads}: this machine has {cores} logical CPUs; give at most {cores}")
 
 
 def check_zero_stage(stage: int) -> None:
@@ -179,6 +189,7 @@ class TrainConfig:
         positive("lr", self.lr, bounded=False)
         positive("peak_tflops", self.peak_tflops, bounded=False)
         not_negative("warmup", self.warmup)
+        check_threads(self.threads)
         if self.seq_len == 1:  # a sequence of one token has no next token to predict: the loss is nan
             raise UsageError("--seq-len must be 2 or more: the loss predicts each token from the ones before it")
         if not 0 <= self.seed < 2**63:  # torch's generators take a 64-bit seed

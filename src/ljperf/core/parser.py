@@ -11,7 +11,7 @@ import argparse
 import difflib
 from typing import Any
 
-from ljperf.core.errors import EXIT_USAGE, UsageError
+from ljperf.core.errors import EXIT_USAGE, UsageError, cut
 
 
 class Parser(argparse.ArgumentParser):
@@ -28,7 +28,7 @@ class Parser(argparse.ArgumentParser):
             message += "; a value that starts with '-' is written --flag=VALUE"
         if self.raising:
             raise UsageError(message)
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, cut(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
 
 
 def unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:

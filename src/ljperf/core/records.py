@@ -146,6 +146,29 @@ def check_writable(
         raise UsageError(f"{what} {shown} is not writable ({exc.strerror or exc})") from None
 
 
+def check_distinct_outputs(
+    files: dict[str, str | os.PathLike | None], *, folders: dict[str, tuple[str | os.PathLike | None, tuple[str, ...]]]
+) -> None:
+    """Fail before a run starts (exit 2) when two of a command's outputs resolve to one file: ``files`` by flag
+    (``--output``, ``--plot``), ``folders`` by flag as (folder, the names written into it) (``--profile``). The one
+    written last would replace the other (a picture over the JSON record)."""
+    seen: dict[Path, tuple[str, str]] = {}
+    for flag, path in files.items():
+        if path is None or str(path) == STDOUT:
+            continue
+        target = Path(os.path.realpath(path))
+        if target in seen:
+            raise UsageError(f"{seen[target][0]} and {flag} name the same file {str(path)!r}: give each its own")
+        seen[target] = (flag, str(path))
+    for flag, (folder, names) in folders.items():
+        if folder is None:
+            continue
+        root = Path(os.path.realpath(folder))
+        for target, (other, given) in seen.items():
+            if target == root or (target.parent == root and any(target.match(name) for name in names)):
+                raise UsageError(f"{other} {given!r} is in {flag} {str(folder)!r}, where the run writes its own files")
+
+
 def check_output_folder(path: str | os.PathLike, *, what: str, file_name: str) -> None:
     """Fail before a run starts (exit 2) when ``file_name`` could not be written into the folder ``path`` (``what``
     names the flag); a missing folder is made, as ``mkdir -p`` would."""
@@ -208,11 +231,11 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
         raise
 
 
-def write_json(path: str | os.PathLike, data: Any) -> None:
+def write_json(path: str | os.PathLike, data: Any, *, strict: bool = True) -> None:
     """Write JSON atomically (``write_atomic``); a float that is not finite (a diverged loss) is ``null``, as
-    strict JSON has no NaN."""
+    strict JSON has no NaN, unless ``strict=False`` (a cache entry, read back by ljperf alone: Python's ``NaN``)."""
     try:
-        text = json.dumps(data, indent=2, default=str, allow_nan=False)
+        text = json.dumps(data, indent=2, default=str, allow_nan=not strict)
     except ValueError:  # rare: walked only then
         text = json.dumps(_finite(data), indent=2, default=str, allow_nan=False)
     write_atomic(path, lambda f: f.write((text + "\n").encode()))

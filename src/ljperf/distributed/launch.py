@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ljperf.core.errors import EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
+from ljperf.core.errors import EXIT_DIVERGED, EXIT_ERROR, EXIT_OOM, EXIT_SIGINT, EXIT_SIGTERM, EXIT_USAGE
 from ljperf.core.gc_pause import resume_collection
 from ljperf.core.options import LaunchConfig
 
@@ -197,10 +197,13 @@ def failure_reason(exc: Exception, *, folder: RunFolder | None = None) -> tuple[
         how = f"was killed by {failure.signal_name()}"
     elif failure.exitcode == EXIT_OOM:
         how = f"ran out of memory (exit code {EXIT_OOM})"
+    elif failure.exitcode == EXIT_DIVERGED:
+        how = f"diverged (exit code {EXIT_DIVERGED})"
     else:
         how = f"exited with code {failure.exitcode}"
-    # Out of memory, and a usage error only a rank could find (a recompute plan that cannot fit), keep their codes.
-    code = failure.exitcode if failure.exitcode in (EXIT_OOM, EXIT_USAGE) else EXIT_ERROR
+    # Out of memory, a diverged loss, and a usage error only a rank could find (a recompute plan that cannot fit)
+    # keep their codes.
+    code = failure.exitcode if failure.exitcode in (EXIT_OOM, EXIT_DIVERGED, EXIT_USAGE) else EXIT_ERROR
     if rank in left:
         reason = f"rank {rank} {how}: {left[rank][1]}"
         # A collective that timed out names the rank that waited; the ranks the agent had to end were still in

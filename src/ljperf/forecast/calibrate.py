@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ljperf.core.cache import cache_root
+from ljperf.core.console import warn
 from ljperf.core.errors import UsageError
+from ljperf.core.record_check import record_problem
 from ljperf.core.records import read_json, read_json_object, write_json
 
 MiB = 1024**2
@@ -144,9 +146,26 @@ def _device_name(record: dict) -> str:
     return "cpu" if isinstance(train, dict) and train.get("device") == "cpu" else str(devices[0])
 
 
+def valid_records(paths: list[str], *, what: str) -> list[dict]:
+    """The records in ``paths`` that ``record_problem`` passes; each other one is skipped with one line naming its
+    file and field, and when none is left that line is the error (exit 2)."""
+    records, skipped = [], []
+    for p in paths:
+        record = read_json_object(p, what=f"{what} {p!r}")
+        if (problem := record_problem(record)) is None:
+            records.append(record)
+        else:
+            skipped.append(f"{p}: {problem}")
+    if not records and skipped:
+        raise UsageError(f"{what}: no valid record ({skipped[0]})")
+    for line in skipped:
+        warn(f"{what}: skipping {line}")
+    return records
+
+
 def calibrate(paths: list[str], *, out: Path | None = None) -> dict[str, Overheads]:
     """Read benchmark records (JSON), fit, merge into the saved calibration and save it atomically."""
-    records = [read_json_object(p, what=f"--calibrate {p!r}") for p in paths]
+    records = valid_records(paths, what="--calibrate")
     fitted = fit(records)
     if not fitted:
         raise UsageError("--calibrate: no record holds both a forecast and a measured peak (run ljperf benchmark)")

@@ -42,6 +42,8 @@ def hf_config(data: dict, *, source: str) -> PretrainedConfig:
     if "model_type" not in data:
         raise UsageError(f"{source}: config is missing model_type (an HF causal-LM config.json has it)")
     fields = {k: v for k, v in data.items() if k not in ("model_type", "auto_map", "architectures")}
+    for key in (*_REQUIRED, *SIZES):  # before transformers, whose typed fields word it otherwise (or accept 0)
+        _check_count(source, key, data.get(key), required=False)
     try:
         config = AutoConfig.for_model(data["model_type"], **fields)
     except Exception as exc:  # unknown types, and transformers 5's validation of the values (any error class)
@@ -53,9 +55,10 @@ def hf_config(data: dict, *, source: str) -> PretrainedConfig:
     if missing:
         raise UsageError(f"{source}: config is missing {', '.join(missing)} (an HF causal-LM config.json has them)")
     for key in _REQUIRED:
-        value = getattr(config, key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UsageError(f"{source}: {key} must be a whole number of 1 or more (got {value!r})")
+        _check_count(source, key, getattr(config, key), required=True)
+    for key in SIZES:  # as the file writes them (GPT-2's n_positions); not a class's own stand-in (XLNet's -1)
+        if (alias := config.attribute_map.get(key)) is not None:
+            _check_count(source, alias, data.get(alias), required=False)
     check_size(config, source=source)
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or heads % kv):
@@ -66,6 +69,36 @@ def hf_config(data: dict, *, source: str) -> PretrainedConfig:
     if type(config) not in AutoModelForCausalLM._model_mapping:
         raise UsageError(f"{source}: model_type {data['model_type']!r} has no causal-LM class in transformers")
     return config
+
+
+SIZES = (
+    "max_position_embeddings",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "head_dim",
+    "num_key_value_heads",
+    "num_local_experts",
+    "num_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
+"""Sizes a config may leave out (None: the architecture has none) but never set to zero, a negative or a fraction:
+``max_position_embeddings: 0`` was taken as 4096 by the plan, ``intermediate_size: 0`` built a model without MLP.
+Not ``sliding_window``: transformers' own Qwen2-MoE config writes 0 for no window."""
+
+
+def _check_count(source: str, key: str, value: Any, *, required: bool) -> None:
+    """A size is a whole number of 1 or more (None: left out, where ``required`` allows)."""
+    if (required or value is not None) and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise UsageError(f"{source}: {key} must be a whole number of 1 or more (got {_shown(value)})")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 def rough_params(config: PretrainedConfig) -> int:

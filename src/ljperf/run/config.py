@@ -132,6 +132,8 @@ def cpu_threads(threads: int | None, *, processes: int) -> int:
         return threads
     given = os.environ.get("OMP_NUM_THREADS", "")
     if given.isdigit() and int(given) > 0:
+        if int(given) > (cores := os.cpu_count() or 1):
+            raise UsageError(f"OMP_NUM_THREADS={given}: this machine has {cores} logical CPUs; set at most {cores}")
         return int(given)
     return max(1, len(os.sched_getaffinity(0)) // processes)
 
