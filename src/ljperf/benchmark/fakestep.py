@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +34,11 @@ from ljperf.models.build import cast_parameters
 from ljperf.models.spec import ModelSpec, build_meta
 from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+    from torch.distributed._tools.mem_tracker import MemTracker, _State
+    from torch.distributed.device_mesh import DeviceMesh
 
 FSDP_TORCH = (2, 13)
 """The first torch whose DTensor sharding propagation makes no fake tensors the measurement would count."""
@@ -101,27 +107,28 @@ def fake_step_peak(spec: ModelSpec, recipe: Recipe) -> int:
         tracker.track_external(engine.model, engine.optimizer, tokens)
         with tracker:
             engine.train_step([tokens])
-    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-def _peak_tracker() -> object:
+def _peak_tracker() -> MemTracker:
     """PyTorch's ``MemTracker``, keeping its peak over the whole step only. After every operation it also walks
     every module it has seen to raise the peaks of those running (per module: not read here), which took half of
     a 16-layer model's fake step (9 of 18 CPU-s): those module records are set aside while it updates its own.
     And a fake tensor's device, two of three ops a fake step dispatches, is answered without its walk (8.1 -> 6.4
     CPU-s for llama3.2-1b at 2048 tokens, the same peak)."""
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.weak import WeakIdKeyDictionary
 
     class PeakTracker(MemTracker):
         def __torch_dispatch__(
-            self, func: object, types: object, args: tuple[object, ...] = (), kwargs: dict | None = None
+            self, func: OpOverload, types: object, args: tuple[Any, ...] = (), kwargs: dict | None = None
         ) -> object:
             if (device := fake_device(func, args)) is not None:
                 return device
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-        def _update_peak_stats(self, peak_state: object) -> None:
-            modules, self.memory_tracking = self.memory_tracking, {}
+        def _update_peak_stats(self, peak_state: _State) -> None:
+            modules, self.memory_tracking = self.memory_tracking, WeakIdKeyDictionary()
             try:
                 super()._update_peak_stats(peak_state)
             finally:
@@ -131,7 +138,7 @@ def _peak_tracker() -> object:
 
 
 @contextlib.contextmanager
-def _fake_world(world: int) -> Iterator[object | None]:
+def _fake_world(world: int) -> Generator[DeviceMesh | None]:
     """``world`` ranks on torch's fake process group, this process rank 0 (and their device mesh); none for 1."""
     if world == 1:
         yield None

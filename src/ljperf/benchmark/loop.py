@@ -94,7 +94,9 @@ def run_worker(cfg: RunConfig, *, picture: Callable[..., None] | None = None) ->
         print(f"ljperf benchmark: {reason} before the run began; no record written", file=sys.stderr)
         return exit_code
     if record is None:  # the process group failed to form
-        record, reporter = new_record(cfg, run), ProgressReporter(run)
+        record = new_record(cfg, run)
+    if reporter is None:
+        reporter = ProgressReporter(run)
     recompute = state.recompute
     rflops = recompute.recompute_flops_per_token if recompute else 0.0
     record["results"] = results_section(cfg, run, state, status=status, reason=reason, recompute_flops_per_token=rflops)
@@ -117,7 +119,7 @@ def run_worker(cfg: RunConfig, *, picture: Callable[..., None] | None = None) ->
             print_result_table(record)
         if picture is not None:
             _draw(picture, run, record, recompute)
-        if status != "ok" and not reporter.watched:
+        if reason is not None and not reporter.watched:  # failed
             interrupted = exit_code in (EXIT_SIGINT, EXIT_SIGTERM)
             print(last_line(reason, interrupted=interrupted, output=cfg.output, status=status), file=sys.stderr)
     if status == "ok" or run.world == 1:  # a failed group is kept: its barrier could wait on a lost peer

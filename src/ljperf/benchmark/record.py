@@ -140,7 +140,7 @@ def results_section(
             )
         ) | {"peak_tflops_per_device": peak}
     if cfg.optim.compile_mode != "off":
-        out["compile"] = session().results() if session() else None
+        out["compile"] = sess.results() if (sess := session()) is not None else None
     out |= explained(cfg, run, state, healthy=healthy)
     return {**figures, **out}
 

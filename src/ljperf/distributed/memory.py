@@ -19,6 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from torch._ops import OpOverload
 
 CPU_METHOD = "live tensor storages (TorchDispatchMode), untimed warm-up step, compiled regions run eager"
@@ -85,17 +87,19 @@ class LiveTensorBytes(TorchDispatchMode):
             return out
 
         self._resize = resize
-        torch.UntypedStorage.resize_ = tracked_resize
+        setattr(torch.UntypedStorage, "resize_", tracked_resize)  # noqa: B010 (torch's stub types it returning Never)
         # Dynamo skips a frame called under a dispatch mode like this one and marks its code never to compile
         # again: every later step would run eager. Compiled regions run eager while measured instead (inductor's
         # CPU buffers bypass the dispatcher, so a compiled step could not be counted anyway).
         self._stance = torch.compiler.set_stance("force_eager")
         return super().__enter__()
 
-    def __exit__(self, *exc: object):
-        torch.UntypedStorage.resize_ = self._resize
-        self._stance.__exit__(*exc)
-        return super().__exit__(*exc)
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc_val: BaseException | None, exc_tb: TracebackType | None
+    ):
+        setattr(torch.UntypedStorage, "resize_", self._resize)  # noqa: B010
+        self._stance.__exit__(exc_type, exc_val, exc_tb)
+        return super().__exit__(exc_type, exc_val, exc_tb)
 
     def __torch_dispatch__(
         self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

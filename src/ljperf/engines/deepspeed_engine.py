@@ -69,7 +69,9 @@ class DeepSpeedEngine:
             if run.is_main:
                 warn(f"DeepCompile unavailable, engine.compile() runs without it: {reason}")
         engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=self.config
+            model=model,
+            model_parameters=model.parameters(),  # type: ignore[bad-argument-type] (typed as a Module: it takes these)
+            config=self.config,
         )
         if run.optim.compile_mode == "deepspeed":
             compile_deepspeed_engine(engine, verbose=run.is_main)

@@ -11,6 +11,7 @@ equal the torch engine's.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -50,7 +51,7 @@ class FSDPEngine:
             )
         model = apply_optimizations(model, run, tp_mesh=self.mesh["tp"] if shape.tp > 1 else None)
         dp_mesh = data_parallel_mesh(self.mesh, shape) if shape.beyond_fsdp else self.mesh
-        options = {"mesh": dp_mesh, "reshard_after_forward": run.engine_opts.reshard_after_forward}
+        options: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": run.engine_opts.reshard_after_forward}
         if run.weight_dtype != torch.float32:  # bf16 weights: gathered, computed and reduced in bf16
             model = cast_parameters(model, run.weight_dtype)
         elif run.bf16:
@@ -107,8 +108,9 @@ def _reduce_partial_grads(model: torch.nn.Module) -> None:
     sum) is all-reduced once into its placements before the step, as FSDP2 does before it reduce-scatters; the
     optimizer would otherwise reduce it in every op that reads it."""
     for param in model.parameters():
-        if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
-            param.grad = param.grad.redistribute(placements=param.placements)
+        grad = param.grad
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(placements=param.placements)
 
 
 def _mixed_precision(run: RunContext) -> str | None:
