@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -184,7 +185,7 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
     finally:  # a run that fails after its measured step (out of memory in a later one) keeps its peak
         if device.type == "cuda":
             with contextlib.suppress(RuntimeError):  # a broken CUDA context must not hide the run's own error
-                state.peak_allocated, state.peak_reserved = memory.cuda_peaks(device)
+                state.memory = memory.cuda_stats(device)
         with contextlib.suppress(RuntimeError):  # CUDA: a step cut short left an event unrecorded
             state.phase_seconds = clock.seconds()
 
@@ -209,11 +210,12 @@ def _steps(
         batches = data.micro_batches(step, run.dp_rank, device)
         if fault is not None:
             fault.maybe_fire(step, run.rank)
-        elapsed = None
+        elapsed, peaks = None, None
         if step in measure_steps:
-            loss = measured_memory_step(run, engine, batches, state=state)
+            loss, stats = measured_memory_step(run, engine, batches)
+            state.memory, peaks = stats, asdict(stats)
             if step == track_step and closed_loop:
-                if loop := close_the_loop(run, engine.model, state.recompute, measured=state.peak_allocated):
+                if loop := close_the_loop(run, engine.model, state.recompute, measured=stats.peak_allocated):
                     state.recompute, state.closed_loop = loop
                     # CUDA's counters were reset for the new plan; the CPU measures its first step if untimed
                     if state.closed_loop["replanned"] and device.type != "cuda":
@@ -232,33 +234,23 @@ def _steps(
                 state.losses.append(loss)
         if not math.isfinite(value := float(loss)):
             raise Diverged(f"the loss became {value} at step {step + 1}")
-        peaks = None
-        if step in measure_steps:
-            peaks = {
-                "peak_allocated": state.peak_allocated,
-                "peak_reserved": state.peak_reserved,
-                "memory_method": state.memory_method,
-            }
         reporter.step(step, total=total, loss=loss, seconds=elapsed, peaks=peaks)
 
 
 def measured_memory_step(
-    run: RunContext, engine: Any, batches: list[torch.Tensor], *, state: LoopState
-) -> torch.Tensor:
-    """An untimed step whose peak memory is the run's figure (CPU: live tensors; CUDA: allocator)."""
+    run: RunContext, engine: Any, batches: list[torch.Tensor]
+) -> tuple[torch.Tensor, memory.MemoryStats]:
+    """An untimed step whose peak memory is the run's figure (CPU: live tensors; CUDA: the allocator's); its loss
+    and this rank's memory."""
     device = run.device.torch_device
     if device.type == "cuda":
         memory.reset_cuda_peak(device)
-        state.memory_method = memory.CUDA_METHOD
         loss = engine.train_step(batches)
         # Read again when the loop ends (a later step may go higher); this reading is the progress line's.
-        state.peak_allocated, state.peak_reserved = memory.cuda_peaks(device)
-        return loss
+        return loss, memory.cuda_stats(device)
     # An engine whose state lies outside model/optimizer.state (DeepSpeed's flat partitions) lists its own.
     own = getattr(engine, "state_tensors", None)
     alive = (own() if own else memory.training_state_tensors(engine.model, engine.optimizer)) + batches
     with memory.LiveTensorBytes(alive) as tracker:
         loss = engine.train_step(batches)
-    state.peak_allocated = tracker.peak
-    state.memory_method = memory.CPU_METHOD
-    return loss
+    return loss, tracker.stats()

@@ -1,4 +1,5 @@
-"""Peak memory of a training step: CUDA allocator statistics, or live tensor bytes on CPU.
+"""Peak memory of a training step, as the record holds it per rank (``MemoryStats``): CUDA allocator statistics, or
+live tensor bytes on CPU.
 
 torch has no CPU allocator statistics, so on CPU ``LiveTensorBytes`` counts every tensor storage that
 an aten op creates, from creation until Python frees it, on top of the storages already alive
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +27,24 @@ if TYPE_CHECKING:
 
 CPU_METHOD = "live tensor storages (TorchDispatchMode), untimed warm-up step, compiled regions run eager"
 CUDA_METHOD = "torch.cuda.max_memory_allocated / max_memory_reserved"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryStats:
+    """One rank's memory over its measured steps: its entry in the record's ``results.*_per_rank``."""
+
+    peak_allocated: int
+    """Peak bytes: the CUDA allocator's since the measured step began; on CPU the measured step's live tensor
+    storages."""
+    peak_reserved: int | None
+    """The CUDA allocator's peak reserved bytes (None on CPU: no caching allocator)."""
+    num_alloc_retries: int | None
+    """Times the CUDA allocator failed a device allocation, freed its cache and retried, since the process began (a
+    sign of fragmentation near the memory's limit; None on CPU)."""
+    num_ooms: int | None
+    """Out-of-memory errors the CUDA allocator raised since the process began (None on CPU)."""
+    method: str
+    """How it was measured (``CUDA_METHOD`` or ``CPU_METHOD``)."""
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -47,6 +67,12 @@ class LiveTensorBytes(TorchDispatchMode):
         self.baseline = self.current
         self.peak = self.current
         self._resize = None
+
+    def stats(self) -> MemoryStats:
+        """The peak seen, as a CPU rank records it."""
+        return MemoryStats(
+            peak_allocated=self.peak, peak_reserved=None, num_alloc_retries=None, num_ooms=None, method=CPU_METHOD
+        )
 
     def _track(self, tensor: torch.Tensor, *, existed: bool = False) -> None:
         storage = _storage(tensor)
@@ -180,3 +206,17 @@ def reset_cuda_peak(device: torch.device) -> None:
 def cuda_peaks(device: torch.device) -> tuple[int, int]:
     """(max allocated, max reserved) bytes since the last reset."""
     return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+def allocator_failures(device: torch.device) -> tuple[int, int]:
+    """(retries, OOMs) of the CUDA caching allocator since the process began, as torchtitan reports them."""
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
+
+
+def cuda_stats(device: torch.device) -> MemoryStats:
+    """This rank's CUDA figures: peaks since the last ``reset_cuda_peak``, the allocator's failures."""
+    (allocated, reserved), (retries, ooms) = cuda_peaks(device), allocator_failures(device)
+    return MemoryStats(
+        peak_allocated=allocated, peak_reserved=reserved, num_alloc_retries=retries, num_ooms=ooms, method=CUDA_METHOD
+    )
