@@ -23,9 +23,8 @@ import torch
 from ljperf.core.hardware import DeviceInfo
 from ljperf.core.options import EngineConfig, OptimizationConfig, TrainConfig
 from ljperf.distributed.runtime import Process
-from ljperf.engines.common import adamw
+from ljperf.engines import Engine
 from ljperf.engines.fsdp_engine import FSDPEngine
-from ljperf.engines.parallelize import apply_optimizations
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.forecast.patches import real_code_paths, swapped
 from ljperf.forecast.recipe import Recipe
@@ -84,6 +83,7 @@ def fake_step_peak(spec: ModelSpec, recipe: Recipe) -> int:
     with contextlib.ExitStack() as stack:
         mesh = stack.enter_context(_fake_world(recipe.world))
         stack.enter_context(real_code_paths())
+        engine: Engine
         if recipe.engine == "fsdp":
             # A device mesh cannot be made on fake tensors: the engine gets the one made before.
             engine = FSDPEngine(run, mesh=mesh)
@@ -94,17 +94,14 @@ def fake_step_peak(spec: ModelSpec, recipe: Recipe) -> int:
             with fake_mode:
                 engine.setup(model)
         else:
-            # The engine's weights, made fake: ``setup``'s ``materialize`` cannot move fake parameters.
+            # The engine's weights, made fake: ``setup`` keeps parameters that are already off the meta device.
             engine = TorchEngine(run)
-            engine.model = apply_optimizations(
-                fake_model(spec, attn=recipe.attn_implementation, fake_mode=fake_mode, dtype=run.weight_dtype), run
-            )
-            engine.optimizer = adamw(engine.model.parameters(), run=run)
+            engine.setup(fake_model(spec, attn=recipe.attn_implementation, fake_mode=fake_mode, dtype=run.weight_dtype))
         stack.enter_context(fake_mode)
         tokens = torch.zeros(recipe.micro_batch, recipe.seq_len, dtype=torch.long)
         engine.train_step([tokens])
         tracker = _peak_tracker()
-        tracker.track_external(engine.model, engine.optimizer, tokens)
+        tracker.track_external(*engine.state_tensors(), tokens)
         with tracker:
             engine.train_step([tokens])
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]

@@ -48,7 +48,7 @@ from ljperf.core.records import write_json
 from ljperf.distributed import memory
 from ljperf.distributed.launch import RunFolder, launcher_gone
 from ljperf.distributed.runtime import shutdown_process
-from ljperf.engines import make_engine
+from ljperf.engines import Engine, make_engine
 from ljperf.models.spec import build_meta
 from ljperf.recompute.closed_loop import close_the_loop
 from ljperf.recompute.run import prepare_run
@@ -73,7 +73,7 @@ def run_worker(cfg: RunConfig, *, picture: Callable[..., None] | None = None) ->
         state.forecast_made = check_memory(run, state.recompute.plan if state.recompute else None)
         engine = make_engine(run)
         engine.setup(build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
-        record["config"]["engine"] = engine.describe()
+        record["config"]["engine"] = engine.describe().record()
         resume_collection()  # start-up is over: imports, forecast, the built and sharded model
         train_loop(run, engine, state=state, reporter=reporter)
         hold_interrupts()
@@ -142,7 +142,7 @@ def _draw(picture: Callable[..., None], run: RunContext, record: dict[str, Any],
     say(f"memory picture: {run.config.explain.plot}")
 
 
-def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: ProgressReporter) -> None:
+def train_loop(run: RunContext, engine: Engine, *, state: LoopState, reporter: ProgressReporter) -> None:
     """Warm-up steps, then timed steps between device synchronisations; memory on an untimed step."""
     train = run.train
     device = run.device.torch_device
@@ -192,7 +192,7 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
 
 def _steps(
     run: RunContext,
-    engine: Any,
+    engine: Engine,
     data: SyntheticTokens,
     state: LoopState,
     reporter: ProgressReporter,
@@ -238,19 +238,16 @@ def _steps(
 
 
 def measured_memory_step(
-    run: RunContext, engine: Any, batches: list[torch.Tensor]
+    run: RunContext, engine: Engine, batches: list[torch.Tensor]
 ) -> tuple[torch.Tensor, memory.MemoryStats]:
-    """An untimed step whose peak memory is the run's figure (CPU: live tensors; CUDA: the allocator's); its loss
-    and this rank's memory."""
+    """An untimed step whose peak memory is the run's figure (CPU: live tensors over the engine's state and the
+    batch; CUDA: the allocator's); its loss and this rank's memory."""
     device = run.device.torch_device
     if device.type == "cuda":
         memory.reset_cuda_peak(device)
         loss = engine.train_step(batches)
         # Read again when the loop ends (a later step may go higher); this reading is the progress line's.
         return loss, memory.cuda_stats(device)
-    # An engine whose state lies outside model/optimizer.state (DeepSpeed's flat partitions) lists its own.
-    own = getattr(engine, "state_tensors", None)
-    alive = (own() if own else memory.training_state_tensors(engine.model, engine.optimizer)) + batches
-    with memory.LiveTensorBytes(alive) as tracker:
+    with memory.LiveTensorBytes(engine.state_tensors() + batches) as tracker:
         loss = engine.train_step(batches)
     return loss, tracker.stats()
