@@ -97,9 +97,10 @@ def through_the_protocol(engine: Engine, *, argv: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def protocol_runs() -> dict[str, dict]:
     """Each engine made by ``make_engine`` and driven by ``through_the_protocol``, one after another in this
-    process, on a gloo group of this process alone (FSDP2 and DeepSpeed need one); the process's environment
-    (DeepSpeed sets ``LOCAL_RANK``) and group are put back after."""
-    environ = dict(os.environ)
+    process, on a gloo group of this process alone (FSDP2 and DeepSpeed need one). What they change for the rest
+    of a process is put back after: the environment (DeepSpeed sets ``LOCAL_RANK``), the group, and ``F.linear``
+    (ZeRO-3 replaces it with its memory-efficient one for good; a later test of this worker counted its matmuls)."""
+    environ, linear = dict(os.environ), torch.nn.functional.linear
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         runs = {}
@@ -112,6 +113,7 @@ def protocol_runs() -> dict[str, dict]:
         shutdown_process()
         os.environ.clear()
         os.environ.update(environ)
+        torch.nn.functional.linear = linear
 
 
 def test_every_engine_trains_to_the_same_losses_through_the_protocol(protocol_runs):
