@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from ljperf.benchmark.loop import measured_memory_step
-from ljperf.benchmark.record import LoopState
 from ljperf.core import hardware
 from ljperf.core.errors import describe
 from ljperf.core.options import OptimizationConfig, TrainConfig
@@ -58,11 +57,8 @@ def measure(run: RunContext) -> tuple[int, int | None] | None:
         tokens = [torch.randint(0, spec.vocab, (train.micro_batch, train.seq_len), device=device)]
         for _ in range(2):
             engine.train_step(tokens)
-        state = LoopState()
-        measured_memory_step(run, engine, tokens, state=state)
-        if device.type == "cuda":
-            return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-        return state.peak_allocated, None
+        _, stats = measured_memory_step(run, engine, tokens)
+        return stats.peak_allocated, stats.peak_reserved
     except torch.OutOfMemoryError:
         return None
     finally:

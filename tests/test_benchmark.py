@@ -19,6 +19,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from ljperf.benchmark.config import config_from_args
 from ljperf.benchmark.data import SyntheticTokens
 from ljperf.benchmark.loop import run_worker
+from ljperf.benchmark.record import memory_results
 from ljperf.commands import benchmark as benchmark_command
 from ljperf.distributed import memory
 from ljperf.models.build import materialize
@@ -55,6 +56,32 @@ def test_record_validates_against_the_documented_schema(twenty_steps):
     # CPU seconds of each step: within its wall time on this process's threads (and one more, its own helpers)
     most = (record["config"]["train"]["threads"] or 1) + 1
     assert all(0 < c <= most * w for c, w in zip(res["step_cpu_times_s"], res["step_times_s"], strict=True))
+
+
+def test_a_cpu_record_holds_the_allocator_retries_and_oom_count_each_null(twenty_steps):
+    """``num_alloc_retries`` and ``num_ooms`` (CUDA's caching allocator, as torchtitan reports them) are in every
+    record, per rank too; null on a CPU, which has no caching allocator to retry or count."""
+    res = twenty_steps[0]["results"]
+    for key in ("num_alloc_retries", "num_ooms"):
+        assert key in res and res[key] is None, key
+        assert res[f"{key}_per_rank"] == [None], key
+
+
+def test_the_records_memory_figures_are_each_ranks_and_their_maximum():
+    """As a CUDA run of three ranks fills them, one rank's unknown (a failed run knows only its own)."""
+
+    def cuda(allocated: int, retries: int, ooms: int) -> memory.MemoryStats:
+        return memory.MemoryStats(peak_allocated=allocated, peak_reserved=allocated + 1, num_alloc_retries=retries,
+                                  num_ooms=ooms, method=memory.CUDA_METHOD)  # fmt: skip
+
+    out = memory_results([cuda(100, 0, 0), None, cuda(90, 4, 1)])
+    assert out == {
+        "peak_allocated_bytes": 100, "peak_allocated_bytes_per_rank": [100, None, 90],
+        "peak_reserved_bytes": 101, "peak_reserved_bytes_per_rank": [101, None, 91],
+        "num_alloc_retries": 4, "num_alloc_retries_per_rank": [0, None, 4],
+        "num_ooms": 1, "num_ooms_per_rank": [0, None, 1],
+    }  # fmt: skip
+    assert memory_results([None])["num_ooms"] is None
 
 
 def test_a_default_device_record_calibrates_the_cpu(twenty_steps, tmp_path):

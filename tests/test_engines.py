@@ -1,4 +1,5 @@
-"""FSDP2 and DeepSpeed ZeRO engines: the DeepSpeed config rules, and real 2-process runs on CPU (gloo).
+"""The engines: each through the ``Engine`` protocol alone (one process), the DeepSpeed config rules, and real
+2-process runs of FSDP2 and DeepSpeed ZeRO on CPU (gloo).
 
 Run: ``.venv/bin/python -m pytest tests/test_engines.py`` (the slow part: one torchrun of all engines, ~1-2 min).
 """
@@ -7,18 +8,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from ljperf.benchmark.config import config_from_args
+from ljperf.benchmark.data import SyntheticTokens
+from ljperf.benchmark.loop import measured_memory_step
+from ljperf.cli import build_parser
 from ljperf.commands import benchmark as benchmark_command
 from ljperf.core import deepspeed_config as dsc
 from ljperf.core.errors import UsageError
-from ljperf.distributed.runtime import free_port
+from ljperf.distributed import memory
+from ljperf.distributed.runtime import free_port, shutdown_process
+from ljperf.engines import Engine, make_engine
 from ljperf.models.catalog import read_config_dict
+from ljperf.models.spec import build_meta
+from ljperf.run.context import init_process, unjoined
 
 from conftest import cli_env, read_record, run_main
 
@@ -50,6 +62,130 @@ def opts(**overrides) -> dsc.Options:
 
 def levels(findings: list[dsc.Finding]) -> list[str]:
     return [f.level for f in findings]
+
+
+# --- each engine through the Engine protocol alone, in this process ---
+
+PROTOCOL_ENGINES = ("torch", "fsdp", "deepspeed")
+PROTOCOL_STEPS = 3
+"""Steps before the measured one: it is the steady state's (optimizer states made in step 1)."""
+
+
+def through_the_protocol(engine: Engine, *, argv: list[str]) -> dict:
+    """Build and train ``engine`` with the protocol's methods alone, as the benchmark loop does: the steps' losses,
+    the measured step's memory, what the engine holds and its record."""
+    cfg = config_from_args(build_parser("benchmark").parse_args(argv), argv)
+    engine.setup(build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
+    train = cfg.train
+    data = SyntheticTokens(vocab=cfg.model.vocab, seq_len=train.seq_len, micro_batch=train.micro_batch,
+                           grad_accum=train.grad_accum, world=1, seed=train.seed)  # fmt: skip
+    cpu = torch.device("cpu")
+    losses = [float(engine.train_step(data.micro_batches(step, 0, cpu))) for step in range(PROTOCOL_STEPS)]
+    run = init_process(unjoined(cfg), need_group=True)
+    loss, stats = measured_memory_step(run, engine, data.micro_batches(PROTOCOL_STEPS, 0, cpu))
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in engine.state_tensors()}
+    return {
+        "losses": [*losses, float(loss)],
+        "memory": stats,
+        "state_bytes": sum(storages.values()),
+        "local_params": engine.local_params(),
+        "record": engine.describe().record(),
+        "model": engine.model,
+    }
+
+
+@pytest.fixture(scope="module")
+def protocol_runs() -> dict[str, dict]:
+    """Each engine made by ``make_engine`` and driven by ``through_the_protocol``, one after another in this
+    process, on a gloo group of this process alone (FSDP2 and DeepSpeed need one). What they change for the rest
+    of a process is put back after: the environment (DeepSpeed sets ``LOCAL_RANK``), the group, and ``F.linear``
+    (ZeRO-3 replaces it with its memory-efficient one for good; a later test of this worker counted its matmuls)."""
+    environ, linear = dict(os.environ), torch.nn.functional.linear
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        runs = {}
+        for name in PROTOCOL_ENGINES:
+            argv = ["benchmark", "--model", f"{name}/qwen-tiny", *shlex.split(COMMON)]
+            cfg = config_from_args(build_parser("benchmark").parse_args(argv), argv)
+            runs[name] = through_the_protocol(make_engine(init_process(unjoined(cfg), need_group=True)), argv=argv)
+        return runs
+    finally:
+        shutdown_process()
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.nn.functional.linear = linear
+
+
+def test_every_engine_trains_to_the_same_losses_through_the_protocol(protocol_runs):
+    """fp32 at one seed: FSDP2 and ZeRO-3 on one rank give the torch engine's losses (as on two ranks below)."""
+    reference = protocol_runs["torch"]["losses"]
+    assert len(reference) == PROTOCOL_STEPS + 1 and all(0 < x < 20 for x in reference)
+    for name in PROTOCOL_ENGINES:
+        assert protocol_runs[name]["losses"] == pytest.approx(reference, rel=1e-5), name
+
+
+def test_every_engine_reports_its_memory_and_its_record_through_the_protocol(protocol_runs):
+    """The measured step's figures on CPU (live tensor storages from what the engine keeps: at least fp32
+    parameters and two AdamW moments), null where only CUDA's allocator counts; the record's ``config.engine``."""
+    for name in PROTOCOL_ENGINES:
+        run = protocol_runs[name]
+        assert run["local_params"] == pytest.approx(PARAMS, rel=0.01), name  # one rank holds every parameter
+        assert run["state_bytes"] >= 12 * run["local_params"], name
+        stats = run["memory"]
+        assert stats.peak_allocated > run["state_bytes"], name  # the step's activations and gradients on top
+        assert (stats.peak_reserved, stats.num_alloc_retries, stats.num_ooms) == (None, None, None), name
+        assert stats.method == memory.CPU_METHOD
+        record = run["record"]
+        assert record["name"] == name and record["local_params"] == run["local_params"], name
+        assert record["optimizer"].startswith(("AdamW", "torch.optim.AdamW")), name
+        assert json.loads(json.dumps(record)) == record, name
+        assert isinstance(run["model"], torch.nn.Module), name
+    assert protocol_runs["torch"]["record"]["wrapper"] == "none"
+    assert protocol_runs["fsdp"]["record"]["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert protocol_runs["deepspeed"]["record"]["zero_stage"] == 3
+
+
+PROTOCOL_PROBE = """
+import torch
+
+from ljperf.engines import Engine, EngineRecord
+from ljperf.engines.deepspeed_engine import DeepSpeedEngine
+from ljperf.engines.fsdp_engine import FSDPEngine
+from ljperf.engines.torch_engine import TorchEngine
+
+
+class WithoutStateTensors:
+    model: torch.nn.Module
+
+    def setup(self, model: torch.nn.Module) -> None: ...
+    def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor: ...
+    def local_params(self) -> int: ...
+    def describe(self) -> EngineRecord: ...
+
+
+def engines(a: TorchEngine, b: FSDPEngine, c: DeepSpeedEngine) -> list[Engine]:
+    return [a, b, c]
+
+
+def refused(d: WithoutStateTensors) -> Engine:
+    return d
+"""
+
+
+def test_the_type_checker_takes_each_engine_class_as_an_engine_and_refuses_one_without_a_method(tmp_path):
+    """pyrefly (the project's type checker) on a file that assigns each engine class to the ``Engine`` protocol:
+    no error for the three; one for a class without ``state_tensors``, naming it. (An engine that lost a method
+    fails here and in ``create(run) -> Engine`` of its module.)"""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROTOCOL_PROBE)
+    pyrefly = Path(sys.executable).parent / "pyrefly"
+    cmd = [str(pyrefly), "check", str(probe), "--python-interpreter-path", sys.executable]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1 and "`WithoutStateTensors` is not assignable" in errors[0], out
+    line = 1 + PROTOCOL_PROBE.splitlines().index("    return d")
+    assert f"probe.py:{line}:" in out and "Protocol `Engine` requires attribute `state_tensors`" in out, out
 
 
 # --- the lint and the config rules (no processes) ---

@@ -11,7 +11,6 @@ import torch
 
 import ljperf.forecast.blocks
 from ljperf.benchmark.loop import measured_memory_step
-from ljperf.benchmark.record import LoopState
 from ljperf.cli import main
 from ljperf.core.options import OptimizationConfig, TrainConfig
 from ljperf.core.plans import fixed_plan, parse_recompute
@@ -45,9 +44,8 @@ def measured_peak(
     engine.setup(build_meta(spec, attn_implementation=attn))
     tokens = [torch.randint(0, spec.vocab, (micro_batch, seq_len))]
     engine.train_step(tokens)
-    state = LoopState()
-    measured_memory_step(run, engine, tokens, state=state)
-    return state.peak_allocated
+    _, stats = measured_memory_step(run, engine, tokens)
+    return stats.peak_allocated
 
 
 CONFIGS = [

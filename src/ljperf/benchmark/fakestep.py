@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ljperf.core.hardware import DeviceInfo
 from ljperf.core.options import EngineConfig, OptimizationConfig, TrainConfig
 from ljperf.distributed.runtime import Process
-from ljperf.engines.common import adamw
+from ljperf.engines import Engine
 from ljperf.engines.fsdp_engine import FSDPEngine
-from ljperf.engines.parallelize import apply_optimizations
 from ljperf.engines.torch_engine import TorchEngine
 from ljperf.forecast.patches import real_code_paths, swapped
 from ljperf.forecast.recipe import Recipe
@@ -33,6 +33,11 @@ from ljperf.models.build import cast_parameters
 from ljperf.models.spec import ModelSpec, build_meta
 from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+    from torch.distributed._tools.mem_tracker import MemTracker, _State
+    from torch.distributed.device_mesh import DeviceMesh
 
 FSDP_TORCH = (2, 13)
 """The first torch whose DTensor sharding propagation makes no fake tensors the measurement would count."""
@@ -78,6 +83,7 @@ def fake_step_peak(spec: ModelSpec, recipe: Recipe) -> int:
     with contextlib.ExitStack() as stack:
         mesh = stack.enter_context(_fake_world(recipe.world))
         stack.enter_context(real_code_paths())
+        engine: Engine
         if recipe.engine == "fsdp":
             # A device mesh cannot be made on fake tensors: the engine gets the one made before.
             engine = FSDPEngine(run, mesh=mesh)
@@ -88,40 +94,38 @@ def fake_step_peak(spec: ModelSpec, recipe: Recipe) -> int:
             with fake_mode:
                 engine.setup(model)
         else:
-            # The engine's weights, made fake: ``setup``'s ``materialize`` cannot move fake parameters.
+            # The engine's weights, made fake: ``setup`` keeps parameters that are already off the meta device.
             engine = TorchEngine(run)
-            engine.model = apply_optimizations(
-                fake_model(spec, attn=recipe.attn_implementation, fake_mode=fake_mode, dtype=run.weight_dtype), run
-            )
-            engine.optimizer = adamw(engine.model.parameters(), run=run)
+            engine.setup(fake_model(spec, attn=recipe.attn_implementation, fake_mode=fake_mode, dtype=run.weight_dtype))
         stack.enter_context(fake_mode)
         tokens = torch.zeros(recipe.micro_batch, recipe.seq_len, dtype=torch.long)
         engine.train_step([tokens])
         tracker = _peak_tracker()
-        tracker.track_external(engine.model, engine.optimizer, tokens)
+        tracker.track_external(*engine.state_tensors(), tokens)
         with tracker:
             engine.train_step([tokens])
-    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-def _peak_tracker() -> object:
+def _peak_tracker() -> MemTracker:
     """PyTorch's ``MemTracker``, keeping its peak over the whole step only. After every operation it also walks
     every module it has seen to raise the peaks of those running (per module: not read here), which took half of
     a 16-layer model's fake step (9 of 18 CPU-s): those module records are set aside while it updates its own.
     And a fake tensor's device, two of three ops a fake step dispatches, is answered without its walk (8.1 -> 6.4
     CPU-s for llama3.2-1b at 2048 tokens, the same peak)."""
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.weak import WeakIdKeyDictionary
 
     class PeakTracker(MemTracker):
         def __torch_dispatch__(
-            self, func: object, types: object, args: tuple[object, ...] = (), kwargs: dict | None = None
+            self, func: OpOverload, types: object, args: tuple[Any, ...] = (), kwargs: dict | None = None
         ) -> object:
             if (device := fake_device(func, args)) is not None:
                 return device
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-        def _update_peak_stats(self, peak_state: object) -> None:
-            modules, self.memory_tracking = self.memory_tracking, {}
+        def _update_peak_stats(self, peak_state: _State) -> None:
+            modules, self.memory_tracking = self.memory_tracking, WeakIdKeyDictionary()
             try:
                 super()._update_peak_stats(peak_state)
             finally:
@@ -131,7 +135,7 @@ def _peak_tracker() -> object:
 
 
 @contextlib.contextmanager
-def _fake_world(world: int) -> Iterator[object | None]:
+def _fake_world(world: int) -> Generator[DeviceMesh | None]:
     """``world`` ranks on torch's fake process group, this process rank 0 (and their device mesh); none for 1."""
     if world == 1:
         yield None

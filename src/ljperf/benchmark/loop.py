@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from ljperf.core.records import write_json
 from ljperf.distributed import memory
 from ljperf.distributed.launch import RunFolder, launcher_gone
 from ljperf.distributed.runtime import shutdown_process
-from ljperf.engines import make_engine
+from ljperf.engines import Engine, make_engine
 from ljperf.models.spec import build_meta
 from ljperf.recompute.closed_loop import close_the_loop
 from ljperf.recompute.run import prepare_run
@@ -72,7 +73,7 @@ def run_worker(cfg: RunConfig, *, picture: Callable[..., None] | None = None) ->
         state.forecast_made = check_memory(run, state.recompute.plan if state.recompute else None)
         engine = make_engine(run)
         engine.setup(build_meta(cfg.model, attn_implementation=cfg.train.attn_implementation))
-        record["config"]["engine"] = engine.describe()
+        record["config"]["engine"] = engine.describe().record()
         resume_collection()  # start-up is over: imports, forecast, the built and sharded model
         train_loop(run, engine, state=state, reporter=reporter)
         hold_interrupts()
@@ -94,7 +95,9 @@ def run_worker(cfg: RunConfig, *, picture: Callable[..., None] | None = None) ->
         print(f"ljperf benchmark: {reason} before the run began; no record written", file=sys.stderr)
         return exit_code
     if record is None:  # the process group failed to form
-        record, reporter = new_record(cfg, run), ProgressReporter(run)
+        record = new_record(cfg, run)
+    if reporter is None:
+        reporter = ProgressReporter(run)
     recompute = state.recompute
     rflops = recompute.recompute_flops_per_token if recompute else 0.0
     record["results"] = results_section(cfg, run, state, status=status, reason=reason, recompute_flops_per_token=rflops)
@@ -117,7 +120,7 @@ def run_worker(cfg: RunConfig, *, picture: Callable[..., None] | None = None) ->
             print_result_table(record)
         if picture is not None:
             _draw(picture, run, record, recompute)
-        if status != "ok" and not reporter.watched:
+        if reason is not None and not reporter.watched:  # failed
             interrupted = exit_code in (EXIT_SIGINT, EXIT_SIGTERM)
             print(last_line(reason, interrupted=interrupted, output=cfg.output, status=status), file=sys.stderr)
     if status == "ok" or run.world == 1:  # a failed group is kept: its barrier could wait on a lost peer
@@ -139,7 +142,7 @@ def _draw(picture: Callable[..., None], run: RunContext, record: dict[str, Any],
     say(f"memory picture: {run.config.explain.plot}")
 
 
-def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: ProgressReporter) -> None:
+def train_loop(run: RunContext, engine: Engine, *, state: LoopState, reporter: ProgressReporter) -> None:
     """Warm-up steps, then timed steps between device synchronisations; memory on an untimed step."""
     train = run.train
     device = run.device.torch_device
@@ -182,14 +185,14 @@ def train_loop(run: RunContext, engine: Any, *, state: LoopState, reporter: Prog
     finally:  # a run that fails after its measured step (out of memory in a later one) keeps its peak
         if device.type == "cuda":
             with contextlib.suppress(RuntimeError):  # a broken CUDA context must not hide the run's own error
-                state.peak_allocated, state.peak_reserved = memory.cuda_peaks(device)
+                state.memory = memory.cuda_stats(device)
         with contextlib.suppress(RuntimeError):  # CUDA: a step cut short left an event unrecorded
             state.phase_seconds = clock.seconds()
 
 
 def _steps(
     run: RunContext,
-    engine: Any,
+    engine: Engine,
     data: SyntheticTokens,
     state: LoopState,
     reporter: ProgressReporter,
@@ -207,11 +210,12 @@ def _steps(
         batches = data.micro_batches(step, run.dp_rank, device)
         if fault is not None:
             fault.maybe_fire(step, run.rank)
-        elapsed = None
+        elapsed, peaks = None, None
         if step in measure_steps:
-            loss = measured_memory_step(run, engine, batches, state=state)
+            loss, stats = measured_memory_step(run, engine, batches)
+            state.memory, peaks = stats, asdict(stats)
             if step == track_step and closed_loop:
-                if loop := close_the_loop(run, engine.model, state.recompute, measured=state.peak_allocated):
+                if loop := close_the_loop(run, engine.model, state.recompute, measured=stats.peak_allocated):
                     state.recompute, state.closed_loop = loop
                     # CUDA's counters were reset for the new plan; the CPU measures its first step if untimed
                     if state.closed_loop["replanned"] and device.type != "cuda":
@@ -230,33 +234,20 @@ def _steps(
                 state.losses.append(loss)
         if not math.isfinite(value := float(loss)):
             raise Diverged(f"the loss became {value} at step {step + 1}")
-        peaks = None
-        if step in measure_steps:
-            peaks = {
-                "peak_allocated": state.peak_allocated,
-                "peak_reserved": state.peak_reserved,
-                "memory_method": state.memory_method,
-            }
         reporter.step(step, total=total, loss=loss, seconds=elapsed, peaks=peaks)
 
 
 def measured_memory_step(
-    run: RunContext, engine: Any, batches: list[torch.Tensor], *, state: LoopState
-) -> torch.Tensor:
-    """An untimed step whose peak memory is the run's figure (CPU: live tensors; CUDA: allocator)."""
+    run: RunContext, engine: Engine, batches: list[torch.Tensor]
+) -> tuple[torch.Tensor, memory.MemoryStats]:
+    """An untimed step whose peak memory is the run's figure (CPU: live tensors over the engine's state and the
+    batch; CUDA: the allocator's); its loss and this rank's memory."""
     device = run.device.torch_device
     if device.type == "cuda":
         memory.reset_cuda_peak(device)
-        state.memory_method = memory.CUDA_METHOD
         loss = engine.train_step(batches)
         # Read again when the loop ends (a later step may go higher); this reading is the progress line's.
-        state.peak_allocated, state.peak_reserved = memory.cuda_peaks(device)
-        return loss
-    # An engine whose state lies outside model/optimizer.state (DeepSpeed's flat partitions) lists its own.
-    own = getattr(engine, "state_tensors", None)
-    alive = (own() if own else memory.training_state_tensors(engine.model, engine.optimizer)) + batches
-    with memory.LiveTensorBytes(alive) as tracker:
+        return loss, memory.cuda_stats(device)
+    with memory.LiveTensorBytes(engine.state_tensors() + batches) as tracker:
         loss = engine.train_step(batches)
-    state.peak_allocated = tracker.peak
-    state.memory_method = memory.CPU_METHOD
-    return loss
+    return loss, tracker.stats()

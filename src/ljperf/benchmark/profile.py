@@ -13,7 +13,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from ljperf.core import hardware
 from ljperf.core.console import say, warn
 from ljperf.core.phases import PhaseClock
 from ljperf.run.context import RunContext
+
+if TYPE_CHECKING:
+    from ljperf.engines import Engine
 
 PROFILED_STEPS = 2
 """Steps the trace holds."""
@@ -42,7 +45,7 @@ def snapshot_path(folder: str | Path, rank: int) -> Path:
 
 
 def profile_steps(
-    run: RunContext, engine: Any, data: SyntheticTokens, *, first: int, fault: Fault | None = None
+    run: RunContext, engine: Engine, data: SyntheticTokens, *, first: int, fault: Fault | None = None
 ) -> dict[str, Any]:
     """Profile ``PROFILER_WARMUP + PROFILED_STEPS`` steps from step ``first`` on, write this rank's trace, and on
     CUDA snapshot the allocator over one more step. Returns this rank's ``results.profile`` (``record``), the
@@ -74,7 +77,7 @@ def profile_steps(
 
 
 def _traced_steps(
-    run: RunContext, engine: Any, data: SyntheticTokens, *, first: int, into: Path, fault: Fault | None
+    run: RunContext, engine: Engine, data: SyntheticTokens, *, first: int, into: Path, fault: Fault | None
 ) -> list[float]:
     """The profiled steps' wall seconds; their trace (CPU activities, CUDA's too on a GPU, shapes; stacks with
     ``--profile-with-stack``) goes to a hidden file in the folder, renamed to ``into`` once whole. ``fault``
@@ -112,7 +115,7 @@ def _traced_steps(
     return wall
 
 
-def memory_snapshot(engine: Any, batches: list[torch.Tensor], *, path: Path, device: torch.device) -> None:
+def memory_snapshot(engine: Engine, batches: list[torch.Tensor], *, path: Path, device: torch.device) -> None:
     """The CUDA caching allocator's history over one step, as ``torch.cuda.memory._dump_snapshot`` writes it
     (into a hidden file of the folder, renamed to ``path`` once whole)."""
     partial = path.with_name(f".{path.name}.partial")

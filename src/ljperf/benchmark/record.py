@@ -21,6 +21,7 @@ from ljperf.core import hardware
 from ljperf.core.options import LaunchConfig, default_adamw_impl
 from ljperf.core.records import record_header
 from ljperf.distributed.launch import local_world_size, under_torchrun
+from ljperf.distributed.memory import MemoryStats
 from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext, unjoined
 
@@ -34,9 +35,8 @@ class LoopState:
     step_cpu_times: list[float] = field(default_factory=list)
     """This process's CPU seconds (user + system, all its threads) in each timed step: on a shared CPU, the
     work without the time spent waiting for a core."""
-    peak_allocated: int | None = None
-    peak_reserved: int | None = None
-    memory_method: str | None = None
+    memory: MemoryStats | None = None
+    """This rank's memory (None until a step is measured; CUDA: read again when the loop ends)."""
     recompute: Any = None
     """The recompute plan running (``checkpoint.solver.Decision``; the closed loop may replace it)."""
     closed_loop: dict | None = None
@@ -107,7 +107,6 @@ def results_section(
     """The ``results`` of the record; all ranks call it (it gathers when the run is healthy)."""
     healthy = status == "ok" and dist.is_initialized()
     losses = [float(x) for x in _mean_over_ranks(state.losses, healthy)]
-    per_rank_alloc, per_rank_reserved = _per_rank_memory(run, state, healthy)
     out: dict[str, Any] = {
         "status": status,
         "reason": reason,
@@ -115,11 +114,8 @@ def results_section(
         "losses": losses,
         "step_times_s": state.step_times,
         "step_cpu_times_s": state.step_cpu_times,
-        "peak_allocated_bytes": max((x for x in per_rank_alloc if x is not None), default=None),
-        "peak_reserved_bytes": max((x for x in per_rank_reserved if x is not None), default=None),
-        "peak_allocated_bytes_per_rank": per_rank_alloc,
-        "peak_reserved_bytes_per_rank": per_rank_reserved,
-        "memory_method": state.memory_method,
+        **memory_results(_per_rank_memory(run, state, healthy)),
+        "memory_method": state.memory.method if state.memory is not None else None,
     }
     # A run that timed no step has every figure, each null (it lacked the mean, HFU and the peak used).
     figures: dict[str, Any] = dict.fromkeys([f.name for f in fields(Throughput)] + ["peak_tflops_per_device"])
@@ -140,7 +136,7 @@ def results_section(
             )
         ) | {"peak_tflops_per_device": peak}
     if cfg.optim.compile_mode != "off":
-        out["compile"] = session().results() if session() else None
+        out["compile"] = sess.results() if (sess := session()) is not None else None
     out |= explained(cfg, run, state, healthy=healthy)
     return {**figures, **out}
 
@@ -183,15 +179,34 @@ def _mean_over_ranks(losses: list[torch.Tensor], healthy: bool) -> list[float]:
     return stacked.tolist()
 
 
-def _per_rank_memory(run: RunContext, state: LoopState, healthy: bool) -> tuple[list[int | None], list[int | None]]:
+MEMORY_FIELDS = {
+    "peak_allocated_bytes": "peak_allocated",
+    "peak_reserved_bytes": "peak_reserved",
+    "num_alloc_retries": "num_alloc_retries",
+    "num_ooms": "num_ooms",
+}
+"""The record's memory figures and the ``MemoryStats`` field each is read from."""
+
+
+def memory_results(per_rank: list[MemoryStats | None]) -> dict[str, Any]:
+    """Each of ``MEMORY_FIELDS``: its maximum over the ranks, and ``*_per_rank`` (null where a rank's is unknown, and
+    on CPU for what only CUDA's allocator counts)."""
+    out: dict[str, Any] = {}
+    for key, attr in MEMORY_FIELDS.items():
+        column = [None if stats is None else getattr(stats, attr) for stats in per_rank]
+        out[key] = max((x for x in column if x is not None), default=None)
+        out[f"{key}_per_rank"] = column
+    return out
+
+
+def _per_rank_memory(run: RunContext, state: LoopState, healthy: bool) -> list[MemoryStats | None]:
     """One entry per rank; a failed run knows only its own (the others are None)."""
-    mine = (state.peak_allocated, state.peak_reserved)
-    gathered: list[Any] = [None] * run.world
+    gathered: list[MemoryStats | None] = [None] * run.world
     if healthy and run.world > 1:
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, state.memory)
     else:
-        gathered[run.rank] = mine
-    return [None if g is None else g[0] for g in gathered], [None if g is None else g[1] for g in gathered]
+        gathered[run.rank] = state.memory
+    return gathered
 
 
 def results_from_progress(cfg: RunConfig, progress: Path) -> dict[str, Any]:
@@ -207,8 +222,6 @@ def results_from_progress(cfg: RunConfig, progress: Path) -> dict[str, Any]:
             state.step_times.append(seconds)
             state.losses.append(torch.tensor(entry["loss"]))
         if "peaks" in entry:  # the measured step's memory: rank 0's, the figure a record from its end would hold
-            state.peak_allocated = entry["peaks"]["peak_allocated"]
-            state.peak_reserved = entry["peaks"]["peak_reserved"]
-            state.memory_method = entry["peaks"]["memory_method"]
+            state.memory = MemoryStats(**entry["peaks"])
     record["results"] = results_section(cfg, run, state, status="error", reason=None)
     return record

@@ -1,4 +1,5 @@
-"""Peak memory of a training step: CUDA allocator statistics, or live tensor bytes on CPU.
+"""Peak memory of a training step, as the record holds it per rank (``MemoryStats``): CUDA allocator statistics, or
+live tensor bytes on CPU.
 
 torch has no CPU allocator statistics, so on CPU ``LiveTensorBytes`` counts every tensor storage that
 an aten op creates, from creation until Python frees it, on top of the storages already alive
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,10 +21,30 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from torch._ops import OpOverload
 
 CPU_METHOD = "live tensor storages (TorchDispatchMode), untimed warm-up step, compiled regions run eager"
 CUDA_METHOD = "torch.cuda.max_memory_allocated / max_memory_reserved"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryStats:
+    """One rank's memory over its measured steps: its entry in the record's ``results.*_per_rank``."""
+
+    peak_allocated: int
+    """Peak bytes: the CUDA allocator's since the measured step began; on CPU the measured step's live tensor
+    storages."""
+    peak_reserved: int | None
+    """The CUDA allocator's peak reserved bytes (None on CPU: no caching allocator)."""
+    num_alloc_retries: int | None
+    """Times the CUDA allocator failed a device allocation, freed its cache and retried, since the process began (a
+    sign of fragmentation near the memory's limit; None on CPU)."""
+    num_ooms: int | None
+    """Out-of-memory errors the CUDA allocator raised since the process began (None on CPU)."""
+    method: str
+    """How it was measured (``CUDA_METHOD`` or ``CPU_METHOD``)."""
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -45,6 +67,12 @@ class LiveTensorBytes(TorchDispatchMode):
         self.baseline = self.current
         self.peak = self.current
         self._resize = None
+
+    def stats(self) -> MemoryStats:
+        """The peak seen, as a CPU rank records it."""
+        return MemoryStats(
+            peak_allocated=self.peak, peak_reserved=None, num_alloc_retries=None, num_ooms=None, method=CPU_METHOD
+        )
 
     def _track(self, tensor: torch.Tensor, *, existed: bool = False) -> None:
         storage = _storage(tensor)
@@ -85,17 +113,19 @@ class LiveTensorBytes(TorchDispatchMode):
             return out
 
         self._resize = resize
-        torch.UntypedStorage.resize_ = tracked_resize
+        setattr(torch.UntypedStorage, "resize_", tracked_resize)  # noqa: B010 (torch's stub types it returning Never)
         # Dynamo skips a frame called under a dispatch mode like this one and marks its code never to compile
         # again: every later step would run eager. Compiled regions run eager while measured instead (inductor's
         # CPU buffers bypass the dispatcher, so a compiled step could not be counted anyway).
         self._stance = torch.compiler.set_stance("force_eager")
         return super().__enter__()
 
-    def __exit__(self, *exc: object):
-        torch.UntypedStorage.resize_ = self._resize
-        self._stance.__exit__(*exc)
-        return super().__exit__(*exc)
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc_val: BaseException | None, exc_tb: TracebackType | None
+    ):
+        setattr(torch.UntypedStorage, "resize_", self._resize)  # noqa: B010
+        self._stance.__exit__(exc_type, exc_val, exc_tb)
+        return super().__exit__(exc_type, exc_val, exc_tb)
 
     def __torch_dispatch__(
         self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -176,3 +206,17 @@ def reset_cuda_peak(device: torch.device) -> None:
 def cuda_peaks(device: torch.device) -> tuple[int, int]:
     """(max allocated, max reserved) bytes since the last reset."""
     return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
+def allocator_failures(device: torch.device) -> tuple[int, int]:
+    """(retries, OOMs) of the CUDA caching allocator since the process began, as torchtitan reports them."""
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
+
+
+def cuda_stats(device: torch.device) -> MemoryStats:
+    """This rank's CUDA figures: peaks since the last ``reset_cuda_peak``, the allocator's failures."""
+    (allocated, reserved), (retries, ooms) = cuda_peaks(device), allocator_failures(device)
+    return MemoryStats(
+        peak_allocated=allocated, peak_reserved=reserved, num_alloc_retries=retries, num_ooms=ooms, method=CUDA_METHOD
+    )

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,11 +24,26 @@ from ljperf.core.errors import interruption, one_line
 from ljperf.core.phases import phase
 from ljperf.core.records import without_secrets
 from ljperf.distributed import memory
+from ljperf.engines import Engine, EngineRecord
 from ljperf.engines.common import adamw, decoder_blocks, parameter_names
 from ljperf.engines.parallelize import apply_optimizations
 from ljperf.models.build import init_value, materialize, replace_parameters
 from ljperf.models.step import causal_lm_loss
 from ljperf.run.context import RunContext
+
+if TYPE_CHECKING:
+    import deepspeed
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedRecord(EngineRecord):
+    zero_stage: int
+    config_source: str
+    """``ljperf``, or the ``--deepspeed-config`` file merged with ljperf's options."""
+    deepspeed_config: dict[str, Any]
+    """The resolved config, secrets left out."""
+    warnings: list[str]
+    """What the config lint found (also printed)."""
 
 
 class DeepSpeedEngine:
@@ -36,7 +52,9 @@ class DeepSpeedEngine:
     def __init__(self, run: RunContext):
         self.run = run
         self.config, self.warnings = resolved_config(run)
-        self.model: torch.nn.Module
+        self.model: deepspeed.DeepSpeedEngine
+        self.module: torch.nn.Module
+        """The model inside ``self.model`` (DeepSpeed's ``engine.module``)."""
         self.optimizer: Any = None
 
     def setup(self, model: torch.nn.Module) -> None:
@@ -69,12 +87,13 @@ class DeepSpeedEngine:
             if run.is_main:
                 warn(f"DeepCompile unavailable, engine.compile() runs without it: {reason}")
         engine, optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=self.config
+            model=model,
+            model_parameters=model.parameters(),  # type: ignore[bad-argument-type] (typed as a Module: it takes these)
+            config=self.config,
         )
         if run.optim.compile_mode == "deepspeed":
             compile_deepspeed_engine(engine, verbose=run.is_main)
-        self.model = engine
-        self.optimizer = optimizer
+        self.model, self.module, self.optimizer = engine, model, optimizer
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         # DeepSpeed divides each micro-step's loss by gradient_accumulation_steps and steps at the boundary.
@@ -93,28 +112,28 @@ class DeepSpeedEngine:
         """Every tensor DeepSpeed keeps between steps on this rank: parameters (ZeRO-3: their partitions),
         gradients, the flat fp32 partitions and the optimizer states (``optimizer.state`` misses the flat ones)."""
         found = memory.reachable_tensors(self.optimizer)
-        for param in self.model.module.parameters():
+        for param in self.module.parameters():
             found += [t for t in (param, getattr(param, "ds_tensor", None), param.grad) if t is not None]
-        return found + list(self.model.module.buffers())
+        return found + list(self.module.buffers())
 
     def local_params(self) -> int:
         """Parameter elements this rank holds (ZeRO-3: its partitions, plus the small persistent parameters)."""
         total = 0
-        for param in self.model.module.parameters():
+        for param in self.module.parameters():
             part = getattr(param, "ds_tensor", None)
             total += part.numel() if part is not None else param.numel()
         return total
 
-    def describe(self) -> dict:
-        return {
-            "name": "deepspeed",
-            "zero_stage": self.config["zero_optimization"]["stage"],
-            "local_params": self.local_params(),
-            "config_source": self.run.engine_opts.deepspeed_config or "ljperf",
-            "deepspeed_config": without_secrets(self.config),
-            "warnings": [f"{f.message}; fix: {f.fix}" for f in self.warnings],
-            "optimizer": "torch.optim.AdamW (DeepSpeed torch_adam)",
-        }
+    def describe(self) -> DeepSpeedRecord:
+        return DeepSpeedRecord(
+            name="deepspeed",
+            local_params=self.local_params(),
+            optimizer="torch.optim.AdamW (DeepSpeed torch_adam)",
+            zero_stage=self.config["zero_optimization"]["stage"],
+            config_source=self.run.engine_opts.deepspeed_config or "ljperf",
+            deepspeed_config=without_secrets(self.config),
+            warnings=[f"{f.message}; fix: {f.fix}" for f in self.warnings],
+        )
 
 
 def _materialize_partitioned(
@@ -196,5 +215,5 @@ def _without_shared_memory_comm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def create(run: RunContext) -> DeepSpeedEngine:
+def create(run: RunContext) -> Engine:
     return DeepSpeedEngine(run)

@@ -11,6 +11,8 @@ equal the torch engine's.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -20,12 +22,26 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from ljperf.core.mesh import MeshShape
 from ljperf.core.phases import phase
+from ljperf.distributed import memory
 from ljperf.distributed.mesh import data_parallel_mesh, device_mesh
+from ljperf.engines import Engine, EngineRecord
 from ljperf.engines.common import adamw, decoder_blocks, parameter_names
 from ljperf.engines.parallelize import apply_optimizations
 from ljperf.models.build import cast_parameters, init_value, parameter_slots
 from ljperf.models.step import accumulate
 from ljperf.run.context import RunContext
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPRecord(EngineRecord):
+    wrapper: str
+    """How the model is split: FSDP2 (or HSDP), tensor parallel, or both."""
+    world: int
+    mesh: dict[str, int]
+    """The device mesh's shape (``config.mesh``)."""
+    reshard_after_forward: bool
+    mixed_precision: str | None
+    """How bf16 is applied (None: fp32)."""
 
 
 class FSDPEngine:
@@ -38,7 +54,7 @@ class FSDPEngine:
         """The device mesh to shard over (default: one dimension of every rank, or the run's mesh, made in
         ``setup``)."""
         self.model: torch.nn.Module
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer: torch.optim.Optimizer
 
     def setup(self, model: torch.nn.Module) -> None:
         run, shape = self.run, self.run.mesh
@@ -50,7 +66,7 @@ class FSDPEngine:
             )
         model = apply_optimizations(model, run, tp_mesh=self.mesh["tp"] if shape.tp > 1 else None)
         dp_mesh = data_parallel_mesh(self.mesh, shape) if shape.beyond_fsdp else self.mesh
-        options = {"mesh": dp_mesh, "reshard_after_forward": run.engine_opts.reshard_after_forward}
+        options: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": run.engine_opts.reshard_after_forward}
         if run.weight_dtype != torch.float32:  # bf16 weights: gathered, computed and reduced in bf16
             model = cast_parameters(model, run.weight_dtype)
         elif run.bf16:
@@ -78,18 +94,27 @@ class FSDPEngine:
             self.optimizer.zero_grad(set_to_none=True)
         return loss
 
-    def describe(self) -> dict:
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Parameters, gradients and optimizer states are this rank's shards (``LiveTensorBytes`` counts a
+        DTensor's local one)."""
+        return memory.training_state_tensors(self.model, self.optimizer)
+
+    def local_params(self) -> int:
+        """Parameter elements of this rank's shards."""
+        return sum(_local(p).numel() for p in self.model.parameters())
+
+    def describe(self) -> FSDPRecord:
         shape = self.run.mesh
-        return {
-            "name": "fsdp",
-            "local_params": sum(_local(p).numel() for p in self.model.parameters()),
-            "wrapper": _wrapper(shape),
-            "world": self.run.world,
-            "mesh": shape.record(),
-            "reshard_after_forward": self.run.engine_opts.reshard_after_forward,
-            "mixed_precision": _mixed_precision(self.run),
-            "optimizer": "AdamW",
-        }
+        return FSDPRecord(
+            name="fsdp",
+            local_params=self.local_params(),
+            wrapper=_wrapper(shape),
+            world=self.run.world,
+            mesh=shape.record(),
+            reshard_after_forward=self.run.engine_opts.reshard_after_forward,
+            mixed_precision=_mixed_precision(self.run),
+            optimizer="AdamW",
+        )
 
 
 def _wrapper(shape: MeshShape) -> str:
@@ -107,8 +132,9 @@ def _reduce_partial_grads(model: torch.nn.Module) -> None:
     sum) is all-reduced once into its placements before the step, as FSDP2 does before it reduce-scatters; the
     optimizer would otherwise reduce it in every op that reads it."""
     for param in model.parameters():
-        if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
-            param.grad = param.grad.redistribute(placements=param.placements)
+        grad = param.grad
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(placements=param.placements)
 
 
 def _mixed_precision(run: RunContext) -> str | None:
@@ -150,5 +176,5 @@ def _materialize_shards(
                 param.copy_(full)
 
 
-def create(run: RunContext) -> FSDPEngine:
+def create(run: RunContext) -> Engine:
     return FSDPEngine(run)
