@@ -407,6 +407,21 @@ def test_a_title_names_a_catalog_model_as_engine_slash_name_and_a_config_path_as
     assert shape_title("fsdp", "/data/config.json", where="2 process(es)", shape=shape) == title
 
 
+def test_a_runs_title_names_its_zero_stage_and_fsdp2s_shards_and_reshard_setting():
+    """A user could not see that a --deepspeed-config's stage 2 was honoured without --json."""
+    from ljperf.run.titles import run_title
+
+    train = {"micro_batch": 1, "seq_len": 32, "grad_accum": 1, "precision": "fp32", "device": "cuda"}
+    base = {"model": {"name": "llama-tiny"}, "launch": {"world_size": 2}, "train": train}
+    zero2 = run_title({**base, "engine": {"name": "deepspeed", "zero_stage": 2}})
+    assert zero2 == "deepspeed/llama-tiny · 2 process(es) · ZeRO-2 · mb 1 × seq 32 × accum 1 · fp32"
+    fsdp = {"name": "fsdp", "mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 1}, "reshard_after_forward": False}
+    assert " · FSDP2 over 2 shards, no reshard after forward · " in run_title({**base, "engine": fsdp})
+    hsdp = {**base, "mesh": {"dp_replicate": 2, "dp_shard": 1, "tp": 1}, "engine": {**fsdp, "mesh": {}}}
+    assert "2 process(es) (2 replicas × 1 shard × tp 1) · FSDP2, no reshard after forward · mb" in run_title(hsdp)
+    assert run_title({**base, "engine": {"name": "torch"}}).startswith("torch/llama-tiny · 2 process(es) · mb 1 ×")
+
+
 @pytest.mark.parametrize(
     ("name", "tflops"),
     [

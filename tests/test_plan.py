@@ -231,3 +231,13 @@ def test_calibration_fits_scale_and_offset(tmp_path, monkeypatch, capsys):
     )
     assert main(["plan", "--calibrate", *paths, "--model", "torch/llama3-8b"]) == 2
     assert "it takes no --model" in capsys.readouterr().err
+
+
+def test_the_plans_title_names_the_zero_stage_of_its_deepspeed_config_and_fsdp2s_setting(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    base = ["plan", "--device", "cpu", "--seq-len", "64"]
+    assert main([*base, "--model", "deepspeed/llama-tiny", "--deepspeed-config", str(ds)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("deepspeed/llama-tiny · 1 × cpu · ZeRO-2 · mb 1")
+    assert main([*base, "--model", "fsdp/llama-tiny", "--gpus", "2", "--no-reshard-after-forward"]) == 0
+    assert "· 2 × cpu · FSDP2 over 2 shards, no reshard after forward · mb 1" in capsys.readouterr().out

@@ -23,7 +23,7 @@ from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.models.spec import ModelSpec
 from ljperf.recompute.solver import Decision, solve_for_plan
 from ljperf.run.config import RunConfig, fixed_recompute
-from ljperf.run.titles import shape_title
+from ljperf.run.titles import shape_title, strategy
 
 
 def planned(cfg: RunConfig, *, world: int, memory: int, device_name: str | None) -> tuple[dict, Decision | None]:
@@ -139,6 +139,13 @@ def print_plan(report: dict) -> None:
     where = f"{recipe['world']} × {recipe['device']}"
     if mesh := MeshShape(**recipe.get("mesh", {})).describe():
         where += f" ({mesh})"
+    how = strategy(
+        recipe["engine"],
+        zero_stage=recipe.get("zero_stage"),
+        mesh=recipe.get("mesh", {}),
+        reshard_after_forward=recipe.get("reshard_after_forward", True),
+    )
+    where += f" · {how}" if how else ""
     table = titled_table(shape_title(recipe["engine"], report["model"]["name"], where=where, shape=recipe))
     peak = report["peak_allocated_bytes"]
     unit, scale = unit_of(peak)  # one unit for the column, the peak's (tiny models read 0.00 in GiB)
