@@ -93,6 +93,19 @@ def test_table_is_printed(twenty_steps):
         assert text in stdout
 
 
+def test_every_step_time_printed_names_its_statistic(twenty_steps):
+    """The table said ``step time p50 60.6 ms`` and the breakdown below it ``step 67.0 ms`` (its mean)."""
+    record, stdout = twenty_steps
+    res = record["results"]
+    p50_row = next(line for line in stdout.splitlines() if "step time p50 (median)" in line)
+    assert f"{res['step_time_s_p50'] * 1e3:.1f}" in p50_row
+    assert "step time breakdown (timers, mean of 20 steps)" in stdout
+    step_row = next(line for line in stdout.splitlines() if "step (mean)" in line)
+    assert f"{res['breakdown']['step_ms']:.1f}" in step_row
+    # the phase clock's steps, timed beside the loop's own: the same mean within its timer's overhead
+    assert res["breakdown"]["step_ms"] == pytest.approx(res["step_time_s_mean"] * 1e3, rel=0.01)
+
+
 def test_peak_memory_at_least_the_training_state(twenty_steps):
     record, _ = twenty_steps
     params = record["config"]["model"]["params"]
