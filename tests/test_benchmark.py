@@ -120,6 +120,19 @@ def test_table_is_printed(twenty_steps):
         assert text in stdout
 
 
+def test_every_step_time_printed_names_its_statistic(twenty_steps):
+    """The table said ``step time p50 60.6 ms`` and the breakdown below it ``step 67.0 ms`` (its mean)."""
+    record, stdout = twenty_steps
+    res = record["results"]
+    p50_row = next(line for line in stdout.splitlines() if "step time p50 (median)" in line)
+    assert f"{res['step_time_s_p50'] * 1e3:.1f}" in p50_row
+    assert "step time breakdown (timers, mean of 20 steps)" in stdout
+    step_row = next(line for line in stdout.splitlines() if "step (mean)" in line)
+    assert f"{res['breakdown']['step_ms']:.1f}" in step_row
+    # the phase clock's steps, timed beside the loop's own: the same mean within its timer's overhead
+    assert res["breakdown"]["step_ms"] == pytest.approx(res["step_time_s_mean"] * 1e3, rel=0.01)
+
+
 def test_peak_memory_at_least_the_training_state(twenty_steps):
     record, _ = twenty_steps
     params = record["config"]["model"]["params"]
@@ -432,6 +445,21 @@ def test_a_title_names_a_catalog_model_as_engine_slash_name_and_a_config_path_as
     assert shape_title("torch", "llama-tiny", where="1 process(es)", shape=shape) == title
     title = "fsdp · /data/config.json · 2 process(es) · mb 2 × seq 64 × accum 1 · fp32"
     assert shape_title("fsdp", "/data/config.json", where="2 process(es)", shape=shape) == title
+
+
+def test_a_runs_title_names_its_zero_stage_and_fsdp2s_shards_and_reshard_setting():
+    """A user could not see that a --deepspeed-config's stage 2 was honoured without --json."""
+    from ljperf.run.titles import run_title
+
+    train = {"micro_batch": 1, "seq_len": 32, "grad_accum": 1, "precision": "fp32", "device": "cuda"}
+    base = {"model": {"name": "llama-tiny"}, "launch": {"world_size": 2}, "train": train}
+    zero2 = run_title({**base, "engine": {"name": "deepspeed", "zero_stage": 2}})
+    assert zero2 == "deepspeed/llama-tiny · 2 process(es) · ZeRO-2 · mb 1 × seq 32 × accum 1 · fp32"
+    fsdp = {"name": "fsdp", "mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 1}, "reshard_after_forward": False}
+    assert " · FSDP2 over 2 shards, no reshard after forward · " in run_title({**base, "engine": fsdp})
+    hsdp = {**base, "mesh": {"dp_replicate": 2, "dp_shard": 1, "tp": 1}, "engine": {**fsdp, "mesh": {}}}
+    assert "2 process(es) (2 replicas × 1 shard × tp 1) · FSDP2, no reshard after forward · mb" in run_title(hsdp)
+    assert run_title({**base, "engine": {"name": "torch"}}).startswith("torch/llama-tiny · 2 process(es) · mb 1 ×")
 
 
 @pytest.mark.parametrize(

@@ -231,3 +231,36 @@ def test_calibration_fits_scale_and_offset(tmp_path, monkeypatch, capsys):
     )
     assert main(["plan", "--calibrate", *paths, "--model", "torch/llama3-8b"]) == 2
     assert "it takes no --model" in capsys.readouterr().err
+
+
+def test_the_plans_title_names_the_zero_stage_of_its_deepspeed_config_and_fsdp2s_setting(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    base = ["plan", "--device", "cpu", "--seq-len", "64"]
+    assert main([*base, "--model", "deepspeed/llama-tiny", "--deepspeed-config", str(ds)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("deepspeed/llama-tiny · 1 × cpu · ZeRO-2 · mb 1")
+    assert main([*base, "--model", "fsdp/llama-tiny", "--gpus", "2", "--no-reshard-after-forward"]) == 0
+    assert "· 2 × cpu · FSDP2 over 2 shards, no reshard after forward · mb 1" in capsys.readouterr().out
+
+
+def test_the_largest_micro_batch_says_what_one_more_would_need_and_none_is_said_as_none(capsys):
+    """ "headroom 27.83 GiB; largest micro batch that fits: 1" and "largest micro batch that fits: 0" read as
+    contradictions."""
+    argv = ["plan", "--model", "torch/llama-tiny", "--device", "cpu", "--seq-len", "64", "--json"]
+    assert main([*argv, "--gpu-memory", "40MiB"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    best, above = report["max_micro_batch"], report["next_micro_batch_bytes"]
+    assert best >= 1 and above > 40 * 1024**2 >= report["device_bytes"]
+    assert main([*argv[:-1], "--gpu-memory", "40MiB"]) == 0
+    assert f"largest micro batch that fits: {best} (micro batch {best + 1} would need " in capsys.readouterr().out
+    assert main([*argv[:-1], "--gpu-memory", "1MiB"]) == 4
+    assert "largest micro batch that fits: none (micro batch 1 needs " in capsys.readouterr().out
+
+
+def test_auto_recomputes_budget_says_where_it_came_from(capsys, monkeypatch):
+    base = ["plan", "--model", "torch/llama3.2-1b", "--gpu", "H100", "--seq-len", "4096", "--recompute", "auto"]
+    monkeypatch.delenv("LJPERF_MEMORY_BUDGET", raising=False)
+    main(base)
+    assert "(budget 71.20 GiB: 90% of the device's 79.11 GiB, 10% left for the CUDA context" in capsys.readouterr().out
+    main([*base, "--memory-budget", "40GiB"])
+    assert "(budget 40.00 GiB: --memory-budget; rates: H100 datasheet)" in capsys.readouterr().out

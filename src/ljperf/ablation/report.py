@@ -147,13 +147,19 @@ def title(records: list[dict]) -> str:
         return "|".join(dict.fromkeys(str(c[section][key]) for c in configs))
 
     cfg = {
-        "engine": {"name": values("engine", "name")},
+        "engine": {"name": values("engine", "name"), "zero_stage": _same(configs, "zero_stage")},
         "model": {"name": values("model", "name")},
         "launch": {"world_size": values("launch", "world_size")},
         "train": {k: values("train", k) for k in ("micro_batch", "seq_len", "grad_accum", "precision")},
     }
     steps = f"{values('train', 'steps')} steps (+{values('train', 'warmup')} warm-up)"
     return f"{run_title(cfg)} · {steps} × {repeats} repeat(s)"
+
+
+def _same(configs: list[dict], key: str) -> str | None:
+    """``config.engine``'s ``key`` as the title shows it: each value the runs have, None where none has one."""
+    found = dict.fromkeys(str(c["engine"][key]) for c in configs if c["engine"].get(key) is not None)
+    return "|".join(found) or None
 
 
 def _overlap_note(stats: list[VariantStats]) -> str | None:

@@ -32,7 +32,7 @@ def print_result_table(record: dict) -> None:
         # A reason quotes errors (gloo's name source files in brackets): text, never rich markup.
         ("status", escape(res["status"] + (f" ({res['reason']})" if res.get("reason") else "")), ""),
         ("steps measured", str(res["steps_completed"]), "steps"),
-        ("step time p50", _fmt(res.get("step_time_s_p50") and res["step_time_s_p50"] * 1e3, ".1f"), "ms"),
+        ("step time p50 (median)", _fmt(res.get("step_time_s_p50") and res["step_time_s_p50"] * 1e3, ".1f"), "ms"),
         ("step time p90", _fmt(res.get("step_time_s_p90") and res["step_time_s_p90"] * 1e3, ".1f"), "ms"),
         ("throughput", _fmt(res.get("tokens_per_s"), ",.0f"), "tokens/s"),
         ("throughput per device", _fmt(res.get("tokens_per_s_per_device"), ",.0f"), "tokens/s"),
@@ -65,16 +65,18 @@ PART_NAMES = {
 
 
 def breakdown_table(bd: dict[str, Any]) -> Table:
-    """``results.breakdown`` as a table: each part of the step in ms and % of the step, its source in the title."""
-    ranks = f", mean of {bd['ranks']} ranks" if bd["ranks"] > 1 else ""
-    table = titled_table(f"step time breakdown ({bd['source']}, {bd['steps']} steps{ranks})", caption=bd["note"])
+    """``results.breakdown`` as a table: each part of the step in ms and % of the step, its source and its statistic
+    (the mean over the steps, where the result table gives the median, p50) in the title."""
+    ranks = f" and {bd['ranks']} ranks" if bd["ranks"] > 1 else ""
+    title = f"step time breakdown ({bd['source']}, mean of {bd['steps']} steps{ranks})"
+    table = titled_table(title, caption=bd["note"])
     table.add_column("part")
     table.add_column("ms", justify="right")
     table.add_column("% of step", justify="right")
     for part, name in PART_NAMES.items():
         table.add_row(name, _fmt(bd["ms"][part], ".1f"), _fmt(bd["pct"][part], ".1f"))
     table.add_section()
-    table.add_row("step", _fmt(bd["step_ms"], ".1f"), "100.0")
+    table.add_row("step (mean)", _fmt(bd["step_ms"], ".1f"), "100.0")
     return table
 
 

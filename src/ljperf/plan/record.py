@@ -21,9 +21,10 @@ from ljperf.forecast.api import forecast, max_micro_batch
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.models.spec import ModelSpec
+from ljperf.recompute.budget import budget_source
 from ljperf.recompute.solver import Decision, solve_for_plan
 from ljperf.run.config import RunConfig, fixed_recompute
-from ljperf.run.titles import shape_title
+from ljperf.run.titles import shape_title, strategy
 
 
 def planned(cfg: RunConfig, *, world: int, memory: int, device_name: str | None) -> tuple[dict, Decision | None]:
@@ -40,15 +41,21 @@ def planned(cfg: RunConfig, *, world: int, memory: int, device_name: str | None)
     most = recipe.with_(recompute=("full",) * spec.layers) if decision else recipe  # the most auto can save
     budget = decision.budget_bytes if decision else None  # auto's limit: fits, headroom and the largest batch
     # a budget above the device's memory bounds the plan (the note below says it may not run), not the batch
-    best = max_micro_batch(spec, most, min(budget or memory, memory), device_name=device_name)
+    limit = min(budget or memory, memory)
+    best = max_micro_batch(spec, most, limit, device_name=device_name)
     warnings = deepspeed_warnings(cfg, world=world)
     report = plan_record(spec, recipe, result, memory=memory, budget=budget, max_micro_batch=best, warnings=warnings)
+    # what the next micro batch would need: "headroom 27 GiB; largest micro batch 1" read as a contradiction
+    report["next_micro_batch_bytes"] = forecast(
+        spec, most.with_(micro_batch=best + 1), device_name=device_name
+    ).device_bytes
     # first: what else would fit is read in its light; auto's advice when nothing fits names it already
     dominant = dominant_term(spec, recipe, result, device_name=device_name)
     if dominant and (decision is None or decision.fits):
         report["notes"].append(dominant)
     if decision is not None:
-        report["recompute"] = decision.record() | {"rates": rates}
+        source = budget_source(device, given=cfg.optim.memory_budget, memory=memory)
+        report["recompute"] = decision.record() | {"rates": rates, "budget_source": source}
         report["notes"] += auto_notes(decision, memory=memory)
     elif not report["fits"] and set(recipe.layer_modes(spec.layers)) != {"full"}:
         report["notes"].append(full_recompute_note(spec, recipe, memory=memory, device_name=device_name))
@@ -139,6 +146,13 @@ def print_plan(report: dict) -> None:
     where = f"{recipe['world']} × {recipe['device']}"
     if mesh := MeshShape(**recipe.get("mesh", {})).describe():
         where += f" ({mesh})"
+    how = strategy(
+        recipe["engine"],
+        zero_stage=recipe.get("zero_stage"),
+        mesh=recipe.get("mesh", {}),
+        reshard_after_forward=recipe.get("reshard_after_forward", True),
+    )
+    where += f" · {how}" if how else ""
     table = titled_table(shape_title(recipe["engine"], report["model"]["name"], where=where, shape=recipe))
     peak = report["peak_allocated_bytes"]
     unit, scale = unit_of(peak)  # one unit for the column, the peak's (tiny models read 0.00 in GiB)
@@ -153,9 +167,8 @@ def print_plan(report: dict) -> None:
     lines = [f"peak at: {report['phase']} ({report['source']})"]
     if "recompute" in report:
         r = report["recompute"]
-        lines.insert(
-            0, f"recompute auto: {describe(r['plan'])} (budget {format_bytes(r['budget_bytes'])}; {r['rates']})"
-        )
+        budget = f"budget {format_bytes(r['budget_bytes'])}: {r['budget_source']}"
+        lines.insert(0, f"recompute auto: {describe(r['plan'])} ({budget}; rates: {r['rates']})")
     if report["peak_reserved_bytes"] is not None:
         lines.append(
             f"reserved {format_bytes(report['peak_reserved_bytes'])} + context {format_bytes(report['context_bytes'])}"
@@ -165,10 +178,10 @@ def print_plan(report: dict) -> None:
     where = format_bytes(report["gpu_memory_bytes"])
     if (budget := report["memory_budget_bytes"]) is not None:
         where = f"the budget {format_bytes(budget)} (device {where})"
-    lines.append(
-        f"{verdict} in {where}: headroom {format_bytes(report['headroom_bytes'])};"
-        f" largest micro batch that fits: {report['max_micro_batch']}"
-    )
+    best, above = report["max_micro_batch"], format_bytes(report["next_micro_batch_bytes"])
+    largest = f"{best} (micro batch {best + 1} would need {above})" if best else f"none (micro batch 1 needs {above})"
+    headroom = format_bytes(report["headroom_bytes"])
+    lines.append(f"{verdict} in {where}: headroom {headroom}; largest micro batch that fits: {largest}")
     lines += [f"note: {n}" for n in report["notes"]]
     lines += [f"warning: {w}" for w in report["warnings"]]
     for line in lines:

@@ -12,6 +12,7 @@ import torch
 from ljperf.core import hardware
 from ljperf.core.errors import UsageError
 from ljperf.core.plans import BUDGET_ENV
+from ljperf.core.units import format_bytes as hardware_bytes
 from ljperf.core.units import parse_memory
 
 GPU_MARGIN = 0.10
@@ -34,3 +35,15 @@ def budget_bytes(
     if (ram := hardware.available_ram()) is None:
         raise UsageError(f"cannot read the available RAM: set {BUDGET_ENV}, e.g. {BUDGET_ENV}=16GiB")
     return hardware.ram_share(ram, processes=local_world)
+
+
+def budget_source(device_type: str, *, given: str | None = None, memory: int | None = None) -> str:
+    """Where ``budget_bytes`` took the budget from, in words for the plan's line."""
+    if given:
+        return "--memory-budget"
+    if os.environ.get(BUDGET_ENV):
+        return f"${BUDGET_ENV}"
+    if device_type == "cuda":
+        device = f"the device's {hardware_bytes(memory)}" if memory else "the device's memory"
+        return f"{1 - GPU_MARGIN:.0%} of {device}, {GPU_MARGIN:.0%} left for the CUDA context, NCCL and fragmentation"
+    return "the given memory" if memory else "the RAM a process of this node may use"
