@@ -154,7 +154,10 @@ def test_plan_auto_prints_the_cheapest_plan_that_fits(capsys):
     # The same through the budget variable and the table output.
     assert main(["plan", *TINY, "--gpu-memory", "1GiB", "--recompute", "auto", "--memory-budget", str(budget)]) == 0
     out = capsys.readouterr().out
-    assert "recompute auto: " in out and f"(budget {format_bytes(budget)}; measured on this CPU)" in out, out
+    assert (
+        "recompute auto: " in out
+        and f"(budget {format_bytes(budget)}: --memory-budget; rates: measured on this CPU)" in out
+    ), out
     assert f"fits in the budget {format_bytes(budget)} (device 1.00 GiB): headroom " in out
     # A budget above the device's memory is its own risk: a note says so
     assert main(["plan", *TINY, "--gpu-memory", str(budget), "--recompute", "auto", "--memory-budget", "1GiB"]) == 0
