@@ -340,3 +340,14 @@ def test_a_crashing_check_is_a_fail_row():
 
     row = guarded("nccl-ifname", lambda: checks.socket_ifname("eth0", gpus=8, names=None))
     assert row.status == FAIL and row.check == "nccl-ifname" and "TypeError" in row.finding
+
+
+def test_a_zero_2_config_is_not_linted_with_a_stage_3_finding():
+    """doctor read a ZeRO-2 file's (absent) stage3_prefetch_bucket_size as "left to DeepSpeed"."""
+    from ljperf.core.deepspeed_config import lint
+
+    found = {f.message: f.level for f in lint({"zero_optimization": {"stage": 2}})}
+    assert found.get("no stage-3 settings at ZeRO stage 2") == "ok"
+    assert not [m for m in found if "stage3_prefetch_bucket_size is" in m]
+    stray = lint({"zero_optimization": {"stage": 1, "stage3_max_live_parameters": 10}})
+    assert any(f.level == "warn" and "stage3_max_live_parameters set at ZeRO stage 1" in f.message for f in stray)

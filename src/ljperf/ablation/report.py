@@ -232,7 +232,8 @@ def breakdown_section(records: list[dict], stats: list[VariantStats]) -> list[st
         lines.append(_md_row([s.label, format_spread(s.tokens_per_s)[0], *cells, mine["source"]]))
     lines += [
         "",
-        "Median ms per part of a step over the repeats; in brackets, the change from the baseline. Timers count a"
+        "Each part: the median over the repeats of a run's mean ms (so the step here is a mean, the table's a p50);"
+        " in brackets, the change from the baseline. Timers count a"
         " wait for a collective in the phase that waits (exposed comm. `-`); a `--profile` run measures it.",
         "",
     ]
@@ -299,9 +300,11 @@ def markdown(records: list[dict], stats: list[VariantStats], *, command: list[st
     lines += [*(f"{IDLE} `{label}`: {line}" for label, line in idle.items()), *([""] if idle else [])]
     memory_method = ref.get("results", {}).get("memory_method")
     lines += [
-        f"Speedup: median tokens/s vs `{stats[0].label}`; gain: vs the variant above it (the added optimization). "
+        "Tokens/s, step ms, MFU and peak memory: the median run's (the run with the median tokens/s; of an even count"
+        " of repeats, the slower of the two middle ones), as the chart's bars. "
+        f"Speedup: vs `{stats[0].label}`; gain: vs the variant above it (the added optimization). "
         + (_overlap_note(stats) or ""),
-        f"Peak memory: median over repeats ({memory_method or 'see the run records'}). "
+        f"Peak memory measured by {memory_method or 'see the run records'}. "
         "Loss Δ: largest difference of the loss curve from the baseline's (same seed and data).",
         "",
         f"![throughput and memory per variant]({CHART})",
@@ -355,26 +358,13 @@ def _quote(arg: str) -> str:
     return arg if arg and all(c.isalnum() or c in "-_./=+,:@" for c in arg) else repr(arg)
 
 
-MEDIAN_FROM = 3
-"""Repeats from which a chart's bar is their median; with fewer it is their mean (the median of two runs, as the
-table takes it, is the slower one's)."""
+BAR = "bar: the median run (of an even count, the slower middle one)"
+"""What a chart's bar is: the run the table's tokens/s, step time and MFU come from (``stats._one``)."""
 
 
 def bar_height(s: Spread | None) -> float:
-    """A chart's bar for ``s``: the median of 3 or more repeats, else their mean; 0 for none."""
-    if s is None:
-        return 0.0
-    return s.median if s.count >= MEDIAN_FROM else s.mean
-
-
-def bar_kind(stats: list[VariantStats]) -> str:
-    """What the throughput bars are, for the chart's axis: the mean or median of the repeats, or both."""
-    counts = {s.tokens_per_s.count >= MEDIAN_FROM for s in stats if s.tokens_per_s}
-    if counts == {True}:
-        return "median of the repeats"
-    if counts == {False}:
-        return "mean of the repeats"
-    return f"median of the repeats; mean where fewer than {MEDIAN_FROM}"
+    """A chart's bar for ``s``: the median run's figure, as the table shows it; 0 for none."""
+    return 0.0 if s is None else s.median
 
 
 def chart_title(records: list[dict]) -> str:
@@ -384,7 +374,7 @@ def chart_title(records: list[dict]) -> str:
 
 
 def chart(records: list[dict], stats: list[VariantStats], path: Path) -> None:
-    """Throughput per variant (median of 3+ repeats, mean of fewer; min–max error bars) and peak memory beside it,
+    """Throughput per variant (the median run's, as the table's; min–max error bars) and peak memory beside it,
     titled with the model, engine, shape and device (also the PNG's ``Title``)."""
     import matplotlib
 
@@ -401,8 +391,7 @@ def chart(records: list[dict], stats: list[VariantStats], path: Path) -> None:
         [tps[i] - s.tokens_per_s.low if s.tokens_per_s else 0.0 for i, s in enumerate(stats)],
         [s.tokens_per_s.high - tps[i] if s.tokens_per_s else 0.0 for i, s in enumerate(stats)],
     ]
-    kind = bar_kind(stats)
-    left.bar(x, tps, yerr=err, capsize=6, color="tab:blue", label=f"bar: {kind}\nwhiskers: min–max")
+    left.bar(x, tps, yerr=err, capsize=6, color="tab:blue", label=f"{BAR}\nwhiskers: min–max")
     left.set_title("throughput", fontsize=10)
     left.set_ylabel("tokens/s")
     left.legend(loc="best", fontsize=8)
@@ -425,6 +414,6 @@ def chart(records: list[dict], stats: list[VariantStats], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
         ax.margins(y=0.12)
     fig.tight_layout()
-    meta = {"Title": heading.replace("\n", " · "), "Description": f"throughput bars: {kind}"}
+    meta = {"Title": heading.replace("\n", " · "), "Description": f"throughput {BAR}"}
     write_atomic(path, lambda f: fig.savefig(f, dpi=120, format="png", metadata=meta))
     plt.close(fig)

@@ -87,7 +87,7 @@ def _one(runs: list[dict]) -> VariantStats:
         reason=failed[0].get("reason") if failed else None,
         tokens_per_s=of_middle("tokens_per_s"),
         step_time_s=of_middle("step_time_s_p50"),
-        peak_allocated_bytes=spread("peak_allocated_bytes"),
+        peak_allocated_bytes=of_middle("peak_allocated_bytes"),
         mfu=of_middle("mfu"),
         wall_s=Spread.of([r["ablation"]["wall_s"] for r in runs if r["results"]["status"] == "ok"]),
         losses=(ok[0].get("losses") or []) if ok else [],

@@ -234,7 +234,8 @@ def _steps(
                 state.losses.append(loss)
         if not math.isfinite(value := float(loss)):
             raise Diverged(f"the loss became {value} at step {step + 1}")
-        reporter.step(step, total=total, loss=loss, seconds=elapsed, peaks=peaks)
+        timed_steps = (len(state.step_times), train.steps)
+        reporter.step(step, timed=timed_steps, loss=loss, seconds=elapsed, peaks=peaks)
 
 
 def measured_memory_step(

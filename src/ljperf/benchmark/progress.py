@@ -29,14 +29,18 @@ class ProgressReporter:
         if self.enabled and folder is not None:
             self._log = open(folder.progress, "a", buffering=1)
 
-    def step(self, step: int, *, total: int, loss: Any, seconds: float | None, peaks: dict | None = None) -> None:
-        """Step ``step`` ended; ``peaks``: the memory a measured step used (its line keeps it for the launcher)."""
+    def step(
+        self, step: int, *, timed: tuple[int, int], loss: Any, seconds: float | None, peaks: dict | None = None
+    ) -> None:
+        """Step ``step`` ended; ``timed``: the timed steps done and asked for (``--steps``: what the bar counts,
+        warm-up and the untimed memory step aside); ``peaks``: the memory a measured step used (its line keeps it
+        for the launcher)."""
         if not self.enabled:
             return
         value = float(loss)
         if self._bar is None:
             self._bar = Progress(
-                TextColumn("[bold]train"),
+                TextColumn("[bold]{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]:.4f}  step {task.fields[ms]}"),
@@ -45,10 +49,11 @@ class ProgressReporter:
                 transient=True,
                 refresh_per_second=2,  # a render thread that wakes rarely: it shares the cores with training
             )
-            self._task = self._bar.add_task("train", total=total, loss=value, ms="-")
+            self._task = self._bar.add_task("warm-up", total=timed[1], loss=value, ms="-")
             self._bar.start()
-        ms = f"{seconds * 1e3:.1f} ms" if seconds is not None else "(memory)"
-        self._bar.update(self._task, completed=step + 1, loss=value, ms=ms)
+        ms = f"{seconds * 1e3:.1f} ms" if seconds is not None else "(untimed)"
+        phase = "warm-up" if timed[0] == 0 else "timed"
+        self._bar.update(self._task, description=phase, completed=timed[0], loss=value, ms=ms)
         if self._log is not None:
             line = {"step": step, "loss": value, "time_s": seconds} | ({"peaks": peaks} if peaks else {})
             self._log.write(json.dumps(line) + "\n")

@@ -37,9 +37,9 @@ def print_result_table(record: dict) -> None:
         ("throughput", _fmt(res.get("tokens_per_s"), ",.0f"), "tokens/s"),
         ("throughput per device", _fmt(res.get("tokens_per_s_per_device"), ",.0f"), "tokens/s"),
         ("TFLOPS per device", _fmt(res.get("tflops_per_device"), ".3f"), "TFLOP/s"),
-        ("MFU", _fmt(res.get("mfu") and res["mfu"] * 100, ".1f"), "%"),
+        ("MFU", _fmt(res.get("mfu") and res["mfu"] * 100, ".1f"), "%" + _why_no_mfu(record)),
         ("peak allocated (max rank)", format_bytes(res.get("peak_allocated_bytes")), ""),
-        ("peak reserved (max rank)", format_bytes(res.get("peak_reserved_bytes")), ""),
+        ("peak reserved (max rank)", format_bytes(res.get("peak_reserved_bytes")), _why_no_reserved(record)),
         ("loss first → last", _loss_range(res.get("losses") or []), "nats"),
     ]
     for row in rows:
@@ -88,6 +88,24 @@ def profile_line(profile: dict[str, Any]) -> str:
     if profile["memory_snapshots"]:
         text += "; memory snapshots: drag a .memory.pickle into https://pytorch.org/memory_viz"
     return text
+
+
+def _why_no_mfu(record: dict) -> str:
+    """Why the table's MFU is ``-``: the peak it divides by is known for a GPU's dense bf16 only."""
+    res, train = record["results"], record["config"]["train"]
+    if res.get("mfu") is not None or res.get("tflops_per_device") is None:
+        return ""
+    if train.get("device") == "cpu":
+        return " (a CPU has no peak: give --peak-tflops)"
+    if train.get("precision") == "fp32":
+        return " (the peak table holds bf16: give --peak-tflops)"
+    return " (no peak known for this GPU: give --peak-tflops)"
+
+
+def _why_no_reserved(record: dict) -> str:
+    """Why peak reserved is ``-``: only CUDA's caching allocator reserves."""
+    cpu = record["config"]["train"].get("device") == "cpu"
+    return "(a CPU has no caching allocator)" if cpu and record["results"].get("peak_reserved_bytes") is None else ""
 
 
 def _loss_range(losses: list[float | None]) -> str:

@@ -258,7 +258,16 @@ def _stage(config: dict) -> Finding:
 
 
 def _prefetch(config: dict) -> Finding:
-    value = _section(config, "zero_optimization").get("stage3_prefetch_bucket_size")
+    zero = _section(config, "zero_optimization")
+    value, stage = zero.get("stage3_prefetch_bucket_size"), zero.get("stage")
+    if _number(stage) and stage in (0, 1, 2):  # a stage-3 setting says nothing of this run
+        if stage3 := sorted(k for k in zero if k.startswith("stage3_")):
+            return Finding(
+                level="warn",
+                message=f"{', '.join(stage3)} set at ZeRO stage {stage}, which does not read them",
+                fix="remove them, or set zero_optimization.stage to 3",
+            )
+        return Finding(level="ok", message=f"no stage-3 settings at ZeRO stage {stage}", fix="")
     if _number(value):
         return Finding(
             level="warn",

@@ -30,6 +30,19 @@ COMPONENTS = (
     "device_overhead",
 )
 """What the forecast counts, those that live through the step first (the order of the picture's stack)."""
+LABELS = {
+    "parameters": "parameters (+ model buffers)",
+    "optimizer_states": "optimizer states",
+    "gradients": "gradients",
+    "batch": "batch (token ids)",
+    "comm_buffers": "communication buffers",
+    "gathered_parameters": "gathered parameters",
+    "activations": "activations (saved for backward)",
+    "logits_and_loss": "logits and loss",
+    "temporaries": "temporaries",
+    "device_overhead": "device overhead (workspaces, allocator)",
+}
+"""Each component's name for people, the same in the plan's table and its picture."""
 STAGES = ("forward", "backward", "optimizer step")
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ljperf.core.plans import describe
 from ljperf.core.records import write_atomic
 from ljperf.core.units import format_bytes, unit_of
-from ljperf.forecast.over_step import COMPONENTS, StepMemory, memory_over_step
+from ljperf.forecast.over_step import COMPONENTS, LABELS, StepMemory, memory_over_step
 from ljperf.forecast.recipe import Recipe
 from ljperf.plan.device import device_memory
 from ljperf.run.config import RunConfig
@@ -26,18 +26,6 @@ from ljperf.run.titles import run_title, shape_title
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-LABELS = {
-    "parameters": "parameters (+ model buffers)",
-    "optimizer_states": "optimizer states",
-    "gradients": "gradients",
-    "batch": "batch (token ids)",
-    "comm_buffers": "communication buffers",
-    "gathered_parameters": "gathered parameters",
-    "activations": "activations (saved for backward)",
-    "logits_and_loss": "logits and loss",
-    "temporaries": "temporaries",
-    "device_overhead": "device overhead (workspaces, allocator)",
-}
 COLORS = dict(zip(COMPONENTS, ("#4c72b0", "#8172b2", "#c44e52", "#937860", "#da8bc3", "#64b5cd", "#55a868",
                                "#ccb974", "#dd8452", "#8c8c8c"), strict=True))  # fmt: skip
 STAGE_SHADES = {"forward": "#e8f0fb", "backward": "#fbeee8", "optimizer step": "#eef7ea"}

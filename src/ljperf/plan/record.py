@@ -19,6 +19,7 @@ from ljperf.core.units import format_bytes, unit_of
 from ljperf.forecast.advice import dominant_term
 from ljperf.forecast.api import forecast, max_micro_batch
 from ljperf.forecast.blocks import block_params
+from ljperf.forecast.over_step import LABELS
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.models.spec import ModelSpec
 from ljperf.recompute.budget import budget_source
@@ -160,7 +161,7 @@ def print_plan(report: dict) -> None:
     table.add_column(unit, justify="right")
     table.add_column("share", justify="right")
     for name, value in sorted(report["breakdown"].items(), key=lambda kv: -kv[1]):
-        table.add_row(name.replace("_", " "), f"{value / scale:.2f}", f"{100 * value / peak:.1f}%")
+        table.add_row(LABELS.get(name, name.replace("_", " ")), f"{value / scale:.2f}", f"{100 * value / peak:.1f}%")
     table.add_section()
     table.add_row("peak allocated per rank", f"{peak / scale:.2f}", "100.0%")
     console.print(table)
