@@ -1,6 +1,7 @@
 """ljperf against its peers on one model, shape, precision and device: the HF Trainer, torchtitan, ljperf.
 
-Run: ``.venv/bin/python benchmarks/peers.py --tiny --device cpu --out /tmp/peers`` (the test's seconds-long mode);
+Run: ``.venv/bin/python benchmarks/peers.py --tiny --device cpu --out /tmp/peers`` (the test's smallest mode:
+seven processes and two compiles, about a minute and a half on 2 cores);
 GPU: ``python benchmarks/peers.py --device cuda --model llama3.2-1b --micro-batch 4 --seq-len 2048
 --out benchmarks/results/peers_llama3.2-1b_h200_<date>`` (bf16-mixed is the GPU default).
 
@@ -11,8 +12,12 @@ ljperf eager, ``--compile`` and ``--compile --recompute auto`` (``ljperf benchma
 steady step times (between device synchronisations, after ``--warmup`` steps), its peak allocated memory and final
 loss; tokens/s and MFU come from that step time through ljperf's one formula (``ljperf.benchmark.metrics``, FLOPs
 per token from the catalog model; MFU only on a GPU of known peak under bf16), and the ratio is to the Trainer's
-eager tokens/s. ``--out DIR`` gets ``peers.md`` and ``peers.json``, written again after every peer; a peer that
-fails is a row with its error (its output's tail goes to stderr) and the exit status is 1.
+eager tokens/s. The peers start from the same initial weights and train on the same tokens at the same learning
+rate; the Trainer runs its own defaults otherwise (AdamW's β₂, weight decay, LR schedule, gradient clipping), so
+its losses differ from ljperf's by those: the table's footer lists them side by side. An ljperf row under
+``--recompute auto`` names the plan it chose (no layer recomputed where the budget holds the whole run).
+``--out DIR`` gets ``peers.md`` and ``peers.json``, written again after every peer; a peer that fails is a row
+with its error (its output's tail goes to stderr) and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ PEERS = (
     "ljperf-compile-recompute",
 )
 BASELINE = "trainer"
+LJPERF_OPTIMIZER = {"optim": "adamw (betas 0.9, 0.95)", "lr_scheduler": "constant", "max_grad_norm": None,
+                    "weight_decay": 0.1}  # fmt: skip
+"""ljperf's AdamW as ``engines.common.adamw`` makes it, for the footer beside the Trainer's own settings."""
 TINY = {"model": "llama-tiny", "micro_batch": 1, "seq_len": 64, "steps": 2, "warmup": 2}
 DEFAULTS = {"model": "llama-tiny", "micro_batch": 2, "seq_len": 256, "steps": 10, "warmup": 3}
 
@@ -106,13 +114,17 @@ def run_peer(peer: str, args: argparse.Namespace, workdir: Path) -> dict:
     res = got["results"]  # an ljperf benchmark record
     if res["status"] != "ok":
         return {"error": f"{res['status']}: {res['reason']}"}
-    return {
+    row = {
         "step_s": res["step_time_s_p50"],
         "peak_bytes": res["peak_allocated_bytes"],
         "final_loss": res["losses"][-1],
         "device": got["env"]["devices"][0],
         "step_times_s": res["step_times_s"],
+        "settings": LJPERF_OPTIMIZER,
     }
+    if recompute := res.get("recompute"):
+        row["note"] = f"recompute auto: {recompute['summary']} (budget {format_bytes(recompute['budget_bytes'])})"
+    return row
 
 
 def figures(peer: str, got: dict, args: argparse.Namespace, flops_per_token: float) -> dict:
@@ -137,22 +149,35 @@ def table(rows: list[dict], header: str) -> str:
     lines = [
         header,
         "",
-        "| peer | step time p50 | tokens/s | × Trainer eager | TFLOPS | MFU | peak allocated | final loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-        "| | ms | tokens/s | × | TFLOPS | % | | nats |",
+        "| peer | step time p50 | tokens/s | × Trainer eager | TFLOPS | MFU | peak allocated | final loss | notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| | ms | tokens/s | × | TFLOPS | % | | nats | |",
     ]
     for r in rows:
         if "tokens_per_s" not in r:
-            lines.append(f"| {r['peer']} | {r.get('error') or r.get('skipped')} | | | | | | |")
+            lines.append(f"| {r['peer']} | {r.get('error') or r.get('skipped')} | | | | | | | |")
             continue
         ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
         mfu = f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "-"
         loss = f"{r['final_loss']:.4f}" if r.get("final_loss") is not None else "-"
         lines.append(
             f"| {r['peer']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {ratio} | {r['tflops']:.2f} "
-            f"| {mfu} | {format_bytes(r['peak_bytes'])} | {loss} |"
+            f"| {mfu} | {format_bytes(r['peak_bytes'])} | {loss} | {r.get('note', '')} |"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *settings_footer(rows)])
+
+
+def settings_footer(rows: list[dict]) -> list[str]:
+    """The optimizer settings each kind of peer trained with: why the final losses differ (same weights and data)."""
+    seen: dict[str, dict] = {}
+    for r in rows:
+        if r.get("settings"):
+            seen.setdefault(r["peer"].split("-")[0], r["settings"])
+    keys = ("optim", "lr_scheduler", "max_grad_norm", "weight_decay")
+    return [
+        f"{peer}: " + ", ".join(f"{k} {settings.get(k)}" for k in keys if k in settings)
+        for peer, settings in seen.items()
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -265,6 +265,26 @@ def test_the_refusal_names_what_would_fit_in_the_ram(ram_between, fix, monkeypat
             check_memory(run, None)
 
 
+def test_a_refused_cpu_run_prints_its_reason_as_lines_and_a_shorter_sequence_that_fits(tmp_path, monkeypatch, capsys):
+    """The README's first line on a CPU: the reason sat in the status cell of a table of dashes, and its only fix
+    (full recompute of a 1B model) takes minutes a step here. The shorter sequence named fits by the forecast,
+    twice it does not."""
+    from ljperf.core import hardware
+    from ljperf.forecast import Recipe, forecast
+    from ljperf.models.spec import resolve
+
+    spec = resolve(name="llama-tiny")
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=4, seq_len=2048)
+    ram = hardware.host_ram_needed(forecast(spec, recipe.with_(seq_len=512)).peak_allocated_bytes, processes=1)
+    monkeypatch.setattr(hardware, "available_ram", lambda: ram)
+    out = tmp_path / "r.json"
+    argv = ["benchmark", *TINY, "--device", "cpu", "--micro-batch", "4", "--seq-len", "2048", "--output", str(out)]
+    code, stdout, _ = run_main(capsys, *argv)
+    assert code == 3 and "┃ metric" not in stdout and "oom, nothing measured:" in stdout, stdout
+    assert "  faster on a CPU: --seq-len 512 without recompute" in stdout.splitlines()
+    assert "faster on a CPU: --seq-len 512 without recompute" in read_record(out)["results"]["reason"]
+
+
 def test_the_memory_check_uses_the_devices_calibration(tmp_path, monkeypatch):
     """The check forecasts as the record does, with this device's saved calibration: a calibration that doubles
     the forecast refuses a run that the uncalibrated forecast would have let start."""

@@ -87,3 +87,44 @@ def test_plan_plot_writes_the_picture(tmp_path):
 def test_a_bad_plot_file_is_refused_before_planning(plot, message):
     code, shown = plan("--model", "torch/llama-tiny", "--device", "cpu", "--gpu-memory", "1GiB", "--plot", plot)
     assert code == 2 and message in shown and len(shown.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("engine", "not_run"),
+    [
+        ("torch", ("all-gather", "all-reduce", "reduce-scatter", "bucket", "partition")),  # one process
+        ("fsdp", ("all-reduce", "bucket", "partition")),  # FSDP2 gathers and reduce-scatters
+    ],
+)
+def test_the_moments_are_named_in_the_engines_own_collectives(engine, not_run):
+    """FSDP2's picture named "gradient all-reduce", "last bucket", "gradients into the partition"; one process's
+    a "root all-gather"."""
+    phases = [p.phase for p in memory_over_step(resolve(name="llama-tiny"), RECIPES[engine]).points]
+    assert [p for p in phases if any(word in p for word in not_run)] == []
+    if engine == "fsdp":
+        assert any("reduce-scatter" in p for p in phases) and any("all-gather" in p for p in phases)
+
+
+@pytest.mark.slow
+def test_the_picture_of_a_deep_model_reads_at_its_size(tmp_path):
+    """80 blocks, as Llama 3 70B has: the picture of fsdp/llama3-8b was 2,771 × 651 px with a label per block
+    (130) at 6 pt. A tiny model of that depth draws the same moments."""
+    from PIL import Image
+
+    from ljperf.models.catalog import read_config_dict
+
+    config = tmp_path / "deep.json"
+    config.write_text(json.dumps({**read_config_dict(name="llama-tiny"), "num_hidden_layers": 80}))
+    png = tmp_path / "plan.png"
+    code, out = plan("--model-config", str(config), "--engine", "fsdp", "--gpus", "8", "--device", "cpu",
+                     "--seq-len", "64", "--plot", str(png))  # fmt: skip
+    assert code in (0, 4), out
+    width, height = Image.open(png).size
+    assert width <= 1400 and height <= 700, (width, height)
+    memory = memory_over_step(
+        resolve(path=config), Recipe(engine="fsdp", world=8, device="cpu", precision="fp32", seq_len=64)
+    )
+    assert len(memory.points) > 160
+    fig = memory_figure(memory, title="t", budget=None, capacity=None)
+    ticks = fig.axes[0].get_xticklabels()
+    assert 4 <= len(ticks) <= 14 and all(t.get_fontsize() >= 8 for t in ticks)

@@ -42,6 +42,11 @@ def test_tiny_peers_write_a_table_and_rows_with_figures(tmp_path):
     assert rows["ljperf"]["peak_bytes"] == pytest.approx(rows["trainer"]["peak_bytes"], rel=0.15)
     table = (tmp_path / "peers.md").read_text()
     assert "| trainer |" in table and "| ljperf |" in table and "| 1.00 |" in table
+    # what the final losses differ by: each peer's optimizer settings, side by side
+    assert "\ntrainer: optim adamw_torch" in table and "weight_decay 0.0" in table
+    assert (
+        "\nljperf: optim adamw (betas 0.9, 0.95), lr_scheduler constant, max_grad_norm None, weight_decay 0.1" in table
+    )
     if rows["torchtitan"].get("skipped"):
         assert "torchtitan is not importable" in rows["torchtitan"]["skipped"]
         assert "torchtitan: skipped: torchtitan is not importable" in proc.stderr

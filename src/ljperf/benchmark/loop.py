@@ -164,6 +164,8 @@ def train_loop(run: RunContext, engine: Engine, *, state: LoopState, reporter: P
     solved = state.recompute is not None and state.recompute.budget_bytes is not None
     if solved and train.warmup < loop_warmup and run.is_main:
         say(f"closed loop off: it needs --warmup {loop_warmup} or more here; the solver's plan runs as forecast")
+    if run.optim.compile_mode != "off" and run.is_main:  # the first step compiles: tens of seconds, silent
+        say(f"compiling ({run.optim.compile_mode}) during the first warm-up step; inductor's cache makes it quicker")
     clock = PhaseClock(device_type=device.type)
     fault = Fault.from_env()
     try:

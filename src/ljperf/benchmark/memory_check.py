@@ -6,6 +6,7 @@ Run: any ``ljperf benchmark ...``; the record then feeds ``ljperf plan --calibra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,6 +74,17 @@ def check_memory(run: RunContext, plan: tuple[str, ...] | None) -> bool:
     return forecast_made
 
 
+def _longest_fitting_seq(recipe: Recipe, share: int, peak: Callable[[Recipe], int]) -> int | None:
+    """The longest halving of ``recipe``'s sequence (down to 32 tokens) that fits ``share`` as it is, without
+    recompute: on a CPU, where a recomputed billion-parameter step takes minutes, the fix a user can run."""
+    seq = recipe.seq_len // 2
+    while seq >= 32:
+        if peak(recipe.with_(seq_len=seq, recompute=())) <= share:
+            return seq
+        seq //= 2
+    return None
+
+
 def shortfall(
     run: RunContext, plan: tuple[str, ...] | None, *, memory: int, processes: int, device_name: str | None
 ) -> tuple[str, str] | None:
@@ -103,6 +115,8 @@ def shortfall(
             fix = f"--recompute full with --micro-batch {batch} would fit"
         else:
             fix = "even one sequence with --recompute full would not fit: a smaller model or --seq-len"
+        if cpu and (shorter := _longest_fitting_seq(recipe, share, peak)):
+            fix += f"; faster on a CPU: --seq-len {shorter} without recompute"
         if dominant := dominant_term(spec, recipe, result, device_name=device_name):
             fix = f"{dominant}; {fix}"
     except Exception:  # a forecast must never fail a benchmark

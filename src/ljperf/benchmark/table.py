@@ -24,6 +24,9 @@ def _fmt(value: Any, spec: str) -> str:
 def print_result_table(record: dict) -> None:
     """The result of a benchmark run as a table (metric, value, unit), then its memory forecast and compile lines."""
     res = record["results"]
+    if res["status"] != "ok" and not res.get("step_times_s") and res.get("peak_allocated_bytes") is None:
+        _print_refusal(record)
+        return
     table = titled_table(run_title(record["config"]))
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -88,6 +91,20 @@ def profile_line(profile: dict[str, Any]) -> str:
     if profile["memory_snapshots"]:
         text += "; memory snapshots: drag a .memory.pickle into https://pytorch.org/memory_viz"
     return text
+
+
+def _print_refusal(record: dict) -> None:
+    """A run that measured nothing (refused before it started, or failed before its first step): its title and
+    its reason as lines (it sat in the status cell of a table of dashes), then the forecast's line."""
+    res = record["results"]
+    say(run_title(record["config"]))
+    reason = res.get("reason") or "no reason recorded"
+    head, inner = reason[:-1].split(" (", 1) if reason.endswith(")") and " (" in reason else ("", reason)
+    say(f"{res['status']}, nothing measured" + (f": {head}:" if head else ":"))
+    for part in inner.split("; "):
+        say(f"  {part}")
+    if line := forecast_line(res):
+        say(line)
 
 
 def _why_no_mfu(record: dict) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ljperf.forecast.blocks import BlockParams
 from ljperf.forecast.recipe import Recipe
-from ljperf.forecast.sharding.base import FP32, Sharding, ZeroState
+from ljperf.forecast.sharding.base import FP32, Sharding
 from ljperf.forecast.trace import Segment, SegmentKey
 
 TOKEN_BYTES = 8  # int64 token ids
@@ -286,12 +286,13 @@ def head_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grad
     """The head and loss's backward frees the logits and loss; FSDP2 gathers its root again first."""
     shard, gathering, zero = step.shard, step.shard.gathering, step.shard.zero
     phase = f"backward, {micro.where}, LM head and loss"
-    walk.visit(0, f"{phase}, root all-gather", gathered_parameters=gathering.root_backward)
+    if shard.fsdp is not None:
+        walk.visit(0, f"{phase}, root all-gather", gathered_parameters=gathering.root_backward)
     logits = step.edge(Segment.POST_F, micro)[1]
     walk.step(step.edge(Segment.POST_B, micro), phase, gathered=gathering.head_backward, logits_and_loss=-logits)
     if shard.fsdp is None:  # FSDP2 reduces the head's gradients with the embedding's
         grads.settle(walk, step.blocks.post)
-    _all_reduce(walk, zero, "post", phase)
+    _all_reduce(walk, shard, "post", phase)
     _make_partition(walk, shard, "post", micro, after=True)
     if zero and (micro.first or not zero.bucket_until_boundary):
         walk.add("comm_buffers", zero.bucket)
@@ -312,7 +313,7 @@ def layer_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Gra
         _gloo_reduce_scatter(walk, step, grads, i, phase)
     grads.settle(walk, step.blocks.layer_sizes[i])
     walk.add("comm_buffers", _held_reduce_output(step, micro, step.blocks.layer_sizes[i]))
-    _all_reduce(walk, shard.zero, f"layer {i}", phase)
+    _all_reduce(walk, shard, f"layer {i}", phase)
 
 
 def _held_reduce_output(step: TrainingStep, micro: MicroStep, params: int) -> int:
@@ -352,7 +353,7 @@ def embedding_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: 
         root = grads.reduce_root(blocks.pre + blocks.post, embedding=blocks.pre + beyond)
         walk.visit(0, f"{phase}, root reduce-scatter", comm_buffers=root)
     grads.settle(walk, blocks.pre + (blocks.post if shard.fsdp else 0), beyond=beyond)
-    _all_reduce(walk, shard.zero, "pre", f"{phase}, embedding")
+    _all_reduce(walk, shard, "pre", f"{phase}, embedding")
     _make_partition(walk, shard, "pre", micro, after=True)
 
 
@@ -362,11 +363,11 @@ def backward_end(walk: Walk, step: TrainingStep, micro: MicroStep) -> None:
     shard, zero = step.shard, step.shard.zero
     phase = f"backward, {micro.where}"
     walk.add("comm_buffers", -sum(_held_reduce_output(step, micro, n) for n in step.blocks.layer_sizes))
-    _all_reduce(walk, zero, "end", f"{phase}, last bucket")
+    if zero is not None:
+        _all_reduce(walk, shard, "end", f"{phase}, last bucket")
     _make_partition(walk, shard, "end", micro, after=True)
-    if micro.last:
-        boundary = zero.boundary_partition if zero else 0
-        walk.visit(0, f"{phase}, gradients into the partition", gradients=boundary)
+    if micro.last and zero is not None:
+        walk.visit(0, f"{phase}, gradients into the partition", gradients=zero.boundary_partition)
     if zero and (micro.last or not zero.bucket_until_boundary):
         walk.add("comm_buffers", -zero.bucket)
     if zero and zero.partition and micro.number > 1:
@@ -377,10 +378,14 @@ def backward_end(walk: Walk, step: TrainingStep, micro: MicroStep) -> None:
         walk.add("gathered_parameters", -shard.gathering.resident)
 
 
-def _all_reduce(walk: Walk, zero: ZeroState | None, block: str, phase: str) -> None:
-    """The moment a block's gradients are reduced: the largest flat copy ZeRO-2's bucket all-reduces make in it."""
+def _all_reduce(walk: Walk, shard: Sharding, block: str, phase: str) -> None:
+    """The moment a block's gradients are reduced (``Sharding.gradient_reduce``; none where the engine runs no such
+    collective): the largest flat copy ZeRO-2's bucket reduces make in it."""
+    zero = shard.zero
+    if (word := shard.gradient_reduce) is None:
+        return
     copies = zero.partition.reduce_copies.get(block, 0) if zero and zero.partition else 0
-    walk.visit(0, f"{phase}, gradient all-reduce", comm_buffers=copies)
+    walk.visit(0, f"{phase}, {word}", comm_buffers=copies)
 
 
 def _make_partition(walk: Walk, shard: Sharding, block: str, micro: MicroStep, *, after: bool) -> None:

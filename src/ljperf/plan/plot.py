@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 COLORS = dict(zip(COMPONENTS, ("#4c72b0", "#8172b2", "#c44e52", "#937860", "#da8bc3", "#64b5cd", "#55a868",
                                "#ccb974", "#dd8452", "#8c8c8c"), strict=True))  # fmt: skip
 STAGE_SHADES = {"forward": "#e8f0fb", "backward": "#fbeee8", "optimizer step": "#eef7ea"}
+FIGURE_INCHES = (11.0, 5.0)
+"""The picture's size: about 1,300 pixels wide at 120 dpi, read at 100% on a laptop screen whatever the depth."""
+MOST_TICKS = 14
+"""Moments named on the axis at most."""
 OFF_CHART = 3.0
 """A line more than this many times the highest point is named in the legend, not drawn (it would flatten the
 areas: a CPU's RAM against a tiny model)."""
@@ -47,7 +51,7 @@ def memory_figure(
     names = [n for n in dict.fromkeys([*COMPONENTS, *points[0].bytes]) if any(p.bytes.get(n) for p in points)]
     highest = max(p.total for p in points)
     unit, scale = unit_of(max(highest, measured or 0))
-    fig, ax = plt.subplots(figsize=(max(9.0, min(24.0, 0.16 * len(points) + 6)), 5.5))
+    fig, ax = plt.subplots(figsize=FIGURE_INCHES)
     x = list(range(len(points)))
     series = [[p.bytes.get(n, 0) / scale for p in points] for n in names]
     ax.stackplot(x, series, labels=[LABELS.get(n, n) for n in names], colors=[COLORS.get(n) for n in names])
@@ -66,7 +70,7 @@ def memory_figure(
             top = max(top, value)
     ax.set_ylim(min(0.0, min(min(s) for s in series)), 1.12 * top / scale)
     ax.set_xlim(0, max(1, len(points) - 1))
-    _ticks(ax, points)
+    _ticks(ax, memory)
     ax.set_ylabel(f"memory per rank ({unit})")
     ax.set_xlabel("moments of the step, block by block (forecast walk)")
     ax.set_title(f"{title}\nforecast peak {format_bytes(peak.total)} at {peak.phase}", fontsize=10)
@@ -95,11 +99,22 @@ def _where(phase: str) -> str:
     return ", ".join(phase.split(", ")[:2]) if not phase.startswith("optimizer") else "optimizer step"
 
 
-def _ticks(ax: Any, points: tuple) -> None:
-    """The block of each moment (``layer 3``, ``LM head and loss``), thinned to about 60 labels."""
-    every = max(1, len(points) // 60)
-    ticks = list(range(0, len(points), every))
-    ax.set_xticks(ticks, [_block(points[i].phase) for i in ticks], rotation=90, fontsize=6)
+def _ticks(ax: Any, memory: StepMemory) -> None:
+    """A few moments named by their block (``layer 3``, ``LM head and loss``): where each stage starts, the peak,
+    the last, and evenly spaced ones between, never closer than ``1 / MOST_TICKS`` of the axis (a label per block
+    was 100+ labels at 6 pt on 70B)."""
+    points, n = memory.points, len(memory.points)
+    stage_starts = [i for i in range(n) if i == 0 or _where(points[i].phase) != _where(points[i - 1].phase)]
+    gap = max(1, n // MOST_TICKS)
+    ticks: list[int] = []
+    for i in sorted({*stage_starts, memory.peak, n - 1}, key=lambda i: (i != memory.peak, i)):
+        if all(abs(i - t) >= gap for t in ticks):
+            ticks.append(i)
+    for i in range(0, n, gap):
+        if len(ticks) < MOST_TICKS and all(abs(i - t) >= gap for t in ticks):
+            ticks.append(i)
+    ticks.sort()
+    ax.set_xticks(ticks, [_block(points[i].phase) for i in ticks], rotation=30, ha="right", fontsize=8)
 
 
 def _block(phase: str) -> str:
@@ -126,8 +141,13 @@ def recipe_title(recipe: Recipe, *, model: str) -> str:
     """``engine/model · world × device · mb × seq × accum · precision · recompute ...``."""
     zero = f" (ZeRO-{recipe.zero_stage})" if recipe.engine == "deepspeed" else ""
     where = f"{recipe.world} × {recipe.device}{zero}"
-    recompute = describe(recipe.recompute) if recipe.recompute else "no layer"
-    return shape_title(recipe.engine, model, where=where, shape=asdict(recipe)) + f" · recompute {recompute}"
+    return shape_title(recipe.engine, model, where=where, shape=asdict(recipe)) + f" · {_recompute(recipe.recompute)}"
+
+
+def _recompute(plan: tuple[str, ...] | None) -> str:
+    """``recompute full 0-3`` for a title, or ``no recompute``."""
+    words = describe(plan) if plan else "no layer"
+    return "no recompute" if words == "no layer" else f"recompute {words}"
 
 
 def plan_picture(path: str, *, cfg: RunConfig, report: dict, device_name: str | None) -> None:
@@ -152,6 +172,6 @@ def benchmark_picture(
     recipe = Recipe.from_run(run, recompute=tuple(plan or ()))
     memory = memory_over_step(run.model, recipe, device_name=run.device.calibration_name)
     capacity, _ = device_memory(gpu_memory=None, gpu=None, device=run.device.type)
-    title = run_title(record["config"]) + f" · recompute {describe(plan) if plan else 'no layer'}"
+    title = run_title(record["config"]) + f" · {_recompute(plan)}"
     measured = record["results"].get("peak_allocated_bytes")
     draw_memory(path, memory, title=title, budget=budget, capacity=capacity, measured=measured)

@@ -141,6 +141,17 @@ class Sharding:
         return self.zero is not None and self.zero.stage == 3
 
     @property
+    def gradient_reduce(self) -> str | None:
+        """The moment a block's gradients are reduced, in the engine's words: ZeRO's bucketed ``gradient reduce``,
+        DDP's ``gradient all-reduce`` (its buckets: more than one rank), none on one device or under FSDP2, whose
+        reduce-scatters are moments of their own."""
+        if self.fsdp is not None:
+            return None
+        if self.zero is not None:
+            return "gradient reduce"
+        return "gradient all-reduce" if self.comm_buffers else None
+
+    @property
     def optimizer_flat(self) -> int:
         """Bytes of the one flat partition the optimizer steps; 0: it steps each parameter."""
         return self.zero.optimizer_flat if self.zero else 0
