@@ -19,13 +19,13 @@ import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.utils.checkpoint
 
+from ljperf.core.choices import CompileMode, TorchCompileMode, values_of
 from ljperf.core.errors import UsageError, interruption, one_line, out_of_memory
-from ljperf.core.options import COMPILE_MODES
 from ljperf.models.layout import find_blocks
 
 
@@ -33,7 +33,7 @@ from ljperf.models.layout import find_blocks
 class CompileSession:
     """What compiling cost in this process since ``apply_compile``: the ``compile`` part of the result."""
 
-    mode: str
+    mode: CompileMode
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of ``torch.compile`` (backend, mode)."""
     regions: list[str] = field(default_factory=list)
@@ -183,14 +183,24 @@ def _compile_module(module: torch.nn.Module, *, name: str, group: _Group, sess: 
     sess.regions.append(name)
 
 
-def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True, **options: Any) -> CompileSession | None:
+@overload
+def compile_model(
+    model: torch.nn.Module, mode: TorchCompileMode, *, verbose: bool = True, **options: Any
+) -> CompileSession: ...
+@overload
+def compile_model(
+    model: torch.nn.Module, mode: CompileMode, *, verbose: bool = True, **options: Any
+) -> CompileSession | None: ...
+def compile_model(
+    model: torch.nn.Module, mode: CompileMode, *, verbose: bool = True, **options: Any
+) -> CompileSession | None:
     """Compile ``model`` in place for training (``regional`` or ``whole``); returns the session, None for ``off``.
 
     ``options`` go to every ``torch.compile`` call (e.g. ``backend``, ``mode``).
     """
     global _session
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile mode {mode!r}: choose one of {', '.join(COMPILE_MODES)}")
+    if mode not in values_of(CompileMode):
+        raise ValueError(f"compile mode {mode!r}: choose one of {', '.join(values_of(CompileMode))}")
     if mode == "off":
         return None
     if mode == "deepspeed":

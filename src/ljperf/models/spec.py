@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ljperf.core.cache import cache_root, cached
+from ljperf.core.choices import Attention
 from ljperf.core.errors import UsageError, describe
 from ljperf.models.catalog import read_config_dict
 from ljperf.models.layout import decoder_layers
@@ -269,7 +270,7 @@ class ModelSpec:
             raise UsageError(f"{flag} {seq_len} is longer than {self.name}'s {self.max_positions} max positions")
         return seq_len
 
-    def attention(self, requested: str | None, *, flag: str = "--attn-implementation") -> str:
+    def attention(self, requested: Attention | None, *, flag: str = "--attn-implementation") -> Attention:
         """``requested``, or (None) sdpa where the model's transformers class has it and eager where not
         (Gemma 2), as transformers' own default picks; sdpa asked of a class without it is a usage error."""
         if requested == "sdpa" and not self.facts.sdpa:

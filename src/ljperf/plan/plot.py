@@ -156,7 +156,7 @@ def plan_picture(path: str, *, cfg: RunConfig, report: dict, device_name: str | 
     recipe = Recipe.of(
         cfg,
         world=report["recipe"]["world"],
-        device=cfg.train.device,
+        device=cfg.train.resolved_device,
         recompute=tuple(report["recipe"]["recompute"]),
     )
     memory = memory_over_step(cfg.model, recipe, device_name=device_name)

@@ -31,7 +31,7 @@ from ljperf.run.titles import shape_title, strategy
 def planned(cfg: RunConfig, *, world: int, memory: int, device_name: str | None) -> tuple[dict, Decision | None]:
     """The plan record of ``cfg`` on ``world`` devices of ``memory`` bytes, and the decision of ``--recompute
     auto`` (None for a fixed plan), solved under its budget."""
-    spec, device = cfg.model, cfg.train.device
+    spec, device = cfg.model, cfg.train.resolved_device
     recipe = Recipe.of(cfg, world=world, device=device, recompute=fixed_recompute(cfg) or ())
     decision = rates = None
     if cfg.optim.recompute == "auto":
