@@ -75,7 +75,7 @@ class ZeroSettings:
         """From a DeepSpeed config dict; an absent or ``"auto"`` value keeps the default (DeepSpeed drops
         ``"auto"``; ljperf resolves ``reduce_bucket_size`` itself)."""
         zero = config.get("zero_optimization") or {}
-        values = {}
+        values: dict[str, Any] = {}  # the sizes and switches the config sets
         for key, name in (
             ("reduce_bucket_size", "reduce_bucket_size"),
             ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
