@@ -429,7 +429,7 @@ def _values_help(
 ) -> tuple[tuple[str, ...], str]:
     """The values field ``f`` (of type ``kind``) takes in a command (``narrowed``: the command's own), and its help
     text listing them where it says ``{values}``; ``()`` and the help as written for a field of no closed set."""
-    text, described, values = f.metadata["help"], f.metadata["values"], values_of(kind)
+    text, described, values = f.metadata["help"], f.metadata.get("values", {}), values_of(kind)
     allowed = values if narrowed is None else narrowed
     if not values:
         if narrowed is not None or described:
