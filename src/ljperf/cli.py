@@ -98,7 +98,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> NoReturn:
     """Exit 2 naming the flags ``command`` does not know, with the closest one it does (a typo's fix)."""
     (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    child = sub.choices[command]
+    child: argparse.ArgumentParser = sub.choices[command]
     child.error(unrecognized(child, unknown))
 
 

@@ -227,8 +227,8 @@ def breakdown_section(records: list[dict], stats: list[VariantStats]) -> list[st
         if (mine := medians[s.label]) is None:
             continue
         ref = base if s is not stats[0] else None
-        cells = [_delta(mine["ms"][part], ref and ref["ms"][part]) for part in BREAKDOWN_PARTS]
-        cells.append(_delta(mine["step_ms"], ref and ref["step_ms"]))
+        cells = [_delta(mine["ms"][part], None if ref is None else ref["ms"][part]) for part in BREAKDOWN_PARTS]
+        cells.append(_delta(mine["step_ms"], None if ref is None else ref["step_ms"]))
         lines.append(_md_row([s.label, format_spread(s.tokens_per_s)[0], *cells, mine["source"]]))
     lines += [
         "",

@@ -137,7 +137,8 @@ def read_records(out: Path) -> tuple[dict[Path, dict[str, Any]], list[str]]:
             record = read_json(path)
             problem = _missing(record) or record_problem(record)
         except (OSError, ValueError) as exc:
-            problem = f"unreadable: {exc}"
+            skipped.append(f"{path}: unreadable: {exc}")
+            continue
         if problem is None:
             records[path] = record
         else:
@@ -294,6 +295,7 @@ def execute(run: PlannedRun, *, out: Path, timeout: float) -> dict[str, Any]:
                 )
             exit_code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            assert proc is not None  # only its wait times out
             timed_out = True
             exit_code = _stop(proc)
         except BaseException:

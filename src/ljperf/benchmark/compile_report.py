@@ -19,6 +19,7 @@ from rich.markup import escape
 from ljperf.benchmark.data import SyntheticTokens
 from ljperf.compile.regional import compile_model
 from ljperf.core import hardware
+from ljperf.core.choices import TorchCompileMode
 from ljperf.core.console import console, titled_table
 from ljperf.core.errors import Interrupted, hold_interrupts, interrupt_on_signals, raise_if_interrupted, restore_signals
 from ljperf.core.records import record_header
@@ -29,7 +30,13 @@ from ljperf.run.context import RunContext
 
 
 def compile_report(
-    run: RunContext, lengths: list[int], *, mode: str, repeats: int, config: dict[str, Any], argv: list[str]
+    run: RunContext,
+    lengths: list[int],
+    *,
+    mode: TorchCompileMode,
+    repeats: int,
+    config: dict[str, Any],
+    argv: list[str],
 ) -> dict[str, Any]:
     """Explain, compile in place (``mode``: regional or whole), then ``repeats`` rounds that time eager and compiled
     steps at each of ``lengths``, interleaved (eager under ``torch.compiler.set_stance("force_eager")``) so machine

@@ -24,7 +24,7 @@ from ljperf.run.context import unjoined
 def config_from_args(args: argparse.Namespace, argv: list[str], *, flags: run_config.Flags | None = None) -> RunConfig:
     """The run of ``ljperf benchmark``'s parsed flags, checked (exit 2 on bad input); ``flags``: already checked."""
     cfg = run_config.from_args(args, argv, flags=flags)
-    check_process_count(cfg.launch, cfg.train.device)
+    check_process_count(cfg.launch, cfg.train.resolved_device)
     written = ("rank*.trace.json.gz", "rank*.memory.pickle")
     check_distinct_outputs(
         {"--output": cfg.output, "--plot": cfg.explain.plot}, folders={"--profile": (cfg.explain.profile, written)}

@@ -44,7 +44,8 @@ FSDP_TORCH = (2, 13)
 
 
 def torch_version() -> tuple[int, int]:
-    return tuple(int(x) for x in torch.__version__.split(".")[:2])  # type: ignore[return-value]
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return major, minor
 
 
 def fake_step_peak(spec: ModelSpec, recipe: Recipe) -> int:

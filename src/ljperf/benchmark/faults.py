@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,8 +32,9 @@ class Fault:
             return None
         kind, *pairs = text.split(",")
         try:
-            fields = {k: float(v) if k == "seconds" else int(v) for k, v in (p.split("=", 1) for p in pairs)}
-            fault = cls(kind=kind, **fields)
+            fault = cls(kind=kind)
+            for key, value in (p.split("=", 1) for p in pairs):
+                fault = replace(fault, **{key: float(value) if key == "seconds" else int(value)})
         except (ValueError, TypeError):
             raise UsageError(f"LJPERF_FAULT={text!r}: write KIND,step=S,rank=R[,seconds=T]") from None
         if kind not in KINDS:

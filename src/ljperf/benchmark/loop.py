@@ -148,7 +148,7 @@ def train_loop(run: RunContext, engine: Engine, *, state: LoopState, reporter: P
     device = run.device.torch_device
     data = SyntheticTokens(
         vocab=run.model.vocab,
-        seq_len=train.seq_len,
+        seq_len=train.resolved_seq_len,
         micro_batch=train.micro_batch,
         grad_accum=train.grad_accum,
         world=run.mesh.dp,  # a tensor-parallel group trains on one rank's share

@@ -53,12 +53,14 @@ def profile_steps(
     cannot be written (a full disk) leaves no part of itself: the measured run stands, ``record.error`` says why
     and ``steps`` is None (the breakdown then comes from the timers)."""
     explain, device = run.config.explain, run.device.torch_device
+    if (folder := explain.profile) is None:
+        raise ValueError("profile_steps profiles into --profile DIR: none was given")
     if run.is_main:
-        say(f"profiling {PROFILED_STEPS} more steps into {explain.profile}")
+        say(f"profiling {PROFILED_STEPS} more steps into {folder}")
     written: dict[str, list[str]] = {"traces": [], "memory_snapshots": []}
     record: dict[str, Any] = {"steps": PROFILED_STEPS, "with_stack": explain.profile_with_stack}
     try:
-        trace = trace_path(explain.profile, run.rank)
+        trace = trace_path(folder, run.rank)
         wall = _traced_steps(run, engine, data, first=first, into=trace, fault=fault)
         written["traces"].append(str(trace))
         with gzip.open(trace, "rt") as f:
@@ -66,7 +68,7 @@ def profile_steps(
         record["step_times_s"] = wall
         if device.type == "cuda":
             batches = data.micro_batches(first + PROFILER_WARMUP + PROFILED_STEPS, run.dp_rank, device)
-            snapshot = snapshot_path(explain.profile, run.rank)
+            snapshot = snapshot_path(folder, run.rank)
             memory_snapshot(engine, batches, path=snapshot, device=device)
             written["memory_snapshots"].append(str(snapshot))
     except OSError as exc:

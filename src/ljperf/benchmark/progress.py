@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from ljperf.core.console import console
 from ljperf.distributed.launch import RunFolder
@@ -21,7 +21,7 @@ class ProgressReporter:
     def __init__(self, run: Any):
         self.enabled = run.is_main
         self._bar: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
         self._log = None
         folder = RunFolder.watching()
         self.watched = folder is not None
@@ -38,7 +38,7 @@ class ProgressReporter:
         if not self.enabled:
             return
         value = float(loss)
-        if self._bar is None:
+        if self._bar is None or self._task is None:
             self._bar = Progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),

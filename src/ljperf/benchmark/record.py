@@ -18,6 +18,7 @@ from ljperf.benchmark.breakdown import breakdown, over_ranks
 from ljperf.benchmark.metrics import Throughput, throughput
 from ljperf.compile.regional import session
 from ljperf.core import hardware
+from ljperf.core.choices import DeviceType, OptimizerImpl
 from ljperf.core.options import LaunchConfig, default_adamw_impl
 from ljperf.core.records import record_header
 from ljperf.distributed.launch import local_world_size, under_torchrun
@@ -52,7 +53,7 @@ class LoopState:
 def new_record(cfg: RunConfig, run: RunContext) -> dict[str, Any]:
     spec = cfg.model
     train = cfg.train
-    tokens_per_step = train.micro_batch * train.seq_len * train.grad_accum * run.mesh.dp
+    tokens_per_step = train.micro_batch * train.resolved_seq_len * train.grad_accum * run.mesh.dp
     return {
         **record_header("benchmark", args=cfg.argv, devices=[run.device.name], world_size=run.world),
         "config": {
@@ -67,7 +68,7 @@ def new_record(cfg: RunConfig, run: RunContext) -> dict[str, Any]:
                 "heads": spec.heads,
                 "kv_heads": spec.kv_heads,
                 "vocab": spec.vocab,
-                "flops_per_token": spec.flops_per_token(train.seq_len),
+                "flops_per_token": spec.flops_per_token(train.resolved_seq_len),
             },
             "engine": {"name": cfg.engine},
             "train": asdict(train),
@@ -79,7 +80,7 @@ def new_record(cfg: RunConfig, run: RunContext) -> dict[str, Any]:
     }
 
 
-def _optimizer_impl(cfg: RunConfig, device_type: str) -> str | None:
+def _optimizer_impl(cfg: RunConfig, device_type: DeviceType) -> OptimizerImpl | None:
     """The AdamW implementation that ran: ``--optimizer-impl``, else the default (None: DeepSpeed's config)."""
     if cfg.engine == "deepspeed":
         return None
@@ -128,9 +129,9 @@ def results_section(
             throughput(
                 state.step_times,
                 # a tensor-parallel group's ranks share their sequences: its tokens count once
-                tokens_per_step=train.micro_batch * train.seq_len * train.grad_accum * run.mesh.dp,
+                tokens_per_step=train.micro_batch * train.resolved_seq_len * train.grad_accum * run.mesh.dp,
                 world=run.world,
-                flops_per_token=cfg.model.flops_per_token(train.seq_len),
+                flops_per_token=cfg.model.flops_per_token(train.resolved_seq_len),
                 recompute_flops_per_token=recompute_flops_per_token,
                 peak_tflops=peak,
             )

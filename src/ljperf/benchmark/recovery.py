@@ -32,8 +32,9 @@ def launch(cfg: RunConfig, *, record_from_progress: Callable[[Path], dict[str, A
 
     folder = RunFolder(Path(tempfile.mkdtemp(prefix="ljperf-run-")))
     os.environ[RUN_DIR_ENV] = str(folder.path)
-    to_file = cfg.output not in (None, STDOUT)
-    record_path = Path(cfg.output) if to_file else folder.path / "result.json"
+    output = cfg.output if cfg.output != STDOUT else None
+    to_file = output is not None
+    record_path = Path(output) if output is not None else folder.path / "result.json"
     argv = list(cfg.argv)
     if not to_file:  # rank 0 writes it in the run folder; the launcher passes on a record for stdout
         argv += ["--output", str(record_path)]

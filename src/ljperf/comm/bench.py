@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ljperf.comm.config import BUS_FACTOR, DTYPE_NAMES, CommConfig
 from ljperf.core import hardware
+from ljperf.core.choices import DeviceType
 from ljperf.core.console import console, titled_table
 from ljperf.core.errors import (
     EXIT_ERROR,
@@ -78,8 +79,9 @@ class Row:
 # --- buffers, the collectives, and the check --------------------------------------------------------------
 
 
-def pattern(index: torch.Tensor, rank: int) -> torch.Tensor:
-    """The value rank ``rank`` puts at input ``index``: small integers, exact in every dtype."""
+def pattern(index: torch.Tensor, rank: int | torch.Tensor) -> torch.Tensor:
+    """The value rank ``rank`` puts at input ``index`` (elementwise for a tensor of ranks): small integers, exact
+    in every dtype."""
     return (index + rank) % 3
 
 
@@ -138,11 +140,10 @@ def check_host_memory(op: str, count: int, *, world: int, dtype: torch.dtype) ->
         )
 
 
-def collective(op: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
+def collective(op: str) -> Callable[[torch.Tensor, torch.Tensor], object]:
     """``op`` as a function of (input, output)."""
-    # torch 2.13 renamed the tensor forms; older torch (≥ 2.6 is supported) has only the old names.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    gather = _renamed("all_gather_single", "all_gather_into_tensor")
+    scatter = _renamed("reduce_scatter_single", "reduce_scatter_tensor")
     return {
         "all_reduce": lambda inp, out: dist.all_reduce(out),
         "broadcast": lambda inp, out: dist.broadcast(out, src=0),
@@ -150,6 +151,12 @@ def collective(op: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
         "reduce_scatter": lambda inp, out: scatter(out, inp),
         "all_to_all": lambda inp, out: dist.all_to_all_single(out, inp),
     }[op]
+
+
+def _renamed(new: str, old: str) -> Callable[..., object]:
+    """The collective ``torch.distributed`` names ``new``: torch 2.13 renamed the tensor forms, and deprecated the
+    ``old`` names that older torch (≥ 2.6 is supported) has alone."""
+    return getattr(dist, new, None) or getattr(dist, old)
 
 
 def tolerance(dtype: torch.dtype, world: int) -> float:
@@ -213,7 +220,9 @@ def measure(op: str, size_bytes: int, cfg: CommConfig, *, process: Process) -> R
     )
 
 
-def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, output: str | None, argv: list[str]) -> int:
+def run_worker(
+    cfg: CommConfig, launch: LaunchConfig, *, device_type: DeviceType, output: str | None, argv: list[str]
+) -> int:
     """One rank: join the group, measure every op and size, print and write the record on rank 0. A failure
     (a signal, memory running out, a lost peer) keeps the rows measured before it in the record."""
     process = Process.here(device_type)
@@ -263,12 +272,12 @@ def run_worker(cfg: CommConfig, launch: LaunchConfig, *, device_type: str, outpu
     if status != "ok" and (folder := RunFolder.watching()) is not None:
         folder.leave_failure(reason or "", rank=process.rank)
         return exit_code  # ljperf's launcher names the rank that failed first, in one line
-    if status != "ok":
+    if reason is not None:  # the run failed
         raise RunFailed(reason, exit_code=exit_code)
     return 0
 
 
-def launch(argv: list[str], launch: LaunchConfig, *, device_type: str, output: str | None) -> int:
+def launch(argv: list[str], launch: LaunchConfig, *, device_type: DeviceType, output: str | None) -> int:
     """The ranks through ljperf's launcher. A failed run's record gets the launcher's reason (the rank that failed
     first, which rank 0 may only have seen as a lost peer), and one line says it."""
     folder = RunFolder(Path(tempfile.mkdtemp(prefix="ljperf-comm-")))

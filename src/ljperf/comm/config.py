@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
+from ljperf.core.choices import Device, values_of
 from ljperf.core.errors import UsageError
-from ljperf.core.options import not_negative, one_of, opt, positive
+from ljperf.core.options import check_values, not_negative, opt, positive
 from ljperf.core.units import parse_size
 
 # Bus bandwidth = algbw × this factor of the world size n (nccl-tests, doc/PERFORMANCE.md).
@@ -23,7 +24,9 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "broadcast": lambda n: 1.0,
 }
 OPS = tuple(BUS_FACTOR)
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+CommDtype = Literal["float32", "bfloat16", "float16"]
+"""The element types ``ljperf comm`` times (torch's names)."""
+DTYPE_NAMES: tuple[CommDtype, ...] = values_of(CommDtype)
 DEFAULT_MIN_BYTES = "1K"
 
 
@@ -44,10 +47,8 @@ class CommConfig:
     step_factor: int = opt(2, "multiply the size by this from --min-bytes to --max-bytes (nccl-tests -f)")
     iters: int = opt(20, "timed iterations per size (nccl-tests -n)")
     warmup_iters: int = opt(5, "untimed iterations per size before timing (nccl-tests -w)")
-    dtype: str = opt("float32", "element type: float32, bfloat16 or float16", metavar=one_of(DTYPE_NAMES))
-    device: str = opt(
-        "auto", "cuda (NCCL), cpu (gloo) or auto (cuda when available)", metavar=one_of(("cpu", "cuda", "auto"))
-    )
+    dtype: CommDtype = opt("float32", "element type: {values}")
+    device: Device = opt("auto", "{values}", values={"cpu": "gloo", "cuda": "NCCL", "auto": "cuda when available"})
     check: bool = opt(True, "verify one iteration per size (the #wrong column)")
     op_list: list[str] = field(init=False, default_factory=list)
     """The collectives, resolved from ``ops``."""
@@ -70,10 +71,7 @@ class CommConfig:
             raise UsageError(f"--step-factor must be 2 or more (got {self.step_factor})")
         positive("iters", self.iters)
         not_negative("warmup_iters", self.warmup_iters)
-        if self.dtype not in DTYPE_NAMES:
-            raise UsageError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"--device {self.device!r}: choose cpu, cuda or auto")
+        check_values(self)
         self.sizes = [low]
         while self.sizes[-1] * self.step_factor <= high:
             self.sizes.append(self.sizes[-1] * self.step_factor)

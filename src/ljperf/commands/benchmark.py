@@ -56,7 +56,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
             picture = functools.partial(benchmark_picture, cfg.explain.plot)
         code = run_worker(cfg, picture=picture)
-    if code == 0 and cfg.train.device == "cpu" and args.threads is None:  # under the table: a refusal stays one line
+    # under the table: a refusal stays one line; a CPU run's threads are resolved
+    if code == 0 and cfg.train.device == "cpu" and args.threads is None and cfg.train.threads is not None:
         _say_threads(cfg.train.threads)
     return code
 

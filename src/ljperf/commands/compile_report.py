@@ -9,11 +9,13 @@ bad flag answer without torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 from ljperf.core import options
+from ljperf.core.choices import TORCH_COMPILE_MODES, TorchCompileMode, refuse, values_of
 from ljperf.core.console import check_output
 from ljperf.core.errors import EXIT_SIGINT, EXIT_SIGTERM, UsageError
 from ljperf.core.options import LARGEST, OptimizationConfig, TrainConfig, opt, positive
@@ -66,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_arguments(parser, ReportConfig)
     group = parser.add_argument_group("run")
     options.add_arguments(group, TrainConfig, only=SHARED, defaults={"steps": 3}, deepspeed=False)
-    modes = {"compile_mode": ("regional", "whole")}
+    modes = {"compile_mode": values_of(TorchCompileMode)}
     options.add_arguments(
         group, OptimizationConfig, only=("compile_mode",), defaults={"compile_mode": "regional"}, choices=modes
     )
@@ -78,6 +80,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError(f"compile-report runs one process: use --model torch/{args.model.split('/')[-1]}")
     cfg = options.from_args(ReportConfig, args)
     train, optim = options.from_args(TrainConfig, args), options.from_args(OptimizationConfig, args)
+    if (mode := optim.compile_mode) not in TORCH_COMPILE_MODES:  # the parser's choices refuse it already
+        refuse("--compile-mode", mode, TorchCompileMode)
     check_output(args.output, inputs=model_files(args.model_config))
     from ljperf.benchmark.compile_report import compile_report, print_report
     from ljperf.distributed.runtime import resolve_device_type
@@ -85,15 +89,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     spec = spec_from_args(args)
     device_type = resolve_device_type(train.device)
-    train = TrainConfig(**{**vars(train), "seq_len": max(cfg.lengths)})
+    train = dataclasses.replace(train, seq_len=max(cfg.lengths))
     train = resolve_train(train, model=spec, device_type=device_type, seq_flag="--seq-lens")
     # the engine trains eager first; the report compiles it in place afterwards
     run_ctx = init_process(RunContext(config=RunConfig(engine="torch", model=spec, train=train)), need_group=False)
-    given = {**asdict(cfg), **{name: getattr(args, name) for name in SHARED}, "compile_mode": optim.compile_mode}
+    given = {**asdict(cfg), **{name: getattr(args, name) for name in SHARED}, "compile_mode": mode}
     given["threads"] = train.threads  # as resolved: the threads that ran on a CPU
     keys = ("seq_lens", "repeats", "steps", "micro_batch", "compile_mode", "device", "precision", "threads")
     given = {key: given[key] for key in keys}
-    report = compile_report(run_ctx, cfg.lengths, mode=optim.compile_mode, repeats=cfg.repeats, config=given, argv=argv)
+    report = compile_report(run_ctx, cfg.lengths, mode=mode, repeats=cfg.repeats, config=given, argv=argv)
     print_report(report)
     if args.output:
         write_json(args.output, report)

@@ -14,6 +14,7 @@ import sys
 from dataclasses import asdict
 
 from ljperf.core import hardware, options
+from ljperf.core.choices import DeviceType, TracedAttention, values_of
 from ljperf.core.console import say
 from ljperf.core.errors import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError
 from ljperf.core.options import EngineConfig, ExplainConfig, OptimizationConfig, TrainConfig, positive
@@ -36,8 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     add_model_arguments(parser)
     g = parser.add_argument_group("recipe")
-    g.add_argument("--gpus", type=int, default=1, metavar="N", help="data-parallel ranks, the world size (default: 1)")
-    narrow = {"device": ("cpu", "cuda"), "attn_implementation": ("sdpa", "eager")}
+    g.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        metavar="N",
+        help="GPUs in all, the world size: data-parallel ranks × --tp (default: 1)",
+    )
+    # what the forecast traces: a device type (auto would be this machine's), the attention it knows
+    narrow = {"device": values_of(DeviceType), "attn_implementation": values_of(TracedAttention)}
     options.add_arguments(g, TrainConfig, only=TRAIN, defaults={"device": "cuda"}, choices=narrow)
     options.add_arguments(g, OptimizationConfig, only=("recompute", "optimizer_impl", "loss"))
     options.add_arguments(g, EngineConfig)

@@ -19,13 +19,13 @@ import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast, overload
 
 import torch
 import torch.utils.checkpoint
 
+from ljperf.core.choices import CompileMode, TorchCompileMode, values_of
 from ljperf.core.errors import UsageError, interruption, one_line, out_of_memory
-from ljperf.core.options import COMPILE_MODES
 from ljperf.models.layout import find_blocks
 
 
@@ -33,7 +33,7 @@ from ljperf.models.layout import find_blocks
 class CompileSession:
     """What compiling cost in this process since ``apply_compile``: the ``compile`` part of the result."""
 
-    mode: str
+    mode: CompileMode
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of ``torch.compile`` (backend, mode)."""
     regions: list[str] = field(default_factory=list)
@@ -136,7 +136,7 @@ class Region:
         self._compiled: Callable | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._eager is None:
+        if self._eager is None or self._compiled is None:
             # Resolved at the first call: FSDP2's fully_shard swaps the module's class after compile is applied.
             self._eager = self._resolve()
             _ds_ids_dynamic()
@@ -183,23 +183,38 @@ def _compile_module(module: torch.nn.Module, *, name: str, group: _Group, sess: 
     sess.regions.append(name)
 
 
-def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True, **options: Any) -> CompileSession | None:
+@overload
+def compile_model(
+    model: torch.nn.Module, mode: TorchCompileMode, *, verbose: bool = True, **options: Any
+) -> CompileSession: ...
+@overload
+def compile_model(
+    model: torch.nn.Module, mode: CompileMode, *, verbose: bool = True, **options: Any
+) -> CompileSession | None: ...
+def compile_model(
+    model: torch.nn.Module, mode: CompileMode, *, verbose: bool = True, **options: Any
+) -> CompileSession | None:
     """Compile ``model`` in place for training (``regional`` or ``whole``); returns the session, None for ``off``.
 
     ``options`` go to every ``torch.compile`` call (e.g. ``backend``, ``mode``).
     """
     global _session
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile mode {mode!r}: choose one of {', '.join(COMPILE_MODES)}")
+    if mode not in values_of(CompileMode):
+        raise ValueError(f"compile mode {mode!r}: choose one of {', '.join(values_of(CompileMode))}")
     if mode == "off":
         return None
     if mode == "deepspeed":
         raise ValueError("compile mode deepspeed is DeepSpeed's engine.compile(): the deepspeed engine runs it")
-    if getattr(model, "config", None) is not None:
-        model.config.use_cache = False  # a KV cache in the forward's guards would recompile every layer
+    # cast: torch types the attributes a module gets and sets as its tensors and submodules; a transformers model's
+    # config and loss function are neither
+    hf = cast(Any, model)
+    if getattr(hf, "config", None) is not None:
+        hf.config.use_cache = False  # a KV cache in the forward's guards would recompile every layer
     # Process-wide: the backward is compiled with the forward, not at the first backward, so a failing backward
     # compile raises inside the region's call, where it can still fall back. (Patching per call costs ~0.2 ms.)
-    torch._functorch.config.force_non_lazy_backward_lowering = True
+    from torch._functorch import config as functorch_config
+
+    functorch_config.force_non_lazy_backward_lowering = True
     sess = _session = CompileSession(mode=mode, options=options, verbose=verbose)
     names = {id(m): n for n, m in model.named_modules()}
     if mode == "whole":
@@ -217,8 +232,8 @@ def compile_model(model: torch.nn.Module, mode: str, *, verbose: bool = True, **
             block, name=names[id(block)] or "model", group=groups.setdefault(kind, _Group(label)), sess=sess
         )
     if hasattr(type(model), "loss_function"):
-        loss = model.loss_function
-        model.loss_function = Region("loss", lambda: loss, _Group("loss"), sess)
+        loss = hf.loss_function
+        hf.loss_function = Region("loss", lambda: loss, _Group("loss"), sess)
         sess.regions.append("loss")
     return sess
 
@@ -228,7 +243,9 @@ def compile_deepspeed_engine(engine: Any, *, verbose: bool) -> CompileSession:
     enabled by the config's ``compile.deepcompile``, its graph passes replace the hooks). Errors fall back to
     eager: at ``compile()`` with a one-line reason, inside a graph through dynamo's ``suppress_errors``."""
     global _session
-    torch._functorch.config.force_non_lazy_backward_lowering = True
+    from torch._functorch import config as functorch_config
+
+    functorch_config.force_non_lazy_backward_lowering = True
     torch._dynamo.config.suppress_errors = True
     sess = _session = CompileSession(
         mode="deepspeed", options={"deepcompile": engine.is_deepcompile_enabled()}, verbose=verbose, external="model"

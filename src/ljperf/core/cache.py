@@ -13,7 +13,7 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,14 +41,11 @@ def cached(path: Path, *, load: Callable[[Any], T], make: Callable[[], T], dump:
     cache that cannot be written is only slower). Processes that miss the same entry at once (the ranks of a
     node, a job's concurrent plans) make it once: the first makes it, the others wait for it and read it."""
     before = _stamp(path)
-    found, value = _load(path, load)
-    if found:
-        return value
+    if (found := _load(path, load)) is not None:
+        return found[0]
     with _making(path):
-        if _stamp(path) != before:  # another process made it while this one waited
-            found, value = _load(path, load)
-            if found:
-                return value
+        if _stamp(path) != before and (found := _load(path, load)) is not None:  # made while this one waited
+            return found[0]
         value = make()
         data = json.loads(json.dumps(dump(value), default=str))  # as it reads back: tuples are lists
         try:
@@ -73,16 +70,17 @@ def _cannot_write(exc: OSError) -> None:
     warn(f"the cache {root} cannot be used ({why}): each forecast traces again; set LJPERF_CACHE_DIR to a folder")
 
 
-def _load(path: Path, load: Callable[[Any], T]) -> tuple[bool, T | None]:
+def _load(path: Path, load: Callable[[Any], T]) -> tuple[T] | None:
+    """``(load(entry),)`` of a sound entry at ``path``, else None."""
     try:
         stored = read_json(path)
         if isinstance(stored, dict) and stored.keys() == {SIGNATURE, "data"}:
             if stored[SIGNATURE] == digest(stored["data"]):
-                return True, load(stored["data"])
+                return (load(stored["data"]),)
             warn(f"cache entry {path} changed since ljperf wrote it: made again")
     except Exception:
         pass
-    return False, None
+    return None
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:
@@ -94,7 +92,7 @@ def _stamp(path: Path) -> tuple[int, int] | None:
 
 
 @contextlib.contextmanager
-def _making(path: Path) -> Iterator[None]:
+def _making(path: Path) -> Generator[None, None, None]:
     """An exclusive lock on making ``path`` across processes (``flock`` of a file under the cache root's
     ``locks/``, released by the kernel if the process dies); no lock where none can be taken."""
     lock = cache_root() / "locks" / f"{hashlib.sha256(str(path.absolute()).encode()).hexdigest()[:32]}.lock"

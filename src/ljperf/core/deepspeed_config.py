@@ -462,7 +462,7 @@ def settings(
     A number that stands in for a flag and that ljperf cannot run (``"stage": 0``) raises ``UsageError``.
     """
     given = {"micro_batch": micro_batch, "grad_accum": grad_accum, "zero_stage": zero_stage}
-    values = {}
+    values: dict[str, Any] = {}  # the flags', the option fields' defaults or the numbers the config holds
     for cls, f in _fields():
         written = _get(user, _path(f))
         if given[f.name] is not None or written in (None, AUTO):

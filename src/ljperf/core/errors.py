@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 EXIT_OK = 0
@@ -158,7 +158,7 @@ def _interrupt_after_imports(signum: int) -> None:
     while _importing():
         time.sleep(IMPORT_RETRY_S)
     _waiting_for_import.clear()
-    _thread.interrupt_main(signum)
+    _thread.interrupt_main(signal.Signals(signum))
 
 
 def _importing() -> bool:
@@ -185,7 +185,7 @@ def hold_interrupts() -> None:
 
 
 @contextlib.contextmanager
-def interrupts_held() -> Iterator[None]:
+def interrupts_held() -> Generator[None, None, None]:
     """Inside, a signal ``raise_interrupted`` takes is noted, not raised; leaving raises it: a step that must not
     be cut in two (starting a process: a signal raised inside ``Popen`` once the child exists leaves no handle
     to stop it with)."""
@@ -211,6 +211,10 @@ def raise_if_interrupted() -> None:
         raise stop
 
 
+_QUIETED = "_ljperf"
+"""The attribute that marks ``sys.unraisablehook`` as ljperf's (``_quiet_when_interrupted``'s): put in place once."""
+
+
 def interrupt_on_signals() -> dict[int, Any]:
     """Make SIGTERM and SIGINT raise ``Interrupted``; returns the handlers they had. A signal ``note_interrupt``
     took before (a Ctrl-C whose KeyboardInterrupt an import swallowed) stays received: the run's first check
@@ -218,7 +222,7 @@ def interrupt_on_signals() -> dict[int, Any]:
     swallowed ``Interrupted`` prints nothing (it is raised again), other unraisable errors print as before."""
     global _held
     _held = False
-    if not getattr(sys.unraisablehook, "_ljperf", False):
+    if not getattr(sys.unraisablehook, _QUIETED, False):
         sys.unraisablehook = _quiet_when_interrupted(sys.unraisablehook)
     return {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
 
@@ -236,7 +240,7 @@ def _quiet_when_interrupted(hook: Callable[[Any], None]) -> Callable[[Any], None
         if not isinstance(info.exc_value, Interrupted):
             hook(info)
 
-    unraisable._ljperf = True  # type: ignore[attr-defined]
+    setattr(unraisable, _QUIETED, True)
     return unraisable
 
 

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ljperf.core.choices import DeviceType
+
 if TYPE_CHECKING:
     import torch
 
@@ -88,7 +90,7 @@ def _lookup(table: tuple[tuple[str, float], ...], device_name: str) -> float | N
 class DeviceInfo:
     """The device a rank runs on."""
 
-    type: str
+    type: DeviceType
     """``cpu`` or ``cuda``."""
     index: int | None
     """The CUDA device index, None on CPU."""
@@ -116,13 +118,13 @@ def calibration_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def default_device_type() -> str:
+def default_device_type() -> DeviceType:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def local_device(device_type: str, local_rank: int) -> DeviceInfo:
+def local_device(device_type: DeviceType, local_rank: int) -> DeviceInfo:
     if device_type == "cuda":
         import torch
 

@@ -8,20 +8,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ljperf.core.choices import (
+    Attention,
+    CompileMode,
+    Device,
+    DeviceType,
+    EngineName,
+    Loss,
+    OptimizerImpl,
+    Precision,
+    check_choice,
+    values_of,
+)
 from ljperf.core.errors import UsageError
 from ljperf.core.plans import parse_recompute
 from ljperf.core.units import parse_memory
 
-PRECISIONS = ("fp32", "bf16-mixed", "bf16")
-COMPILE_MODES = ("regional", "whole", "deepspeed", "off")
-LOSSES = ("plain", "chunked")
 LOSS_CHUNKS = 16
 """Chunks ``--loss chunked`` splits a micro-batch's tokens into: one chunk's logits are 1/16 of the whole (Llama 3.2
 1B at 8 × 2048 tokens: 1024 tokens a chunk, 250 MiB of bf16 logits of 4 GiB). A fixed count, not a fixed size, keeps
@@ -32,11 +43,21 @@ DEEPCOMPILE_WARMUP = 6
 again (``deepspeed/compile/init_z3.py``), so its steady state starts at step 6."""
 
 
-def opt(default: Any, help: str, *, deepspeed: str | None = None, **argparse_kwargs: Any) -> Any:
+def opt(
+    default: Any,
+    help: str,
+    *,
+    deepspeed: str | None = None,
+    values: Mapping[str, str] | None = None,
+    **argparse_kwargs: Any,
+) -> Any:
     """A dataclass field that is also a CLI flag (``--field-name``); ``deepspeed``: the key of a DeepSpeed config
     that holds the same number, which stands in for the flag left out (``deepspeed_config.settings``). Its
-    metavar is ``N`` for a number; give one for text (``SIZE``, ``FILE``, ``PATH``, ``one_of(...)``)."""
-    return field(default=default, metadata={"help": help, "deepspeed": deepspeed, **argparse_kwargs})
+    metavar is ``N`` for a number and ``{a,b}`` for a ``Literal`` type; give one for other text (``SIZE``,
+    ``FILE``, ``PATH``). A ``Literal`` field's help lists the values a command takes where it says ``{values}``,
+    each with its description in ``values`` (a value without one: its name alone)."""
+    metadata = {"help": help, "deepspeed": deepspeed, "values": dict(values or {}), **argparse_kwargs}
+    return field(default=default, metadata=metadata)
 
 
 def one_of(values: tuple[str, ...]) -> str:
@@ -44,11 +65,13 @@ def one_of(values: tuple[str, ...]) -> str:
     return "{" + ",".join(values) + "}"
 
 
-OPTIMIZER_IMPLS = ("single", "foreach", "fused")
-"""torch's AdamW implementations: a loop over tensors, a few kernels over lists of them, one fused kernel."""
+def listing(values: tuple[str, ...], descriptions: Mapping[str, str]) -> str:
+    """``values`` as a help text lists them: ``a, b (what b is) or c``."""
+    named = [f"{v} ({descriptions[v]})" if descriptions.get(v) else v for v in values]
+    return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
 
 
-def default_adamw_impl(device_type: str) -> str:
+def default_adamw_impl(device_type: DeviceType) -> OptimizerImpl:
     """The AdamW implementation a run gets when none is asked for: fused on CUDA (one kernel per step, as
     torchtitan defaults to), torch's own pick on a CPU (the loop)."""
     return "fused" if device_type == "cuda" else "single"
@@ -139,10 +162,6 @@ def check_endpoint(text: str) -> None:
         raise UsageError(f"--rdzv-endpoint {text!r}: write HOST:PORT with a port in 1..65535 (e.g. node0:29500)")
 
 
-ATTENTION = ("sdpa", "eager", "flash_attention_2")
-"""transformers attention implementations ljperf runs (flash_attention_2: CUDA and the flash-attn package)."""
-
-
 @dataclass(kw_only=True)
 class TrainConfig:
     """What one benchmark run trains: batch, sequence, precision, steps."""
@@ -160,21 +179,23 @@ class TrainConfig:
         "unmeasured steps before timing (compile, allocator, optimizer-state creation); 6 by default under"
         " --compile-mode deepspeed on CUDA, whose DeepCompile compiles again at DeepSpeed's step 5",
     )
-    precision: str | None = opt(
+    precision: Precision | None = opt(
         None,
-        "fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, gradients and AdamW states"
-        " under bf16 autocast, as a model loaded in bfloat16 trains; torch and fsdp engines) (default: bf16-mixed on"
-        " GPU, fp32 on CPU)",
-        metavar=one_of(PRECISIONS),
+        "{values} (default: bf16-mixed on GPU, fp32 on CPU)",
+        values={
+            "bf16-mixed": "fp32 master weights, bf16 autocast",
+            "bf16": "bf16 weights, gradients and AdamW states under bf16 autocast, as a model loaded in bfloat16"
+            " trains; torch and fsdp engines",
+        },
     )
-    device: str = opt("auto", "cpu, cuda or auto (cuda when available)", metavar=one_of(("cpu", "cuda", "auto")))
+    device: Device = opt("auto", "{values}", values={"auto": "cuda when available"})
     lr: float = opt(3e-4, "AdamW learning rate")
     seed: int = opt(0, "seed of the weights and of the synthetic token stream, 0..2^63-1")
-    attn_implementation: str | None = opt(
+    attn_implementation: Attention | None = opt(
         None,
-        "transformers attention: sdpa, eager or flash_attention_2 (CUDA and the flash-attn package) (default: sdpa,"
-        " or eager for a model without SDPA, such as Gemma 2, as transformers picks)",
-        metavar=one_of(ATTENTION),
+        "transformers attention: {values} (default: sdpa, or eager for a model without SDPA, such as Gemma 2, as"
+        " transformers picks)",
+        values={"flash_attention_2": "CUDA and the flash-attn package"},
     )
     peak_tflops: float | None = opt(None, "peak TFLOPS per device for MFU (default: the known-device table)")
     threads: int | None = opt(
@@ -194,13 +215,21 @@ class TrainConfig:
             raise UsageError("--seq-len must be 2 or more: the loss predicts each token from the ones before it")
         if not 0 <= self.seed < 2**63:  # torch's generators take a 64-bit seed
             raise UsageError(f"--seed must be in 0..2^63-1 (got {self.seed})")
-        if self.precision is not None and self.precision not in PRECISIONS:
-            raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"--device {self.device!r}: choose cpu, cuda or auto")
-        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION:
-            choices = ", ".join(ATTENTION)
-            raise UsageError(f"--attn-implementation {self.attn_implementation!r}: choose one of {choices}")
+        check_values(self)
+
+    @property
+    def resolved_seq_len(self) -> int:
+        """``seq_len`` once ``run.config.resolve_train`` has filled in its default, the model's."""
+        if self.seq_len is None:
+            raise ValueError("the sequence length is unset: run.config.resolve_train fills it in")
+        return self.seq_len
+
+    @property
+    def resolved_device(self) -> DeviceType:
+        """``device`` once ``run.config.resolve_train`` has made auto the device found."""
+        if self.device == "auto":
+            raise ValueError("--device auto is unresolved: run.config.resolve_train makes it the device found")
+        return self.device
 
 
 @dataclass(kw_only=True)
@@ -250,41 +279,39 @@ class OptimizationConfig:
         "memory budget of --recompute auto, e.g. 70GiB (default: $LJPERF_MEMORY_BUDGET, else the device's)",
         metavar="SIZE",
     )
-    compile_mode: str = opt(
+    compile_mode: CompileMode = opt(
         "off",
-        "torch.compile: regional (each block and the loss), whole (the model), deepspeed (DeepSpeed's "
-        "engine.compile(), with DeepCompile on CUDA; deepspeed engine only) or off; --compile = regional",
-        metavar=one_of(COMPILE_MODES),
+        "torch.compile: {values}",
+        values={
+            "regional": "each block and the loss",
+            "whole": "the model",
+            "deepspeed": "DeepSpeed's engine.compile(), with DeepCompile on CUDA; deepspeed engine only",
+        },
     )
-    optimizer_impl: str | None = opt(
+    optimizer_impl: OptimizerImpl | None = opt(
         None,
-        "AdamW implementation: fused (one kernel), foreach (kernels over lists of tensors) or single (a loop); "
-        "the forecast counts each one's temporaries (default: fused on CUDA, single on a CPU; "
-        "the deepspeed engine's comes from its config)",
-        metavar=one_of(OPTIMIZER_IMPLS),
+        "AdamW implementation: {values}; the forecast counts each one's temporaries (default: fused on CUDA, single"
+        " on a CPU; the deepspeed engine's comes from its config)",
+        values={"single": "a loop", "foreach": "kernels over lists of tensors", "fused": "one kernel"},
         deprecated="--optimizer",
     )
-    loss: str = opt(
+    loss: Loss = opt(
         "plain",
-        "next-token loss: plain (HF's: the whole logits, tokens × vocabulary, live from the LM head to its backward)"
-        f" or chunked (the LM head and cross-entropy over {LOSS_CHUNKS} chunks of the tokens, each recomputed in"
-        " backward: one chunk's logits live at a time; the same loss and gradients; not with --tp)",
-        metavar=one_of(LOSSES),
+        "next-token loss: {values}",
+        values={
+            "plain": "HF's: the whole logits, tokens × vocabulary, live from the LM head to its backward",
+            "chunked": f"the LM head and cross-entropy over {LOSS_CHUNKS} chunks of the tokens, each recomputed in"
+            " backward: one chunk's logits live at a time; the same loss and gradients; not with --tp",
+        },
     )
 
     def __post_init__(self) -> None:
         parse_recompute(self.recompute)
         if self.memory_budget and self.recompute != "auto":
             raise UsageError("--memory-budget is the budget of --recompute auto: add --recompute auto or drop it")
-        if self.compile_mode not in COMPILE_MODES:
-            raise UsageError(f"--compile-mode {self.compile_mode!r}: choose one of {', '.join(COMPILE_MODES)}")
-        if self.optimizer_impl is not None and self.optimizer_impl not in OPTIMIZER_IMPLS:
-            choices = ", ".join(OPTIMIZER_IMPLS)
-            raise UsageError(f"--optimizer-impl {self.optimizer_impl!r}: choose one of {choices}")
+        check_values(self)
         if self.memory_budget is not None:
             parse_memory(self.memory_budget, what="--memory-budget")
-        if self.loss not in LOSSES:
-            raise UsageError(f"--loss {self.loss!r}: choose one of {', '.join(LOSSES)}")
 
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
@@ -319,7 +346,7 @@ class ExplainConfig:
             raise UsageError(f"--plot {self.plot!r}: give a file ending in {', '.join(PLOT_FORMATS)}")
 
 
-def check_precision(precision: str | None, *, engine: str) -> None:
+def check_precision(precision: Precision | None, *, engine: EngineName) -> None:
     """``bf16`` (no fp32 master weights) is what the torch engine and FSDP2 can run; ZeRO keeps fp32 masters."""
     if precision == "bf16" and engine == "deepspeed":
         raise UsageError(
@@ -328,14 +355,14 @@ def check_precision(precision: str | None, *, engine: str) -> None:
         )
 
 
-def check_loss(loss: str, *, tp: int) -> None:
+def check_loss(loss: Loss, *, tp: int) -> None:
     """The chunked loss runs the LM head as one module; tensor parallel splits it over the vocabulary."""
     if loss == "chunked" and tp > 1:
         raise UsageError(f"--loss chunked runs the LM head whole; --tp {tp} splits it: use --loss plain with --tp")
 
 
 def check_engine_flags(
-    engine: str, *, zero_stage: int | None, reshard_after_forward: bool, tp: int = 1, dp_replicate: int = 1
+    engine: EngineName, *, zero_stage: int | None, reshard_after_forward: bool, tp: int = 1, dp_replicate: int = 1
 ) -> None:
     """Another engine's flag would be ignored, and the run or plan would not be the one asked for."""
     for flag, value in (("--tp", tp), ("--dp-replicate", dp_replicate)):
@@ -348,39 +375,84 @@ def check_engine_flags(
         raise UsageError(f"--no-reshard-after-forward is for the fsdp engine, not {engine}")
 
 
+class OptionGroup(typing.Protocol):
+    """An option dataclass: its flags' group is titled ``TITLE`` and described by its docstring's first line."""
+
+    TITLE: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+
+Group = typing.TypeVar("Group", bound=OptionGroup)
+
+
 def add_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-    cls: type,
+    cls: type[OptionGroup],
     *,
     only: tuple[str, ...] | None = None,
-    defaults: dict[str, Any] | None = None,
-    choices: dict[str, tuple[str, ...]] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    choices: Mapping[str, tuple[str, ...]] | None = None,
     deepspeed: bool = True,
 ) -> None:
     """Add one ``--flag`` per field of the dataclass ``cls`` (``only``: these fields), typed from its annotation, to
     ``parser``'s group titled ``cls.TITLE`` (its docstring's first line describes it), or to ``parser`` when it is
     a group already. A command that runs a field otherwise narrows it here: its own ``defaults`` and ``choices`` by
-    field name; ``deepspeed``: the command takes ``--deepspeed-config``, whose numbers stand in for the flags left
-    out. A field's ``deprecated`` spelling still works, with a line saying the new one."""
+    field name (a ``Literal`` field's metavar and help list the values the command takes); ``deepspeed``: the
+    command takes ``--deepspeed-config``, whose numbers stand in for the flags left out. A field's ``deprecated``
+    spelling still works, with a line saying the new one."""
     group = parser
     if isinstance(parser, argparse.ArgumentParser):
-        group = parser.add_argument_group(cls.TITLE, cls.__doc__.splitlines()[0])
-    hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group(cls.TITLE, (cls.__doc__ or cls.TITLE).splitlines()[0])
+    hints = _hints(cls)
     for f in dataclasses.fields(cls):
         if "help" not in f.metadata or (only is not None and f.name not in only):
             continue
         default = (defaults or {}).get(f.name, f.default if f.default is not dataclasses.MISSING else None)
-        extra = {k: v for k, v in f.metadata.items() if k not in ("help", "deepspeed", "deprecated")}
-        if choices and f.name in choices:
-            extra["choices"] = choices[f.name]
-            extra["metavar"] = one_of(choices[f.name])
-        flag = _flag(f, hints[f.name], default, deepspeed=deepspeed)
+        extra = {k: v for k, v in f.metadata.items() if k not in ("help", "deepspeed", "deprecated", "values")}
+        narrowed = (choices or {}).get(f.name)
+        if narrowed is not None:
+            extra["choices"] = narrowed
+        allowed, text = _values_help(f, hints[f.name], narrowed)
+        if allowed:
+            extra["metavar"] = one_of(allowed)
+        flag = _flag(f, hints[f.name], default, text=text, deepspeed=deepspeed)
         if "type" in flag:
             extra.setdefault("metavar", "N" if flag["type"] in (int, float) else "TEXT")
         new = "--" + f.name.replace("_", "-")
         group.add_argument(new, **flag, **extra)
         if old := f.metadata.get("deprecated"):
             group.add_argument(old, dest=f.name, type=flag["type"], action=Deprecated, new=new, help=argparse.SUPPRESS)
+
+
+def _values_help(
+    f: dataclasses.Field[Any], kind: object, narrowed: tuple[str, ...] | None
+) -> tuple[tuple[str, ...], str]:
+    """The values field ``f`` (of type ``kind``) takes in a command (``narrowed``: the command's own), and its help
+    text listing them where it says ``{values}``; ``()`` and the help as written for a field of no closed set."""
+    text, described, values = f.metadata["help"], f.metadata.get("values", {}), values_of(kind)
+    allowed = values if narrowed is None else narrowed
+    if not values:
+        if narrowed is not None or described:
+            raise TypeError(f"{f.name}: choices and value descriptions are for a field of a Literal type")
+        return (), text
+    if not set(allowed) <= set(values) or not set(described) <= set(values) or "{values}" not in text:
+        raise TypeError(f"{f.name}: its choices, descriptions and help's {{values}} must be of {values}")
+    return allowed, text.format(values=listing(allowed, described))
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The resolved field annotations of ``cls`` (``get_type_hints`` evaluates them: once per class)."""
+    return typing.get_type_hints(cls)
+
+
+def check_values(group: object) -> None:
+    """Refuse a field of the option dataclass ``group`` whose value is not one of its ``Literal`` type's (None is
+    an optional field's "unset"); the message names the field's flag."""
+    for name, kind in _hints(type(group)).items():
+        value = getattr(group, name)
+        if values_of(kind) and not (value is None and type(None) in typing.get_args(kind)):
+            check_choice("--" + name.replace("_", "-"), value, kind)
 
 
 class Deprecated(argparse.Action):
@@ -401,10 +473,9 @@ def deprecations(args: argparse.Namespace) -> list[str]:
     return [f"{old} is deprecated here: write {new}" for old, new in getattr(args, "deprecated", [])]
 
 
-def _flag(f: dataclasses.Field, kind: Any, default: Any, *, deepspeed: bool) -> dict[str, Any]:
-    """The ``default``, ``type`` (or boolean action) and ``help`` of field ``f``'s flag; the help ends in the
-    default. A field a DeepSpeed config can hold parses to None when left out, so the file's number can fill it."""
-    text = f.metadata["help"]
+def _flag(f: dataclasses.Field[Any], kind: Any, default: Any, *, text: str, deepspeed: bool) -> dict[str, Any]:
+    """The ``default``, ``type`` (or boolean action) and ``help`` (``text``, ending in the default) of field ``f``'s
+    flag. A field a DeepSpeed config can hold parses to None when left out, so the file's number can fill it."""
     if deepspeed and f.metadata.get("deepspeed"):
         text += f" (default: --deepspeed-config's {f.metadata['deepspeed']}, else {default})"
         return {"default": None, "type": _base_type(kind), "help": text}
@@ -417,12 +488,14 @@ def _flag(f: dataclasses.Field, kind: Any, default: Any, *, deepspeed: bool) -> 
 
 
 def _base_type(kind: Any) -> type:
+    """What argparse converts a flag's text with: the field's type, a ``Literal``'s values' (str), an optional
+    field's other type."""
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         kind = next(a for a in typing.get_args(kind) if a is not type(None))
-    return kind
+    return type(values_of(kind)[0]) if values_of(kind) else kind
 
 
-def from_args(cls: type, args: argparse.Namespace) -> Any:
+def from_args(cls: type[Group], args: argparse.Namespace) -> Group:
     """Build the dataclass ``cls`` from the parsed flags (validation runs in ``__post_init__``)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in vars(args).items() if k in names})

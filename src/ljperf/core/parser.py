@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from typing import Any
+from typing import Any, NoReturn
 
 from ljperf.core.errors import EXIT_USAGE, UsageError, cut
 
@@ -22,7 +22,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.raising = raising
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         if message.endswith("expected one argument"):
             # argparse reads a value that starts with "-" (``--memory-budget -5GiB``) as the next flag
             message += "; a value that starts with '-' is written --flag=VALUE"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 PHASES = ("forward", "backward", "optimizer")
@@ -26,7 +26,7 @@ _running: PhaseClock | None = None
 
 
 @contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
+def phase(name: str) -> Generator[None, None, None]:
     """Phase ``name`` of the step that runs now: timed (and annotated) while a ``PhaseClock`` runs the step."""
     clock = _running
     if clock is None:
@@ -47,7 +47,7 @@ class PhaseClock:
         """Per step: (name, start, end) of the step and of each phase; floats, or CUDA events until read."""
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self) -> Generator[None, None, None]:
         """One training step: its phases (``phase``) are timed while it runs."""
         global _running
         self._steps.append([])
@@ -59,7 +59,7 @@ class PhaseClock:
             _running = None
 
     @contextlib.contextmanager
-    def span(self, name: str) -> Iterator[None]:
+    def span(self, name: str) -> Generator[None, None, None]:
         annotation = contextlib.nullcontext()
         if self.annotate:
             from torch.profiler import record_function

@@ -207,7 +207,7 @@ def _umask() -> int:
 _UMASK = _umask()  # read once, at import: os.umask can only be read by setting it
 
 
-def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], object]) -> None:
     """Write a file atomically: ``write`` fills a temporary file in the same folder, fsync, then rename over
     ``path`` (with the mode a plain ``open`` gives: mkstemp's own is 0600); a symlink's target is written, the link
     stays. ``-`` writes to standard output."""

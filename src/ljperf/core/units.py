@@ -27,7 +27,7 @@ LARGEST_SIZE = 2**60
 
 def parse_size(text: str, *, what: str = "size") -> int:
     """Parse ``text`` into bytes. Bare K/M/G are binary (as nccl-tests reads them); KB/MB/GB decimal."""
-    match = _SIZE.match(str(text))
+    match = _SIZE.match(text)
     unit = match.group(2).upper() if match else None
     if match is None or unit not in _UNITS:
         raise UsageError(f"{what} {_shown(text)} is not a size: write e.g. 80GiB, 70GB, 512MiB or 1K")
@@ -42,7 +42,6 @@ def parse_size(text: str, *, what: str = "size") -> int:
 
 def _shown(text: str) -> str:
     """``text`` quoted for a one-line error, cut to 40 characters."""
-    text = str(text)
     return repr(text) if len(text) <= 40 else repr(text[:40]) + "…"
 
 
@@ -50,7 +49,7 @@ def parse_memory(text: str, *, what: str) -> int:
     """A memory size (a device's, a budget) as ``parse_size`` reads it; a bare number under 1 MiB is refused:
     ``--gpu-memory 80`` means 80 GB to a person, not 80 bytes."""
     value = parse_size(text, what=what)
-    if value < 1024**2 and not _SIZE.match(str(text)).group(2):
+    if value < 1024**2 and (match := _SIZE.match(text)) is not None and not match.group(2):
         raise UsageError(f"{what} {text!r} is {value} bytes: write a unit, e.g. {text.strip()}GiB")
     return value
 

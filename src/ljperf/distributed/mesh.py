@@ -8,11 +8,15 @@ joined); ``fake_tp_mesh(8)`` anywhere, in a process with or without a process gr
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ljperf.core.mesh import DIMS, MeshShape
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 
 def device_mesh(device_type: str, shape: MeshShape) -> DeviceMesh:
@@ -38,7 +42,8 @@ def fake_tp_mesh(tp: int) -> DeviceMesh:
     from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup, _register_process_group
     from torch.distributed import HashStore
 
-    name = f"ljperf-fake-tp-{tp}"
+    # torch's group names are a NewType of str (cast: not every torch ljperf runs on has the NewType to call)
+    name = cast("GroupName", f"ljperf-fake-tp-{tp}")
     group = ProcessGroup(HashStore(), 0, tp)
     group._register_backend(
         torch.device("cpu"), ProcessGroup.BackendType.CUSTOM, FakeProcessGroup._create_internal(0, tp)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ljperf.core import hardware
+from ljperf.core.choices import Device, DeviceType
 from ljperf.core.errors import UsageError
 from ljperf.core.hardware import DeviceInfo
 from ljperf.core.options import LaunchConfig
@@ -41,7 +42,7 @@ class Process:
         return self.rank == 0
 
     @classmethod
-    def here(cls, device_type: str) -> Process:
+    def here(cls, device_type: DeviceType) -> Process:
         rank, local_rank, world = 0, 0, 1
         if under_torchrun():
             rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
@@ -63,13 +64,13 @@ class Process:
         )
 
 
-def resolve_device_type(requested: str) -> str:
+def resolve_device_type(requested: Device) -> DeviceType:
     if requested == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no CUDA device (use --device cpu)")
     return hardware.default_device_type() if requested == "auto" else requested
 
 
-def check_process_count(launch: LaunchConfig, device_type: str) -> None:
+def check_process_count(launch: LaunchConfig, device_type: DeviceType) -> None:
     """More processes per node than GPUs (or, on CPU, than cores) is a usage error."""
     have = torch.cuda.device_count() if device_type == "cuda" else (os.cpu_count() or 1)
     if launch.nproc_per_node > have:

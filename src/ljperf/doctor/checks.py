@@ -366,6 +366,7 @@ def check_compile() -> CheckResult:
 def check_nccl() -> CheckResult:
     """The NCCL version torch links (CPU builds use gloo)."""
     import torch
+    import torch.cuda.nccl
     import torch.distributed as dist
 
     if torch.version.cuda is None:

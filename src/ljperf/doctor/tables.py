@@ -23,7 +23,7 @@ class DriverRule:
 
 
 # The image's usage rules (NGC PyTorch container release notes for CUDA 12.8 images).
-_NGC_FORWARD_COMPATIBLE = {470: (470, 57), 525: (525, 85), 535: (535, 86), 545: (545, 23)}
+_NGC_FORWARD_COMPATIBLE: dict[int, tuple[int, ...]] = {470: (470, 57), 525: (525, 85), 535: (535, 86), 545: (545, 23)}
 _NGC_MUST_UPGRADE = frozenset({418, 440, 450, 460, 510, 520, 530, 555, 560})
 
 DRIVER_RULES: dict[str, DriverRule] = {

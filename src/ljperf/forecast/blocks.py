@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from ljperf.core.cache import cached
 from ljperf.distributed.mesh import fake_tp_mesh
 from ljperf.forecast.trace import architecture_key, cache_dir
-from ljperf.models.layout import decoder_layers
+from ljperf.models.layout import decoder_layers, weight
 from ljperf.models.spec import ModelSpec, build_meta
 from ljperf.models.tensor_parallel import parallelize
 
@@ -91,7 +91,7 @@ def _block_counts(spec: ModelSpec, *, tp: int) -> BlockParams:
     if tp > 1:
         parallelize(model, fake_tp_mesh(tp))
     layers = decoder_layers(model)
-    embed = _local(model.get_input_embeddings().weight)
+    embed = _local(weight(model.get_input_embeddings()))
     owner = {id(_local(p)): f"layer {i}" for i, layer in enumerate(layers) for p in layer.parameters()}
     unique = list({id(p): p for p in map(_local, model.parameters())}.values())
     order = [(owner.get(id(p), "pre" if p is embed else "post"), p.numel()) for p in unique]

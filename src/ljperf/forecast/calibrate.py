@@ -111,8 +111,9 @@ def fit(records: list[dict]) -> dict[str, Overheads]:
     by_device: dict[str, list[tuple[int, int, int | None]]] = {}
     for record in records:
         results = record.get("results")
-        fc = results.get("forecast") if isinstance(results, dict) else None
-        if not isinstance(fc, dict) or results.get("status") != "ok":
+        if not isinstance(results, dict) or not isinstance(fc := results.get("forecast"), dict):
+            continue
+        if results.get("status") != "ok":
             continue
         predicted, measured = _count(fc.get("traced_peak_allocated_bytes")), _count(results.get("peak_allocated_bytes"))
         if predicted is None or measured is None:

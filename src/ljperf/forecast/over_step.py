@@ -80,6 +80,7 @@ def memory_over_step(spec: ModelSpec, recipe: Recipe, *, device_name: str | None
     if result.source != "traced":
         return StepMemory(forecast=result, points=(Point(phase=result.phase, bytes=dict(result.breakdown)),), peak=0)
     walk = timeline.highest_walk(spec, recipe, all_patterns(spec, recipe), record=True)  # traced: cached now
+    assert walk.history is not None  # recorded
     terms = overheads_for(recipe.device, device_name)
     points = tuple(_point(moment, overhead=terms.apply(moment.total)[0] - moment.total) for moment in walk.history)
     peak = next(i for i, m in enumerate(walk.history) if m.total == walk.peak and m.phase == walk.phase)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 
 
 @contextlib.contextmanager
-def swapped(owner: object, name: str, value: object) -> Iterator[None]:
+def swapped(owner: object, name: str, value: object) -> Generator[None, None, None]:
     """``owner.name`` is ``value`` inside the ``with``; the original afterwards."""
     original = getattr(owner, name)
     setattr(owner, name, value)
@@ -107,7 +107,7 @@ PATCHES = (
 
 
 @contextlib.contextmanager
-def real_code_paths() -> Iterator[None]:
+def real_code_paths() -> Generator[None, None, None]:
     """Every ``PATCHES`` entry that applies to this transformers, for the length of the ``with``. The experts'
     rows are tokens × top-k whatever the routing, so what they keep does not depend on the data."""
     with contextlib.ExitStack() as stack:
@@ -129,6 +129,7 @@ class FallbackGroupedMM(torch.autograd.Function):
         return input @ weight[0]
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        # torch's Function.backward takes the outputs' gradients as *args: none is read (zeros of the inputs' shapes)
         input, weight = ctx.saved_tensors
         return torch.zeros_like(input), torch.zeros_like(weight), None

@@ -10,12 +10,21 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ljperf.core import deepspeed_config
+from ljperf.core.choices import (
+    PRECISIONS,
+    TRACED_ATTENTION,
+    DeviceType,
+    EngineName,
+    Loss,
+    OptimizerImpl,
+    Precision,
+    TracedAttention,
+    check_choice,
+    refuse,
+)
 from ljperf.core.errors import UsageError
 from ljperf.core.mesh import MeshShape
 from ljperf.core.options import (
-    LOSSES,
-    OPTIMIZER_IMPLS,
-    PRECISIONS,
     check_engine_flags,
     check_loss,
     check_precision,
@@ -24,13 +33,10 @@ from ljperf.core.options import (
     positive,
 )
 from ljperf.core.plans import MODES
-from ljperf.models.catalog import ENGINES
 
 if TYPE_CHECKING:
     from ljperf.run.config import RunConfig
     from ljperf.run.context import RunContext
-
-"""torch AdamW implementations; they differ in the optimizer step's temporaries."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +75,7 @@ class ZeroSettings:
         """From a DeepSpeed config dict; an absent or ``"auto"`` value keeps the default (DeepSpeed drops
         ``"auto"``; ljperf resolves ``reduce_bucket_size`` itself)."""
         zero = config.get("zero_optimization") or {}
-        values = {}
+        values: dict[str, Any] = {}  # the sizes and switches the config sets
         for key, name in (
             ("reduce_bucket_size", "reduce_bucket_size"),
             ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
@@ -102,7 +108,7 @@ class ZeroSettings:
 class Recipe:
     """What one rank runs: engine, sharding, shapes, precision and the per-layer recompute choice."""
 
-    engine: str = "torch"
+    engine: EngineName = "torch"
     """torch (one device / DDP), fsdp (FSDP2) or deepspeed (ZeRO)."""
     zero_stage: int = 3
     """DeepSpeed ZeRO stage 1, 2 or 3 (deepspeed engine only)."""
@@ -112,9 +118,9 @@ class Recipe:
     """FSDP2: tensor-parallel ranks that split each block and share its sequences (``--tp``)."""
     dp_replicate: int = 1
     """FSDP2: HSDP replicas; the parameters shard over ``world / (tp · dp_replicate)`` ranks (``--dp-replicate``)."""
-    device: str = "cuda"
+    device: DeviceType = "cuda"
     """cpu or cuda: the optimizer implementation and the reserved-memory terms depend on it."""
-    precision: str = "bf16-mixed"
+    precision: Precision = "bf16-mixed"
     """fp32, bf16-mixed (fp32 master weights, bf16 autocast) or bf16 (bf16 weights, gradients and AdamW states
     under autocast; torch and fsdp engines)."""
     micro_batch: int = 1
@@ -123,27 +129,24 @@ class Recipe:
     """Tokens per sequence."""
     grad_accum: int = 1
     """Micro-steps per optimizer step."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: TracedAttention = "sdpa"
     """transformers attention: sdpa or eager (eager keeps the seq² attention weights)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after each block's forward."""
     recompute: tuple[str, ...] = ()
     """One entry per decoder layer: none, full or selective; empty means none for every layer."""
-    optimizer: str | None = None
+    optimizer: OptimizerImpl | None = None
     """AdamW implementation: single, foreach or fused (default: fused on CUDA, single on a CPU)."""
     zero: ZeroSettings = field(default_factory=ZeroSettings)
     """DeepSpeed's bucket, prefetch and release settings (deepspeed engine only)."""
-    loss: str = "plain"
+    loss: Loss = "plain"
     """The next-token loss: plain (HF's, the whole logits) or chunked (``--loss chunked``, a chunk's logits)."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise UsageError(f"engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
+        check_choice("engine", self.engine, EngineName)
         check_zero_stage(self.zero_stage)
-        if self.device not in ("cpu", "cuda"):
-            raise UsageError(f"--device {self.device!r}: choose cpu or cuda")
-        if self.precision not in PRECISIONS:
-            raise UsageError(f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        check_choice("--device", self.device, DeviceType)
+        check_choice("--precision", self.precision, Precision)
         check_precision(self.precision, engine=self.engine)
         for name in ("world", "micro_batch", "seq_len", "grad_accum", "tp", "dp_replicate"):
             positive(name, getattr(self, name))
@@ -151,15 +154,13 @@ class Recipe:
             self.engine, zero_stage=None, reshard_after_forward=True, tp=self.tp, dp_replicate=self.dp_replicate
         )
         MeshShape.of(world=self.world, tp=self.tp, dp_replicate=self.dp_replicate)  # refuses a mesh it cannot split
-        if self.attn_implementation not in ("sdpa", "eager"):
-            raise UsageError(f"--attn-implementation {self.attn_implementation!r}: the forecast knows sdpa and eager")
+        traced_attention(self.attn_implementation)
         bad = sorted(set(self.recompute) - set(MODES))
         if bad:
             raise UsageError(f"recompute mode {bad[0]!r}: choose one of {', '.join(MODES)}")
-        if self.optimizer is not None and self.optimizer not in OPTIMIZER_IMPLS:
-            raise UsageError(f"optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZER_IMPLS)}")
-        if self.loss not in LOSSES:
-            raise UsageError(f"loss {self.loss!r}: choose one of {', '.join(LOSSES)}")
+        if self.optimizer is not None:
+            check_choice("optimizer", self.optimizer, OptimizerImpl)
+        check_choice("loss", self.loss, Loss)
         check_loss(self.loss, tp=self.tp)
 
     @property
@@ -184,7 +185,7 @@ class Recipe:
         return 2 if self.precision == "bf16" else 4
 
     @property
-    def optimizer_impl(self) -> str:
+    def optimizer_impl(self) -> OptimizerImpl:
         """The AdamW implementation the engine runs: ``--optimizer-impl``, else fused on CUDA, single on a CPU."""
         return self.optimizer or default_adamw_impl(self.device)
 
@@ -205,15 +206,17 @@ class Recipe:
         config: RunConfig,
         *,
         world: int,
-        device: str,
+        device: DeviceType,
         recompute: tuple[str, ...] = (),
-        optimizer: str | None = None,
+        optimizer: OptimizerImpl | None = None,
     ) -> Recipe:
         """The recipe of a run's configuration on ``world`` ranks of ``device``, with ``recompute`` per layer; the
         AdamW implementation is ``optimizer``, else ``--optimizer-impl``, else what the ``--deepspeed-config`` asks
         for, else the default (fused on CUDA)."""
         train, engine_opts = config.train, config.engine_opts
         deepspeed = config.engine == "deepspeed"
+        if (precision := train.precision) not in PRECISIONS:
+            refuse("--precision", precision, Precision)
         return cls(
             engine=config.engine,
             zero_stage=engine_opts.zero_stage,
@@ -221,11 +224,11 @@ class Recipe:
             tp=engine_opts.tp,
             dp_replicate=engine_opts.dp_replicate,
             device=device,
-            precision=train.precision,
+            precision=precision,
             micro_batch=train.micro_batch,
-            seq_len=train.seq_len,
+            seq_len=train.resolved_seq_len,
             grad_accum=train.grad_accum,
-            attn_implementation=config.model.attention(train.attn_implementation),
+            attn_implementation=traced_attention(config.model.attention(train.attn_implementation)),
             reshard_after_forward=engine_opts.reshard_after_forward,
             recompute=recompute,
             zero=_zero_settings(config.deepspeed_user) if deepspeed else ZeroSettings(),
@@ -268,7 +271,14 @@ class Forecast:
         return (self.peak_reserved_bytes or self.peak_allocated_bytes) + self.context_bytes
 
 
-def deepspeed_adamw(user: dict | None) -> str | None:
+def traced_attention(attn: str) -> TracedAttention:
+    """``attn``, an attention implementation the forecast traces (refused otherwise)."""
+    if attn not in TRACED_ATTENTION:
+        raise UsageError(f"--attn-implementation {attn!r}: the forecast knows {', '.join(TRACED_ATTENTION)}")
+    return attn
+
+
+def deepspeed_adamw(user: dict | None) -> OptimizerImpl | None:
     """The AdamW kind a ``--deepspeed-config`` asks torch for (``optimizer.params.foreach``), else None (torch's
     pick): ``ljperf benchmark`` and ``ljperf plan`` read the file alike."""
     params = ((user or {}).get("optimizer") or {}).get("params")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ljperf.forecast.blocks import BlockParams
 from ljperf.forecast.recipe import Recipe
-from ljperf.forecast.sharding.base import FP32, Sharding
+from ljperf.forecast.sharding.base import FP32, FsdpReduce, Sharding
 from ljperf.forecast.trace import Segment, SegmentKey
 
 TOKEN_BYTES = 8  # int64 token ids
@@ -310,7 +310,7 @@ def layer_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Gra
     walk.step(step.layer_backward(i, micro), phase, gathered=gather.backward, reducing=reducing, activations=-saved)
     walk.add("gathered_parameters", -gather.held)
     if shard.fsdp and shard.fsdp.copies_input:
-        _gloo_reduce_scatter(walk, step, grads, i, phase)
+        _gloo_reduce_scatter(walk, step, shard.fsdp, grads, i, phase)
     grads.settle(walk, step.blocks.layer_sizes[i])
     walk.add("comm_buffers", _held_reduce_output(step, micro, step.blocks.layer_sizes[i]))
     _all_reduce(walk, shard, f"layer {i}", phase)
@@ -325,13 +325,13 @@ def _held_reduce_output(step: TrainingStep, micro: MicroStep, params: int) -> in
     return round(params * shard.kept_grad_bytes * shard.grad_keep)
 
 
-def _gloo_reduce_scatter(walk: Walk, step: TrainingStep, grads: _Grads, i: int, phase: str) -> None:
+def _gloo_reduce_scatter(walk: Walk, step: TrainingStep, fsdp: FsdpReduce, grads: _Grads, i: int, phase: str) -> None:
     """Layer ``i``'s reduce-scatter on gloo: its gradients copied into the input and freed, the output shard made,
     and gloo's copy of the input alive while the call runs, with the next layer's all-gather in flight."""
     size, shard = step.blocks.layer_sizes[i], step.shard
     reduce_input = size * shard.kept_grad_bytes
     during = 2 * reduce_input + round(reduce_input * shard.grad_keep) - grads.made(size)
-    walk.visit(0, f"{phase}, reduce-scatter", comm_buffers=during, gathered_parameters=shard.fsdp.prefetched[i])
+    walk.visit(0, f"{phase}, reduce-scatter", comm_buffers=during, gathered_parameters=fsdp.prefetched[i])
 
 
 def embedding_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads) -> None:

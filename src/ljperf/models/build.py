@@ -10,16 +10,20 @@ import copy
 import json
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ljperf.models.layout import decoder_layers
 from ljperf.models.spec import ModelSpec, build_meta, with_layers
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
+
+M = TypeVar("M", bound="torch.nn.Module")
+"""A model, returned as it was given (the same object, its parameters replaced)."""
 
 
-def build_picked(spec: ModelSpec, pick: Sequence[int], *, attn_implementation: str | None = None) -> torch.nn.Module:
+def build_picked(spec: ModelSpec, pick: Sequence[int], *, attn_implementation: str | None = None) -> PreTrainedModel:
     """A copy of ``spec``'s model on the meta device whose decoder layers are the full model's layers ``pick``:
     where layers differ (DeepSeek-V3's first three dense, then mixtures of experts), a copy of the right ones,
     which no config of fewer layers builds."""
@@ -30,14 +34,14 @@ def build_picked(spec: ModelSpec, pick: Sequence[int], *, attn_implementation: s
         layers[j] = copy.deepcopy(full[i])
         for module in layers[j].modules():  # indexes the copy's per-layer config entries, as its own layers do
             if isinstance(getattr(module, "layer_idx", None), int):
-                module.layer_idx = j
+                module.layer_idx = cast(Any, j)  # torch's stub of Module.__setattr__ takes modules and tensors
     return model
 
 
-_FULL: dict[str, torch.nn.Module] = {}
+_FULL: dict[str, PreTrainedModel] = {}
 
 
-def _full_meta(spec: ModelSpec, attn_implementation: str | None) -> torch.nn.Module:
+def _full_meta(spec: ModelSpec, attn_implementation: str | None) -> PreTrainedModel:
     """The full-depth meta build ``build_picked`` copies layers from, kept for the process's later copies."""
     key = json.dumps([spec.facts.config_dict, attn_implementation], sort_keys=True, default=str)
     if key not in _FULL:
@@ -93,9 +97,7 @@ def replace_parameters(
         module._parameters[key] = new[id(param)]
 
 
-def materialize(
-    model: torch.nn.Module, *, device: torch.device, seed: int, dtype: torch.dtype | None = None
-) -> torch.nn.Module:
+def materialize(model: M, *, device: torch.device, seed: int, dtype: torch.dtype | None = None) -> M:
     """Replace meta parameters with seeded random values on ``device`` (fp32, or ``dtype``: the fp32 values
     rounded); keeps tied weights tied."""
     import torch
@@ -112,7 +114,7 @@ def materialize(
     return model.to(device)
 
 
-def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+def cast_parameters(model: M, dtype: torch.dtype) -> M:
     """The parameters in ``dtype`` (on any device, meta included); buffers keep theirs (RoPE's fp32 frequencies),
     as ``materialize`` leaves them and as a model loaded in bfloat16 keeps them."""
     import torch

@@ -10,10 +10,11 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from ljperf.core.choices import EngineName, values_of
 from ljperf.core.errors import UsageError
 from ljperf.core.records import read_json_object
 
-ENGINES = ("torch", "fsdp", "deepspeed")
+ENGINES: tuple[EngineName, ...] = values_of(EngineName)
 
 
 def catalog_names() -> list[str]:
@@ -22,7 +23,7 @@ def catalog_names() -> list[str]:
     return sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json"))
 
 
-def split_model_arg(text: str) -> tuple[str, str]:
+def split_model_arg(text: str) -> tuple[EngineName, str]:
     """``ENGINE/NAME`` → (engine, name), with exit-2 errors that name the closest valid choice."""
     engine, sep, name = text.partition("/")
     if not sep or not name:

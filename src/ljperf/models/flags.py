@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from ljperf.core.choices import EngineName
 from ljperf.core.errors import UsageError
 from ljperf.models.catalog import ENGINES, split_model_arg
 from ljperf.models.spec import ModelSpec, resolve
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, engines: tuple[str, ...] = ENGINES) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, *, engines: tuple[EngineName, ...] = ENGINES) -> None:
     """``--model ENGINE/NAME`` or ``--model-config PATH`` with ``--engine`` (one of ``engines``): shared by
     benchmark, plan and compile-report."""
     group = parser.add_argument_group("model")
@@ -27,7 +28,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, engines: tuple[str, 
     )
 
 
-def engine_from_args(args: argparse.Namespace) -> str:
+def engine_from_args(args: argparse.Namespace) -> EngineName:
     """The engine of ``--model`` or ``--model-config``/``--engine``, checked without reading the model (a
     command checks its other flags before the model's seconds of transformers)."""
     if bool(args.model) == bool(args.model_config):
@@ -47,7 +48,7 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
     return resolve(path=args.model_config)
 
 
-def model_from_args(args: argparse.Namespace) -> tuple[str, ModelSpec]:
+def model_from_args(args: argparse.Namespace) -> tuple[EngineName, ModelSpec]:
     """(engine, model) from ``--model`` or ``--model-config``/``--engine``."""
     return engine_from_args(args), spec_from_args(args)
 

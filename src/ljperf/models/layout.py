@@ -12,6 +12,7 @@ from ljperf.core.errors import UsageError
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
 TENSOR_PARALLEL = {"llama": "Llama", "qwen2": "Qwen 2", "qwen3": "Qwen 3", "mistral": "Mistral"}
 """Model types whose decoders ``models.tensor_parallel`` splits (model_type → name): q/k/v, o and gate/up/down
@@ -20,11 +21,13 @@ projections, RMSNorms, an embedding and an LM head, laid out as Llama's."""
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layers of an HF causal LM (``model.model.layers``, or GPT-2's ``transformer.h``): what engines
-    shard, the forecast traces and recompute plans address."""
+    shard, the forecast traces and recompute plans address. Any module laid out as one (a wrapper that forwards
+    attribute lookups to it, such as PEFT's) answers alike."""
     import torch
 
     # Llama 4's causal LM returns itself as its decoder (its base-model prefix names the multimodal model's part)
-    decoder = model.get_decoder()
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
     layers = (
         getattr(decoder, "layers", None)
         or getattr(decoder, "h", None)
@@ -44,7 +47,7 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     import torch
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    hf = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    hf: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if hf:
         return hf
     best: list[torch.nn.Module] = []
@@ -55,3 +58,21 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     if not best:
         raise UsageError(f"{type(model).__name__} has no repeated blocks (no ModuleList): cannot checkpoint it")
     return best
+
+
+def embeddings(model: PreTrainedModel) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """An HF causal LM's input embedding and its LM head (None: it has none), as transformers finds them."""
+    import torch
+
+    head = model.get_output_embeddings()  # transformers leaves it unannotated: the attribute, or None
+    return model.get_input_embeddings(), head if isinstance(head, torch.nn.Module) else None
+
+
+def weight(module: torch.nn.Module) -> torch.Tensor:
+    """``module.weight`` (an embedding's, an LM head's): torch types a module's attributes as tensor or module."""
+    import torch
+
+    value = module.weight
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.weight is a {type(value).__name__}, not a tensor")
+    return value

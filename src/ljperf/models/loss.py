@@ -8,13 +8,18 @@ loss HF's ``ForCausalLMLoss`` gives (``logits`` is None).
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from ljperf.core.errors import UsageError
 from ljperf.core.options import LOSS_CHUNKS
+from ljperf.models.layout import embeddings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 IGNORE_INDEX = -100
 """The label HF's loss skips (``ForCausalLMLoss``'s ``ignore_index``): the padded position after each sequence."""
@@ -27,7 +32,7 @@ def use_chunked_loss(model: torch.nn.Module) -> None:
 
 
 def _chunked_forward(
-    self: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
+    self: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
 ) -> Any:
     """HF's forward with the chunked loss (a ``CausalLMOutputWithPast``; ``logits`` None when a loss is asked)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast  # a warm plan never imports transformers
@@ -44,7 +49,7 @@ def chunk_sizes(tokens: int, chunks: int = LOSS_CHUNKS) -> list[int]:
     return [tokens // n + (i < tokens % n) for i in range(n)]
 
 
-def chunked_loss(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def chunked_loss(model: PreTrainedModel, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the next tokens over those not ignored, as HF's ``ForCausalLMLoss`` shifts and counts
     them, from the decoder's last ``hidden`` states: each chunk's head and loss is a non-reentrant checkpoint, which
     keeps only its slice of ``hidden`` (already kept) and recomputes the logits in backward."""
@@ -64,7 +69,7 @@ def chunked_loss(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Ten
 
 
 def _chunk_loss(
-    model: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor, count: torch.Tensor
+    model: PreTrainedModel, hidden: torch.Tensor, target: torch.Tensor, count: torch.Tensor
 ) -> torch.Tensor:
     """One chunk's summed loss over ``count``, through the model's own loss function (compiled as the "loss"
     region under regional compile)."""
@@ -74,8 +79,10 @@ def _chunk_loss(
     )
 
 
-def _logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def _logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """The LM head's logits, soft-capped as Gemma 2 caps them (``final_logit_softcapping``)."""
-    logits = model.get_output_embeddings()(hidden)
+    if (head := embeddings(model)[1]) is None:
+        raise UsageError(f"--loss chunked runs a causal LM's head: {type(model).__name__} has none")
+    logits = head(hidden)
     cap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits

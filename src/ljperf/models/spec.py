@@ -12,7 +12,7 @@ import copy
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from importlib import metadata
@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ljperf.core.cache import cache_root, cached
+from ljperf.core.choices import Attention
 from ljperf.core.errors import UsageError, describe
 from ljperf.models.catalog import read_config_dict
-from ljperf.models.layout import decoder_layers
+from ljperf.models.layout import decoder_layers, embeddings, weight
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedModel
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 MOST_LAYERS = 10_000
@@ -101,7 +102,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:39] + "…"
 
 
-def rough_params(config: PretrainedConfig) -> int:
+def rough_params(config: PretrainedConfig | _Written) -> int:
     """An upper estimate of a config's parameters from its sizes alone (nothing built): embedding and head, and per
     layer four hidden² attention projections, a dense MLP and an expert bank (three hidden × intermediate each)."""
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
@@ -269,7 +270,7 @@ class ModelSpec:
             raise UsageError(f"{flag} {seq_len} is longer than {self.name}'s {self.max_positions} max positions")
         return seq_len
 
-    def attention(self, requested: str | None, *, flag: str = "--attn-implementation") -> str:
+    def attention(self, requested: Attention | None, *, flag: str = "--attn-implementation") -> Attention:
         """``requested``, or (None) sdpa where the model's transformers class has it and eager where not
         (Gemma 2), as transformers' own default picks; sdpa asked of a class without it is a usage error."""
         if requested == "sdpa" and not self.facts.sdpa:
@@ -294,13 +295,13 @@ class ModelSpec:
 
         model = build_meta(self, initialize=False)
         total = sum(p.numel() for p in model.parameters())
-        embedding = model.get_input_embeddings().weight.numel()
-        head = model.get_output_embeddings()
-        tied_head = head is not None and head.weight is model.get_input_embeddings().weight
+        embed, head = embeddings(model)
+        embedding = weight(embed).numel()
+        tied_head = head is not None and weight(head) is weight(embed)
         # every lookup table, GPT-2's learned positions too, is a gather per token, not a matmul
         lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
         unrouted = sum(bank.numel * (1 - bank.top_k / bank.experts) for bank in expert_banks(model))
-        matmul = total - lookups + (head.weight.numel() if tied_head else 0) - round(unrouted)
+        matmul = total - lookups + (embedding if tied_head else 0) - round(unrouted)
         return ParamCounts(total=total, embedding=embedding, matmul=matmul, active=total - round(unrouted))
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -401,7 +402,7 @@ def resolve(*, name: str | None = None, path: str | Path | None = None) -> Model
 
 
 @contextlib.contextmanager
-def _warnings_only_if_accepted() -> Iterator[None]:
+def _warnings_only_if_accepted() -> Generator[None, None, None]:
     """Hold transformers' warnings about a config; print them once it is accepted. When it is refused, the one
     error line says what is wrong (the warnings were about the same file, above that line)."""
     from transformers.utils import logging as hf_logging
@@ -501,7 +502,7 @@ def _empty_on_meta() -> contextlib.AbstractContextManager:
     return EmptyOnMeta()
 
 
-def build_meta(spec: ModelSpec, *, attn_implementation: str | None = None, initialize: bool = True) -> torch.nn.Module:
+def build_meta(spec: ModelSpec, *, attn_implementation: str | None = None, initialize: bool = True) -> PreTrainedModel:
     """The model with fp32 parameters on the meta device and real (CPU) buffers such as RoPE frequencies;
     ``initialize=False`` skips transformers' weight initialization, for a build whose sizes alone are read: on
     meta tensors it changes no value but still walks every module (most of a parameter count's time)."""

@@ -15,6 +15,8 @@ the local heads need no change of the config; Qwen 3's per-head norms run on the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -27,7 +29,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ljperf.models.layout import decoder_layers
+from ljperf.models.layout import decoder_layers, embeddings, weight
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def root_plan() -> dict[str, ParallelStyle]:
@@ -68,15 +73,17 @@ def layer_plan(layer: torch.nn.Module) -> dict[str, ParallelStyle]:
     return plan
 
 
-def parallelize(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
+def parallelize(model: PreTrainedModel, tp_mesh: DeviceMesh) -> PreTrainedModel:
     """Split ``model`` over ``tp_mesh`` in place: every parameter becomes a DTensor of it; a tied LM head is tied
     again to the embedding (both split over the vocabulary)."""
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    embed, head = embeddings(model)
+    tied = head is not None and weight(head) is weight(embed)
     parallelize_module(model, tp_mesh, root_plan())
     for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, layer_plan(layer))
-    if tied:
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    embed, head = embeddings(model)
+    if tied and head is not None:
+        head.weight = weight(embed)
     plain = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
     if plain:
         raise RuntimeError(f"tensor parallel left {plain[0]} whole: {type(model).__name__} is not laid out as Llama")

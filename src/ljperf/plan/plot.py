@@ -54,7 +54,7 @@ def memory_figure(
     fig, ax = plt.subplots(figsize=FIGURE_INCHES)
     x = list(range(len(points)))
     series = [[p.bytes.get(n, 0) / scale for p in points] for n in names]
-    ax.stackplot(x, series, labels=[LABELS.get(n, n) for n in names], colors=[COLORS.get(n) for n in names])
+    ax.stackplot(x, series, labels=[LABELS.get(n, n) for n in names], colors=[COLORS[n] for n in names])
     _shade_stages(ax, memory)
     peak = memory.points[memory.peak]
     ax.plot([memory.peak], [peak.total / scale], "v", color="black", label=f"forecast peak {format_bytes(peak.total)}")
@@ -156,7 +156,7 @@ def plan_picture(path: str, *, cfg: RunConfig, report: dict, device_name: str | 
     recipe = Recipe.of(
         cfg,
         world=report["recipe"]["world"],
-        device=cfg.train.device,
+        device=cfg.train.resolved_device,
         recompute=tuple(report["recipe"]["recompute"]),
     )
     memory = memory_over_step(cfg.model, recipe, device_name=device_name)

@@ -7,6 +7,7 @@ Run: ``print_plan(plan_record(spec, recipe, forecast(spec, recipe), memory=80 * 
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Any
 
 from rich.markup import escape
 
@@ -31,7 +32,7 @@ from ljperf.run.titles import shape_title, strategy
 def planned(cfg: RunConfig, *, world: int, memory: int, device_name: str | None) -> tuple[dict, Decision | None]:
     """The plan record of ``cfg`` on ``world`` devices of ``memory`` bytes, and the decision of ``--recompute
     auto`` (None for a fixed plan), solved under its budget."""
-    spec, device = cfg.model, cfg.train.device
+    spec, device = cfg.model, cfg.train.resolved_device
     recipe = Recipe.of(cfg, world=world, device=device, recompute=fixed_recompute(cfg) or ())
     decision = rates = None
     if cfg.optim.recompute == "auto":
@@ -77,7 +78,7 @@ def deepspeed_warnings(cfg: RunConfig, *, world: int) -> list[deepspeed_config.F
 
 def auto_notes(decision: Decision, *, memory: int) -> list[str]:
     notes = ["largest micro batch counted with full recompute, the most --recompute auto saves"]
-    if decision.budget_bytes > memory:
+    if decision.budget_bytes is not None and decision.budget_bytes > memory:
         notes.append(
             f"the memory budget {format_bytes(decision.budget_bytes)} is more than the device's "
             f"{format_bytes(memory)}: a plan within it can still run out of memory"
@@ -113,7 +114,7 @@ def plan_record(
     """The JSON object of ``ljperf plan --json``: what fits is measured against ``budget`` (--recompute auto's)
     when there is one, else against the device's ``memory``."""
 
-    recipe_dict = asdict(recipe)
+    recipe_dict: dict[str, Any] = asdict(recipe)
     recipe_dict["recompute"] = list(recipe.layer_modes(spec.layers))
     if recipe.engine != "deepspeed":
         del recipe_dict["zero_stage"], recipe_dict["zero"]

@@ -69,6 +69,14 @@ class Rates:
             return None
         return cls(flops_per_s=tflops * 1e12, bytes_per_s=tbps * 1e12)
 
+    @classmethod
+    def reference(cls) -> Rates:
+        """The datasheet rates of ``REFERENCE_GPU``: a plan for a GPU the tables do not know is ranked by them."""
+        rates = cls.datasheet(REFERENCE_GPU)
+        if rates is None:
+            raise LookupError(f"{REFERENCE_GPU}, the reference GPU, is missing from ljperf.core.hardware's tables")
+        return rates
+
 
 def _norm_silu(x: torch.Tensor) -> torch.Tensor:
     # RMSNorm, SiLU gate and residual: what selective recompute repeats. ``x + x`` alone ran 4× faster than a
@@ -179,16 +187,15 @@ def timed_layer(
     threads = f"{torch.get_num_threads()} threads" if device.type == "cpu" else "gpu"
     name = hardware.cpu_name() if device.type == "cpu" else hardware.calibration_name(device)
     key = architecture_key(spec, "timed layer", f"layer {index}", attn, f"{micro_batch}x{seq_len}", bf16, name, threads)
-    return tuple(
-        cached(
-            cache_dir() / f"{spec.architecture}-timed-{key}.json",
-            load=tuple,
-            make=lambda: _timed_modes(
-                spec, index, micro_batch=micro_batch, seq_len=seq_len, attn=attn, device=device, bf16=bf16
-            ),
-            dump=list,
-        )
+    full, selective = cached(
+        cache_dir() / f"{spec.architecture}-timed-{key}.json",
+        load=tuple,
+        make=lambda: _timed_modes(
+            spec, index, micro_batch=micro_batch, seq_len=seq_len, attn=attn, device=device, bf16=bf16
+        ),
+        dump=list,
     )
+    return full, selective
 
 
 def _timed_modes(
@@ -225,7 +232,8 @@ def _timed_modes(
         shift = len(rounds) % len(modes)  # each mode in turn first: none is not always the coldest
         rounds.append({mode: step(mode) for mode in modes[shift:] + modes[:shift]})
         timed += sum(rounds[-1].values())
-    return tuple(statistics.median(r[mode] - r["none"] for r in rounds) for mode in ("full", "selective"))
+    full, selective = (statistics.median(r[mode] - r["none"] for r in rounds) for mode in ("full", "selective"))
+    return full, selective
 
 
 def _traced_layer_cost(spec: ModelSpec, index: int, *, micro_batch: int, seq_len: int, attn: str) -> RecomputeCost:

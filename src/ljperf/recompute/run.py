@@ -32,7 +32,7 @@ def decide_for_run(run: RunContext) -> Decision | None:
         return None
     train, spec = run.train, run.model
     attn = spec.attention(train.attn_implementation)
-    cost = layer_cost(spec, micro_batch=train.micro_batch, seq_len=train.seq_len, attn=attn)
+    cost = layer_cost(spec, micro_batch=train.micro_batch, seq_len=train.resolved_seq_len, attn=attn)
     device, name = run.device.torch_device, run.device.calibration_name
     rates = Rates.measure(device)
     if value != "auto":
@@ -47,7 +47,7 @@ def decide_for_run(run: RunContext) -> Decision | None:
     )
     if full.device_bytes <= budget < none.device_bytes:
         # a choice to make: rank the plans by what recomputing a real layer takes here (seconds, once per shape)
-        shape = {"micro_batch": train.micro_batch, "seq_len": train.seq_len, "attn": attn}
+        shape = {"micro_batch": train.micro_batch, "seq_len": train.resolved_seq_len, "attn": attn}
         rates = run_rates(spec, cost, **shape, device=device, bf16=run.bf16)
     return solve_recipe(spec, recipe, budget=budget, rates=rates, cost=cost, device_name=name)
 

@@ -8,11 +8,13 @@ Run: ``from_args(args, argv, device_type="cpu")`` after a command's flags parse;
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass, field
 
 from ljperf.core import deepspeed_config, options
+from ljperf.core.choices import CompileMode, DeviceType, EngineName, Loss
 from ljperf.core.console import say
 from ljperf.core.errors import UsageError
 from ljperf.core.mesh import MeshShape
@@ -36,7 +38,7 @@ from ljperf.models.spec import ModelSpec
 class RunConfig:
     """A whole run, resolved from the command line."""
 
-    engine: str
+    engine: EngineName
     """torch, fsdp or deepspeed."""
     model: ModelSpec
     """The model to train."""
@@ -66,7 +68,7 @@ class RunConfig:
             fixed_plan(plan, self.model.layers)  # one that does not match the model fails here, not in every rank
 
 
-def check_together(engine: str, train: TrainConfig, optim: OptimizationConfig, *, model: str) -> None:
+def check_together(engine: EngineName, train: TrainConfig, optim: OptimizationConfig, *, model: str) -> None:
     """The option groups' rules that span two of them, for ``engine``: checked before the model is read
     (``check_flags``) and when a ``RunConfig`` is made."""
     if optim.compile_mode == "deepspeed" and engine != "deepspeed":
@@ -78,10 +80,10 @@ def check_together(engine: str, train: TrainConfig, optim: OptimizationConfig, *
         raise UsageError("--compile needs --warmup 1 or more: the first steps compile (kept out of the step times)")
 
 
-def check_tensor_parallel(spec: ModelSpec, *, tp: int, seq_len: int) -> None:
+def check_tensor_parallel(spec: ModelSpec, *, tp: int, seq_len: int | None) -> None:
     """A model ``--tp`` can split: one of ``TENSOR_PARALLEL``'s families whose heads, K/V heads, MLP width and
     vocabulary divide by ``tp`` (each rank takes whole heads and equal slices), and a sequence sequence parallel can
-    split evenly."""
+    split evenly (``seq_len`` None: not resolved yet, see ``resolve_train``)."""
     if tp == 1:
         return
     kind = spec.fact("model_type")
@@ -97,7 +99,7 @@ def check_tensor_parallel(spec: ModelSpec, *, tp: int, seq_len: int) -> None:
     for what, n in sizes:
         if n % tp:
             raise UsageError(f"--tp {tp} must divide {spec.name}'s {what}, {n}: each rank takes an equal share")
-    if seq_len % tp:
+    if seq_len is not None and seq_len % tp:
         raise UsageError(f"--tp {tp} must divide --seq-len {seq_len}: sequence parallel gives each rank equal tokens")
 
 
@@ -110,7 +112,7 @@ CHUNKED_LOSS_REFUSES = {
 does Gemma 2's ``final_logit_softcapping``)."""
 
 
-def check_chunked_loss(spec: ModelSpec, *, loss: str) -> None:
+def check_chunked_loss(spec: ModelSpec, *, loss: Loss) -> None:
     """``--loss chunked`` on a model whose forward it reproduces: its head, soft-capping and HF's loss."""
     if loss != "chunked":
         return
@@ -139,7 +141,7 @@ def cpu_threads(threads: int | None, *, processes: int) -> int:
 
 
 def resolve_train(
-    train: TrainConfig, *, model: ModelSpec, device_type: str, seq_flag: str = "--seq-len", processes: int = 1
+    train: TrainConfig, *, model: ModelSpec, device_type: DeviceType, seq_flag: str = "--seq-len", processes: int = 1
 ) -> TrainConfig:
     """Fill in the defaults that depend on the model and device (``auto`` becomes the device type, so records
     say which ran; on a CPU, the threads of each of the node's ``processes``); check the sequence length
@@ -152,13 +154,13 @@ def resolve_train(
         if importlib.util.find_spec("flash_attn") is None:
             raise UsageError("--attn-implementation flash_attention_2 needs the flash-attn package (or use sdpa)")
     precision = train.precision or ("bf16-mixed" if device_type == "cuda" else "fp32")
-    resolved = {"seq_len": seq_len, "precision": precision, "device": device_type, "attn_implementation": attn}
-    if device_type == "cpu":
-        resolved["threads"] = cpu_threads(train.threads, processes=processes)
-    return TrainConfig(**{**vars(train), **resolved})
+    threads = cpu_threads(train.threads, processes=processes) if device_type == "cpu" else train.threads
+    return dataclasses.replace(
+        train, seq_len=seq_len, precision=precision, device=device_type, attn_implementation=attn, threads=threads
+    )
 
 
-def _warmup(args: argparse.Namespace, *, device_type: str) -> int:
+def _warmup(args: argparse.Namespace, *, device_type: DeviceType) -> int:
     """``--warmup``, or its default: DeepCompile (0.19) adds its prefetch passes at DeepSpeed's global step 5
     and compiles the model again (``deepspeed/compile/init_z3.py``), so steps 0-5 are its warm-up."""
     deepcompile = args.compile_mode == "deepspeed" and device_type == "cuda"
@@ -169,7 +171,7 @@ def _warmup(args: argparse.Namespace, *, device_type: str) -> int:
     return args.warmup
 
 
-def _compile_mode(args: argparse.Namespace) -> str:
+def _compile_mode(args: argparse.Namespace) -> CompileMode:
     """``--compile-mode``, with ``--compile`` as ``regional``."""
     if args.compile and args.compile_mode not in (None, "regional"):
         raise UsageError(f"--compile is --compile-mode regional: it contradicts --compile-mode {args.compile_mode}")
@@ -181,7 +183,7 @@ class Flags:
     """A command's flags once checked: the engine, the ``--deepspeed-config`` as loaded and the flags as the run
     takes them (a DeepSpeed config's numbers for flags left out, ``--compile`` as ``--compile-mode regional``)."""
 
-    engine: str
+    engine: EngineName
     deepspeed_user: dict
     args: argparse.Namespace
 
@@ -213,19 +215,19 @@ def check_flags(args: argparse.Namespace, *, world: int | None = None) -> Flags:
     if hasattr(args, "compile"):
         resolved.compile_mode = given.compile_mode = _compile_mode(args)
         given.warmup = TrainConfig.warmup if args.warmup is None else args.warmup  # its default waits for the device
-    kinds = (TrainConfig, LaunchConfig, EngineConfig, OptimizationConfig, ExplainConfig)
-    groups = {cls: options.from_args(cls, given) for cls in kinds}
+    train, launch = options.from_args(TrainConfig, given), options.from_args(LaunchConfig, given)
+    engine_opts, optim = options.from_args(EngineConfig, given), options.from_args(OptimizationConfig, given)
+    options.from_args(ExplainConfig, given)
     model = split_model_arg(args.model)[1] if args.model else "MODEL"
-    check_together(engine, groups[TrainConfig], groups[OptimizationConfig], model=model)
-    engine_opts = groups[EngineConfig]
-    options.check_loss(groups[OptimizationConfig].loss, tp=engine_opts.tp)
-    world = world if world is not None else launch_world(groups[LaunchConfig])
+    check_together(engine, train, optim, model=model)
+    options.check_loss(optim.loss, tp=engine_opts.tp)
+    world = world if world is not None else launch_world(launch)
     MeshShape.of(world=world, tp=engine_opts.tp, dp_replicate=engine_opts.dp_replicate)
     return Flags(engine=engine, deepspeed_user=user, args=resolved)
 
 
 def from_args(
-    args: argparse.Namespace, argv: list[str], *, device_type: str | None = None, flags: Flags | None = None
+    args: argparse.Namespace, argv: list[str], *, device_type: DeviceType | None = None, flags: Flags | None = None
 ) -> RunConfig:
     """The ``RunConfig`` of a command's parsed flags (those it has: ``plan`` has no launch or compile flags) on
     ``device_type`` (None: ``--device``, resolved); ``flags``: ``check_flags``' answer where the command asked it
@@ -237,17 +239,21 @@ def from_args(
     device_type = device_type or resolve_device_type(args.device)
     if hasattr(args, "compile"):
         args.warmup = _warmup(args, device_type=device_type)
-    groups = {
-        name: options.from_args(cls, args)
-        for name, cls in (("train", TrainConfig), ("launch", LaunchConfig), ("engine_opts", EngineConfig))
-    }
-    optim = options.from_args(OptimizationConfig, args)
+    train, launch = options.from_args(TrainConfig, args), options.from_args(LaunchConfig, args)
+    engine_opts, optim = options.from_args(EngineConfig, args), options.from_args(OptimizationConfig, args)
     explain = options.from_args(ExplainConfig, args)
     spec = spec_from_args(args)  # after the flags: reading the model takes seconds
-    launch = groups["launch"]
     processes = local_world_size() if under_torchrun() else launch.nproc_per_node
-    groups["train"] = resolve_train(groups["train"], model=spec, device_type=device_type, processes=processes)
-    output = getattr(args, "output", None)
+    train = resolve_train(train, model=spec, device_type=device_type, processes=processes)
     return RunConfig(
-        engine=engine, model=spec, optim=optim, explain=explain, deepspeed_user=user, output=output, argv=argv, **groups
+        engine=engine,
+        model=spec,
+        train=train,
+        launch=launch,
+        engine_opts=engine_opts,
+        optim=optim,
+        explain=explain,
+        deepspeed_user=user,
+        output=getattr(args, "output", None),
+        argv=argv,
     )

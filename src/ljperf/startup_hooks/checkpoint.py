@@ -21,7 +21,7 @@ import functools
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from ljperf.startup_hooks.messages import warn
 from ljperf.startup_hooks.post_import import when_imported
@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # the hook imports ljperf's planning code only when it plans
     from transformers import Trainer
 
 REPLACES = "replaces the script's gradient_checkpointing=True"
+PATCHED = "_ljperf_checkpoint"
+"""The attribute that marks a function as this hook's wrapper: a second registration leaves it."""
 
 
 def register() -> None:
@@ -42,10 +44,10 @@ def register() -> None:
 def _patch(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
     """Replace ``owner.name`` by ``wrap(original)``, once (the hook may be registered twice)."""
     original = getattr(owner, name)
-    if getattr(original, "_ljperf_checkpoint", False):
+    if getattr(original, PATCHED, False):
         return
     wrapper = functools.wraps(original)(wrap(original))
-    wrapper._ljperf_checkpoint = True
+    setattr(wrapper, PATCHED, True)
     setattr(owner, name, wrapper)
 
 
@@ -65,7 +67,10 @@ def _patch_trainer(module: ModuleType) -> None:
     def wrap(original: Callable[..., None]) -> Callable[..., None]:
         def __init__(self: Trainer, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
-            _attach(self.model, "trainer_setup", self)
+            if self.model is None:  # model_init: the Trainer makes its model in train()
+                warn("CHECKPOINT_OPTIMIZATION left training unchanged: the Trainer has no model yet (model_init)")
+            else:
+                _attach(self.model, "trainer_setup", self)
 
         return __init__
 
@@ -99,6 +104,6 @@ def _patch_fsdp(module: ModuleType) -> None:
     _patch(module, "fully_shard", wrap)
 
 
-def _is_hf_model(obj: Any) -> bool:
+def _is_hf_model(obj: object) -> TypeGuard[torch.nn.Module]:
     modeling = sys.modules.get("transformers.modeling_utils")  # not imported: not an HF model
     return modeling is not None and isinstance(obj, modeling.PreTrainedModel)

@@ -22,6 +22,10 @@ if TYPE_CHECKING:  # transformers is imported by the user's script, never by the
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 
+PATCHED = "_ljperf_compile"
+"""The attribute that marks ``Trainer.__init__`` as this hook's: a second registration leaves it."""
+
+
 def register() -> None:
     when_imported("transformers.trainer", _patch_trainer)
 
@@ -29,7 +33,7 @@ def register() -> None:
 def _patch_trainer(module: ModuleType) -> None:
     cls = module.Trainer
     original = cls.__init__
-    if getattr(original, "_ljperf_compile", False):  # already patched (the hook was registered twice)
+    if getattr(original, PATCHED, False):  # already patched (the hook was registered twice)
         return
 
     @functools.wraps(original)
@@ -41,7 +45,7 @@ def _patch_trainer(module: ModuleType) -> None:
             except Exception as exc:  # the Trainer goes on with its own whole-model compile
                 warn(f"COMPILE_OPTIMIZATION: regional compile not applied ({exc!r})")
 
-    __init__._ljperf_compile = True
+    setattr(__init__, PATCHED, True)
     cls.__init__ = __init__
 
 
@@ -52,19 +56,22 @@ def regional_compile(trainer: Trainer) -> None:
 
     from ljperf.compile.regional import compile_model, zero3_gather_per_block
 
-    args = trainer.args
+    args, model = trainer.args, trainer.model
+    if model is None:  # a model_init Trainer makes its model at train(): its torch_compile is accelerate's
+        raise ValueError("the Trainer has no model yet (model_init): nothing to compile per block")
     ds = getattr(args, "hf_deepspeed_config", None)
     if ds is not None and ds.config.get("zero_optimization", {}).get("stage") == 3:
-        zero3_gather_per_block(trainer.model)
+        zero3_gather_per_block(model)
     options = {"backend": args.torch_compile_backend or "inductor"}
     if args.torch_compile_mode:
         options["mode"] = args.torch_compile_mode
-    session = compile_model(trainer.model, "regional", verbose=args.process_index == 0, **options)
-    trainer.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+    session = compile_model(model, "regional", verbose=args.process_index == 0, **options)
+    if (dynamo := trainer.accelerator.state.dynamo_plugin) is not None:  # torch_compile=True sets it
+        dynamo.backend = DynamoBackend.NO
 
     class CompileSummary(TrainerCallback):
         def on_train_end(
-            self, targs: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
         ) -> None:
             log(compile_line(session.results()))
 

@@ -10,11 +10,20 @@ import goes on unchanged.
 
 import sys
 
+TYPE_CHECKING = False  # typing's own: importing typing here would cost every Python start
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from importlib.abc import Loader
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+
+    Callback = Callable[[ModuleType], object]
+
 TRIGGERS = ("transformers.trainer", "deepspeed", "torch.distributed.fsdp")
 """The imports a startup hook patches (``startup_hooks.checkpoint``, ``startup_hooks.compile_trainer``): the hooks
 load at the first."""
 
-_PENDING: dict = {}
+_PENDING: "dict[str, list[Callback]]" = {}
 """Module name → callbacks waiting for its import."""
 
 
@@ -25,13 +34,13 @@ def boot() -> None:
         when_imported(name, _install)
 
 
-def _install(module: object) -> None:
+def _install(module: "ModuleType") -> None:
     from ljperf.startup_hooks.install import install  # the hooks and their variables' check: only where a hook can act
 
     install()
 
 
-def when_imported(name: str, callback: object) -> None:
+def when_imported(name: str, callback: "Callback") -> None:
     """Run ``callback(module)`` once ``name`` is imported (now, if it is already). A module still running its body
     (``transformers.trainer`` imports FSDP2, whose import loads the hooks) waits for the end of it."""
     module = sys.modules.get(name)
@@ -43,7 +52,7 @@ def when_imported(name: str, callback: object) -> None:
         sys.meta_path.insert(0, _Finder())
 
 
-def _run(callback: object, module: object) -> None:
+def _run(callback: "Callback", module: "ModuleType") -> None:
     try:
         callback(module)
     except Exception as exc:  # a hook must never break the user's import
@@ -53,7 +62,9 @@ def _run(callback: object, module: object) -> None:
 class _Finder:
     """A meta-path finder for the pending names only: the other finders locate the module, its loader is wrapped."""
 
-    def find_spec(self, fullname: str, path: object, target: object = None) -> object:
+    def find_spec(
+        self, fullname: str, path: "Sequence[str] | None", target: "ModuleType | None" = None
+    ) -> "ModuleSpec | None":
         if fullname not in _PENDING:
             return None
         for finder in sys.meta_path:
@@ -62,7 +73,11 @@ class _Finder:
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, fullname)
+                    from typing import cast  # here a hook's module is about to load, and it imports typing anyway
+
+                    # cast: typeshed types a spec's loader as importlib.abc.Loader; the import system takes any
+                    # object with its methods (importing importlib.abc to subclass it would cost every start)
+                    spec.loader = cast("Loader", _Loader(spec.loader, fullname))
                 return spec
         return None
 
@@ -70,14 +85,14 @@ class _Finder:
 class _Loader:
     """The module's own loader, then the callbacks; every other attribute is the original loader's."""
 
-    def __init__(self, loader: object, name: str):
+    def __init__(self, loader: "Loader", name: str):
         self._loader = loader
         self._name = name
 
-    def create_module(self, spec: object) -> object:
+    def create_module(self, spec: "ModuleSpec") -> "ModuleType | None":
         return self._loader.create_module(spec)
 
-    def exec_module(self, module: object) -> None:
+    def exec_module(self, module: "ModuleType") -> None:
         self._loader.exec_module(module)
         while callbacks := _PENDING.pop(self._name, None):  # a callback may register more for this module
             for callback in callbacks:
