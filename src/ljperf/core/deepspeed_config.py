@@ -261,7 +261,7 @@ def _prefetch(config: dict) -> Finding:
     zero = _section(config, "zero_optimization")
     value, stage = zero.get("stage3_prefetch_bucket_size"), zero.get("stage")
     if _number(stage) and stage in (0, 1, 2):  # a stage-3 setting says nothing of this run
-        if stage3 := sorted(k for k in zero if k.startswith("stage3_")):
+        if stage3 := sorted(k for k in zero if k.startswith("stage3_") and zero[k] != AUTO):  # ljperf's own: auto
             return Finding(
                 level="warn",
                 message=f"{', '.join(stage3)} set at ZeRO stage {stage}, which does not read them",
