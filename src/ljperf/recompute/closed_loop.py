@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from ljperf.checkpoint.apply import apply_plan
 from ljperf.core.console import say
 from ljperf.core.units import format_bytes
 from ljperf.distributed.collectives import max_over_ranks, shared_from_rank0
@@ -101,7 +100,7 @@ def close_the_loop(
             activation_scale=scale,
         )
         again = shared_from_rank0(again)
-        apply_plan(model, again.plan)
+        again.policy.apply(model)
         reset_cuda_peak(device)  # the run's peak is now the second plan's
         loop["second"] = {"plan": list(again.plan), "forecast_peak_bytes": again.forecast_bytes, "fits": again.fits}
         decision = again

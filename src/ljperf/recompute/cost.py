@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ljperf.checkpoint.apply import GROUPED_MM_OPS, apply_plan, saves
+from ljperf.checkpoint.policies import GROUPED_MM_OPS, every_layer, saves
 from ljperf.core import hardware
 from ljperf.core.cache import cache_root, cached
 from ljperf.forecast.blocks import block_params
@@ -204,7 +204,7 @@ def _timed_modes(
     ids = torch.randint(spec.facts.config_dict["vocab_size"], (micro_batch, seq_len), generator=rng).to(device)
 
     def step(mode: str) -> float:
-        apply_plan(model, (mode,))
+        every_layer(mode).apply(model)
         hardware.synchronize(device)
         start = time.perf_counter() if device.type == "cuda" else time.process_time()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import PreTrainedModel
 
-from ljperf.checkpoint.apply import apply_plan
+from ljperf.checkpoint.policies import script_checkpoints
 from ljperf.core.errors import UsageError
 from ljperf.core.hardware import calibration_name
 from ljperf.distributed.collectives import max_over_ranks, shared_from_rank0
@@ -29,7 +29,7 @@ from ljperf.distributed.memory import (
     training_state_tensors,
 )
 from ljperf.forecast.recipe import Recipe, ZeroSettings
-from ljperf.models.layout import decoder_layers, find_blocks
+from ljperf.models.layout import decoder_layers
 from ljperf.models.spec import ModelSpec
 from ljperf.recompute.budget import budget_bytes
 from ljperf.recompute.closed_loop import judge_plan, loop_line
@@ -209,8 +209,8 @@ class _Planner:
         )
         if _agreed(self.setup):
             decision = shared_from_rank0(decision)
-        replaces = self.decision is None and _script_checkpoints(self.model)
-        apply_plan(self.model, decision.plan)
+        replaces = self.decision is None and script_checkpoints(self.model)
+        decision.policy.apply(self.model)
         self.decision, self.shape = decision, shape
         line = prefix + decision.line() + (f" ({REPLACES})" if replaces else "")
         if decision.fits is False and not self.warned:  # once: re-plans for longer batches log their lines
@@ -291,16 +291,6 @@ class _Window:
             self.tracker.__exit__(None, None, None)
             self.peak, self.tracker = self.tracker.peak, None
         return cuda_peaks(self.device)[0] if self.device.type == "cuda" else self.peak
-
-
-def _script_checkpoints(model: torch.nn.Module) -> bool:
-    """Whether the script turned HF gradient checkpointing on itself (``TrainingArguments(gradient_checkpointing=
-    True)``, ``model.gradient_checkpointing_enable()``): a layer checkpoints that no ljperf plan set."""
-
-    return any(
-        getattr(block, "gradient_checkpointing", False) and not hasattr(block, "_ljperf_recompute")
-        for block in find_blocks(model)
-    )
 
 
 def _batch_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
