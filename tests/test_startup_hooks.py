@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ljperf.startup_hooks.checkpoint import REPLACES
+from ljperf.startup_hooks.checkpoint_planner import REPLACES
 
 from conftest import cli_env, own_cache, read_record, run_ljperf, stale_calibration_cache
 

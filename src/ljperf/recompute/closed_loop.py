@@ -6,6 +6,8 @@ Run: any ``ljperf benchmark --recompute auto`` with ``--warmup 2`` or more (3 on
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ljperf.core.console import say
@@ -44,6 +46,8 @@ def judge_plan(
     """The closed loop's verdict on the running ``decision`` (solved with a budget) after a measured steady-state
     step at ``recipe``'s shape: (the corrected activation coefficient, None when the plan stands; the plan's
     forecast peak allocated bytes)."""
+    if decision.budget_bytes is None:
+        raise ValueError("the closed loop judges a plan solved under a budget, not a fixed plan")
     first = forecast(spec, recipe.with_(recompute=decision.plan), device_name=device_name)
     scale = corrected_scale(
         measured=measured,
@@ -77,13 +81,14 @@ def close_the_loop(
     re-plan once and apply it to ``model`` (rank 0's plan on every rank). Returns the plan now running and what
     ``results.recompute.closed_loop`` records; None when there is no solved plan."""
     device = run.device.torch_device
-    if decision.budget_bytes is None:
+    budget, rates = decision.budget_bytes, decision.rates
+    if budget is None or rates is None:
         return None
     (measured,) = max_over_ranks([measured], device)
     scale, first_peak = judge_plan(
         run.model, Recipe.from_run(run), decision, measured=measured, device_name=run.device.calibration_name
     )
-    loop = {
+    loop: dict[str, Any] = {
         "first": {"plan": list(decision.plan), "forecast_peak_bytes": first_peak},
         "first_measured_peak_bytes": measured,
         "activation_scale": scale,
@@ -93,8 +98,8 @@ def close_the_loop(
         again = solve_recipe(
             run.model,
             Recipe.from_run(run),
-            budget=decision.budget_bytes,
-            rates=decision.rates,
+            budget=budget,
+            rates=rates,
             cost=decision.cost,
             device_name=run.device.calibration_name,
             activation_scale=scale,

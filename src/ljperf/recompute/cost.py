@@ -12,13 +12,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ljperf.checkpoint.policies import GROUPED_MM_OPS, every_layer, saves
 from ljperf.core import hardware
 from ljperf.core.cache import cache_root, cached
+from ljperf.core.plans import MODES, RecomputeMode
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.trace import architecture_key, cache_dir, fake_model, real_code_paths, reference_kind
 from ljperf.models.build import build_picked, materialize
@@ -27,6 +28,7 @@ from ljperf.models.spec import ModelSpec, build_meta, with_layers
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +62,14 @@ class Rates:
         return cls(
             flops_per_s=2 * n**3 / mm, bytes_per_s=_NORM_SILU_WRITES * 2 * x.numel() * x.element_size() / pointwise
         )
+
+    @classmethod
+    def reference(cls) -> Rates:
+        """The datasheet rates of ``REFERENCE_GPU``, which the table holds."""
+        rates = cls.datasheet(REFERENCE_GPU)
+        if rates is None:
+            raise LookupError(f"no datasheet rates for {REFERENCE_GPU}")
+        return rates
 
     @classmethod
     def datasheet(cls, device_name: str) -> Rates | None:
@@ -127,7 +137,7 @@ class RecomputeCost:
     pointwise_bytes: float
     """Bytes the other (memory-bound) ops write and read."""
 
-    def seconds(self, mode: str, rates: Rates) -> float:
+    def seconds(self, mode: RecomputeMode, rates: Rates) -> float:
         pointwise = self.pointwise_bytes / rates.bytes_per_s
         return {"none": 0.0, "selective": pointwise, "full": self.saved_flops / rates.flops_per_s + pointwise}[mode]
 
@@ -178,17 +188,18 @@ def timed_layer(
     index = 0 if len(set(kinds)) == 1 else kinds.index(reference_kind(kinds))
     threads = f"{torch.get_num_threads()} threads" if device.type == "cpu" else "gpu"
     name = hardware.cpu_name() if device.type == "cpu" else hardware.calibration_name(device)
-    key = architecture_key(spec, "timed layer", f"layer {index}", attn, f"{micro_batch}x{seq_len}", bf16, name, threads)
-    return tuple(
-        cached(
-            cache_dir() / f"{spec.architecture}-timed-{key}.json",
-            load=tuple,
-            make=lambda: _timed_modes(
-                spec, index, micro_batch=micro_batch, seq_len=seq_len, attn=attn, device=device, bf16=bf16
-            ),
-            dump=list,
-        )
+    key = architecture_key(
+        spec, "timed layer", f"layer {index}", attn, f"{micro_batch}x{seq_len}", str(bf16), name, threads
     )
+    full_s, selective_s = cached(
+        cache_dir() / f"{spec.architecture}-timed-{key}.json",
+        load=tuple,
+        make=lambda: _timed_modes(
+            spec, index, micro_batch=micro_batch, seq_len=seq_len, attn=attn, device=device, bf16=bf16
+        ),
+        dump=list,
+    )
+    return full_s, selective_s
 
 
 def _timed_modes(
@@ -199,11 +210,11 @@ def _timed_modes(
         if index == 0
         else build_picked(spec, (index,), attn_implementation=attn)
     )
-    model = materialize(meta, device=device, seed=0).train()
+    model = cast("PreTrainedModel", materialize(meta, device=device, seed=0).train())
     rng = torch.Generator().manual_seed(0)  # its own: the global one's next draws stay the run's
     ids = torch.randint(spec.facts.config_dict["vocab_size"], (micro_batch, seq_len), generator=rng).to(device)
 
-    def step(mode: str) -> float:
+    def step(mode: RecomputeMode) -> float:
         every_layer(mode).apply(model)
         hardware.synchronize(device)
         start = time.perf_counter() if device.type == "cuda" else time.process_time()
@@ -215,7 +226,7 @@ def _timed_modes(
             return time.perf_counter() - start
         return (time.process_time() - start) / torch.get_num_threads()
 
-    modes = ("none", "selective", "full")
+    modes = MODES
     for mode in modes:
         step(mode)
     fewest, most = _LAYER_ROUNDS
@@ -225,7 +236,8 @@ def _timed_modes(
         shift = len(rounds) % len(modes)  # each mode in turn first: none is not always the coldest
         rounds.append({mode: step(mode) for mode in modes[shift:] + modes[:shift]})
         timed += sum(rounds[-1].values())
-    return tuple(statistics.median(r[mode] - r["none"] for r in rounds) for mode in ("full", "selective"))
+    full_s, selective_s = (statistics.median(r[mode] - r["none"] for r in rounds) for mode in ("full", "selective"))
+    return full_s, selective_s
 
 
 def _traced_layer_cost(spec: ModelSpec, index: int, *, micro_batch: int, seq_len: int, attn: str) -> RecomputeCost:

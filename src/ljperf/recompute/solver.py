@@ -233,7 +233,7 @@ def solve_for_plan(
         rates = Rates.datasheet(name)
         source = f"{name} datasheet"
         if rates is None:
-            rates, source = Rates.datasheet(REFERENCE_GPU), f"{REFERENCE_GPU} datasheet ({name} is not in the table)"
+            rates, source = Rates.reference(), f"{REFERENCE_GPU} datasheet ({name} is not in the table)"
         elif device_name is None:  # --gpu-memory alone: no GPU named, none here
             source += f" rates; the device: the given {format_bytes(memory)} (--gpu-memory), uncalibrated overheads"
     return solve_recipe(spec, recipe, budget=budget, rates=rates, device_name=device_name), source
