@@ -23,7 +23,7 @@ import functools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -66,14 +66,6 @@ def saves(op: object) -> bool:
     """Whether selective recompute keeps ``op``'s output (``SAVE_OPS``)."""
     name = getattr(op, "name", None)
     return callable(name) and name() in SAVE_OPS
-
-
-class RecomputePolicy(Protocol):
-    """What every policy is: one ``apply``."""
-
-    def apply(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        """Set each of ``model``'s repeated blocks to recompute as this policy says; returns the blocks."""
-        ...
 
 
 @dataclass(frozen=True)
