@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ljperf.checkpoint.apply import apply_plan
+from ljperf.checkpoint.policies import SelectiveRecompute
 from ljperf.compile.line import compile_line
 from ljperf.compile.regional import compile_model
 from ljperf.core.errors import Interrupted
@@ -203,7 +203,7 @@ def test_a_graph_break_in_a_block_is_counted():
 
 def test_compile_with_checkpointing_gives_eager_gradients():
     eager, compiled = tiny_model(), tiny_model()
-    apply_plan(compiled, ("selective", "selective"))  # one block graph; selective is the harder case
+    SelectiveRecompute().apply(compiled)  # one block graph; selective is the harder case
     session = compile_model(compiled, "regional", verbose=False)
     tokens = torch.randint(0, 2048, (1, SEQ_LENS[0]), generator=torch.Generator().manual_seed(1))
     for model in (eager, compiled):

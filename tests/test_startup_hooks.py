@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ljperf.startup_hooks.checkpoint import REPLACES
+from ljperf.startup_hooks.checkpoint_planner import REPLACES
 
 from conftest import cli_env, own_cache, read_record, run_ljperf, stale_calibration_cache
 
@@ -179,16 +179,15 @@ def test_trainer_script_gets_the_planned_layers_and_logs_one_line(tmp_path, plai
 
 
 def test_the_scripts_own_gradient_checkpointing_is_told_apart_from_a_plan():
-    from ljperf.checkpoint.apply import apply_plan
-    from ljperf.startup_hooks.checkpoint_planner import _script_checkpoints
+    from ljperf.checkpoint.policies import FullRecompute, script_checkpoints
     from scripts.tiny_llama import build
 
     model = build()
-    assert not _script_checkpoints(model)
+    assert not script_checkpoints(model)
     model.gradient_checkpointing_enable()
-    assert _script_checkpoints(model)
-    apply_plan(model, ("full",) * 6)  # the hook's own plan, even with every layer checkpointing
-    assert not _script_checkpoints(model)
+    assert script_checkpoints(model)
+    FullRecompute().apply(model)  # the hook's own plan, even with every layer checkpointing
+    assert not script_checkpoints(model)
 
 
 @pytest.mark.slow

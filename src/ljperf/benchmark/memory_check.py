@@ -14,6 +14,7 @@ import torch
 from ljperf.core import hardware
 from ljperf.core.console import warn
 from ljperf.core.errors import describe
+from ljperf.core.plans import Plan
 from ljperf.core.units import format_bytes
 from ljperf.distributed.collectives import shared_from_rank0
 from ljperf.distributed.launch import local_world_size
@@ -24,7 +25,7 @@ from ljperf.recompute.solver import advice, ordered_plan
 from ljperf.run.context import RunContext
 
 
-def benchmark_forecast(run: RunContext, results: dict[str, Any], plan: tuple[str, ...] | None) -> dict[str, Any] | None:
+def benchmark_forecast(run: RunContext, results: dict[str, Any], plan: Plan | None) -> dict[str, Any] | None:
     """Forecast the run's recipe and compare with ``results.peak_allocated_bytes``; None (and a warning) on failure."""
     try:
         recipe = Recipe.from_run(run, recompute=tuple(plan or ()))
@@ -48,7 +49,7 @@ def benchmark_forecast(run: RunContext, results: dict[str, Any], plan: tuple[str
     return out
 
 
-def check_memory(run: RunContext, plan: tuple[str, ...] | None) -> bool:
+def check_memory(run: RunContext, plan: Plan | None) -> bool:
     """Before the engine is built, compare the forecast peak with the memory the run has; True where this rank
     forecast the recipe (rank 0, the memory known): the record's forecast then costs milliseconds, not a trace.
 
@@ -86,7 +87,7 @@ def _longest_fitting_seq(recipe: Recipe, share: int, peak: Callable[[Recipe], in
 
 
 def shortfall(
-    run: RunContext, plan: tuple[str, ...] | None, *, memory: int, processes: int, device_name: str | None
+    run: RunContext, plan: Plan | None, *, memory: int, processes: int, device_name: str | None
 ) -> tuple[str, str] | None:
     """None when ``processes`` of ``run`` (with ``plan``) fit ``memory`` bytes by the forecast's allocated peak,
     calibrated for ``device_name`` as the record's forecast is (or there is no forecast: the record's warns of

@@ -1,1 +1,1 @@
-"""Activation checkpointing applied to a model: one mode (none / selective / full) per repeated block."""
+"""Activation checkpointing: the policies (none / selective / full / one mode per layer) and their ``apply(model)``."""

@@ -5,32 +5,42 @@ plan (``ljperf.checkpoint``), the solver picks one (``ljperf.recompute``); neith
 """
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, TypeGuard, get_args
 
 from ljperf.core.errors import UsageError
 from ljperf.core.units import format_bytes
 
-MODES = ("none", "selective", "full")
+RecomputeMode = Literal["none", "selective", "full"]
 """Per-layer activation recomputation: keep everything, op-level SAC, or keep only the layer input."""
 
-Plan = tuple[str, ...]
+MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
+
+Plan = tuple[RecomputeMode, ...]
 """One mode per layer, in layer order."""
+
+Recompute = RecomputeMode | Literal["auto"] | int | Plan
+"""``--recompute`` parsed: one mode for every layer, ``auto``, K (the first K layers full) or a plan."""
 
 BUDGET_ENV = "LJPERF_MEMORY_BUDGET"
 """The memory budget of ``--recompute auto`` where ``--memory-budget`` is not given."""
 
 
-def parse_recompute(value: str) -> str | int | tuple[str, ...]:
+def is_mode(value: object) -> TypeGuard[RecomputeMode]:
+    """Whether ``value`` is one of ``MODES`` (for the type checker, a ``RecomputeMode`` from here on)."""
+    return value in MODES
+
+
+def parse_recompute(value: str) -> Recompute:
     """``--recompute``: ``none``, ``selective``, ``full`` (every layer), ``auto``, K (the first K layers full)
     or one mode per layer (``full,selective,none,...``)."""
-    if value in (*MODES, "auto"):
+    if is_mode(value) or value == "auto":
         return value
     if "," in value:
-        modes = tuple(m.strip() for m in value.split(","))
-        bad = [m for m in modes if m not in MODES]
+        modes = [m.strip() for m in value.split(",")]
+        bad = [m for m in modes if not is_mode(m)]
         if bad:
             raise UsageError(f"--recompute {value!r}: {bad[0]!r} is not one of {', '.join(MODES)}")
-        return modes
+        return tuple(m for m in modes if is_mode(m))
     try:
         k = int(value)
     except ValueError:
@@ -42,9 +52,9 @@ def parse_recompute(value: str) -> str | int | tuple[str, ...]:
     return k
 
 
-def fixed_plan(value: str | int | tuple[str, ...], layers: int) -> Plan:
+def fixed_plan(value: Recompute, layers: int) -> Plan:
     """The plan of ``--recompute none|selective|full|K|MODE,...`` (parsed) for a model of ``layers`` layers."""
-    if value in ("none", "selective", "full"):
+    if is_mode(value):
         return (value,) * layers
     if isinstance(value, tuple):
         if len(value) != layers:

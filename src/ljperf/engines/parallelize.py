@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ljperf.checkpoint.apply import apply_plan
+from ljperf.checkpoint.policies import PerLayerRecompute
 from ljperf.compile.regional import compile_model, zero3_gather_per_block
 from ljperf.models.loss import use_chunked_loss
 from ljperf.models.tensor_parallel import parallelize
@@ -40,7 +40,7 @@ def apply_checkpoint(model: torch.nn.Module, run: RunContext, *, layers: range |
     """The run's recompute plan (``run.plan``, resolved before the engine is built) on the decoder layers (a
     pipeline stage: its ``layers``' modes)."""
     if run.plan is not None:
-        apply_plan(model, run.plan if layers is None else run.plan[layers.start : layers.stop])
+        PerLayerRecompute(run.plan if layers is None else run.plan[layers.start : layers.stop]).apply(model)
 
 
 def apply_loss(model: torch.nn.Module, run: RunContext) -> None:

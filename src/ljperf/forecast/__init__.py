@@ -11,7 +11,7 @@ API (stable; ``plan``, ``benchmark`` and the checkpoint optimization's solver us
   ``context_bytes``, ``breakdown`` (bytes per component at the peak), ``phase`` (where the peak is), ``source``.
 - ``layer_costs(spec, recipe) -> {mode: LayerCost}``: per decoder layer and recompute mode, the activation
   bytes it keeps until its backward; cheap once traced (the recompute benchmark and the tests read it).
-- Recompute modes are traced through ``ljperf.checkpoint.apply.apply_plan`` (what the engines run).
+- Recompute modes are traced through ``ljperf.checkpoint.policies`` (what the engines run).
 """
 
 import importlib

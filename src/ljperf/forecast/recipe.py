@@ -32,7 +32,7 @@ from ljperf.core.options import (
     default_adamw_impl,
     positive,
 )
-from ljperf.core.plans import MODES
+from ljperf.core.plans import MODES, Plan
 
 if TYPE_CHECKING:
     from ljperf.run.config import RunConfig
@@ -133,7 +133,7 @@ class Recipe:
     """transformers attention: sdpa or eager (eager keeps the seq² attention weights)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after each block's forward."""
-    recompute: tuple[str, ...] = ()
+    recompute: Plan = ()
     """One entry per decoder layer: none, full or selective; empty means none for every layer."""
     optimizer: OptimizerImpl | None = None
     """AdamW implementation: single, foreach or fused (default: fused on CUDA, single on a CPU)."""
@@ -189,7 +189,7 @@ class Recipe:
         """The AdamW implementation the engine runs: ``--optimizer-impl``, else fused on CUDA, single on a CPU."""
         return self.optimizer or default_adamw_impl(self.device)
 
-    def layer_modes(self, layers: int) -> tuple[str, ...]:
+    def layer_modes(self, layers: int) -> Plan:
         """The recompute mode of each of ``layers`` decoder layers."""
         if not self.recompute:
             return ("none",) * layers
@@ -207,7 +207,7 @@ class Recipe:
         *,
         world: int,
         device: DeviceType,
-        recompute: tuple[str, ...] = (),
+        recompute: Plan = (),
         optimizer: OptimizerImpl | None = None,
     ) -> Recipe:
         """The recipe of a run's configuration on ``world`` ranks of ``device``, with ``recompute`` per layer; the
@@ -239,7 +239,7 @@ class Recipe:
         )
 
     @classmethod
-    def from_run(cls, run: RunContext, *, recompute: tuple[str, ...] = ()) -> Recipe:
+    def from_run(cls, run: RunContext, *, recompute: Plan = ()) -> Recipe:
         """The recipe a benchmark rank (``RunContext``) executes, with ``recompute`` per layer."""
         return cls.of(run.config, world=run.world, device=run.device.type, recompute=recompute)
 

@@ -59,7 +59,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ljperf.checkpoint.apply import apply_plan
+from ljperf.checkpoint.policies import every_layer
 from ljperf.core.cache import cache_root, cached
 from ljperf.core.errors import one_line
 from ljperf.core.options import LOSS_CHUNKS
@@ -279,7 +279,7 @@ def trace_shape(
     source = shallow if picked is None else spec
     model = fake_model(source, attn=attn, fake_mode=fake_mode, dtype=dtype, pick=picked, tp=tp)
     if mode != "none":
-        apply_plan(model, (mode,) * layers)
+        every_layer(mode).apply(model)
     if loss == "chunked":
         use_chunked_loss(model)
     timeline = LiveBytesTimeline()

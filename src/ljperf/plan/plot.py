@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ljperf.core.plans import describe
+from ljperf.core.plans import Plan, describe
 from ljperf.core.records import write_atomic
 from ljperf.core.units import format_bytes, unit_of
 from ljperf.forecast.over_step import COMPONENTS, LABELS, StepMemory, memory_over_step
@@ -164,9 +164,7 @@ def plan_picture(path: str, *, cfg: RunConfig, report: dict, device_name: str | 
     draw_memory(path, memory, title=title, budget=report["memory_budget_bytes"], capacity=report["gpu_memory_bytes"])
 
 
-def benchmark_picture(
-    path: str, *, run: RunContext, record: dict, plan: tuple[str, ...] | None, budget: int | None
-) -> None:
+def benchmark_picture(path: str, *, run: RunContext, record: dict, plan: Plan | None, budget: int | None) -> None:
     """The picture of a benchmark run: its recipe's forecast over the step, the measured peak and the budget of
     ``--recompute auto`` (``budget``) drawn on it, the device's capacity."""
     recipe = Recipe.from_run(run, recompute=tuple(plan or ()))

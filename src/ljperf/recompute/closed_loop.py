@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from ljperf.checkpoint.apply import apply_plan
 from ljperf.core.console import say
 from ljperf.core.units import format_bytes
 from ljperf.distributed.collectives import max_over_ranks, shared_from_rank0
@@ -82,7 +81,8 @@ def close_the_loop(
     re-plan once and apply it to ``model`` (rank 0's plan on every rank). Returns the plan now running and what
     ``results.recompute.closed_loop`` records; None when there is no solved plan."""
     device = run.device.torch_device
-    if decision.budget_bytes is None or decision.rates is None:  # a fixed plan: no budget, no rates it was ranked by
+    budget, rates = decision.budget_bytes, decision.rates
+    if budget is None or rates is None:
         return None
     (measured,) = max_over_ranks([measured], device)
     scale, first_peak = judge_plan(
@@ -98,14 +98,14 @@ def close_the_loop(
         again = solve_recipe(
             run.model,
             Recipe.from_run(run),
-            budget=decision.budget_bytes,
-            rates=decision.rates,
+            budget=budget,
+            rates=rates,
             cost=decision.cost,
             device_name=run.device.calibration_name,
             activation_scale=scale,
         )
         again = shared_from_rank0(again)
-        apply_plan(model, again.plan)
+        again.policy.apply(model)
         reset_cuda_peak(device)  # the run's peak is now the second plan's
         loop["second"] = {"plan": list(again.plan), "forecast_peak_bytes": again.forecast_bytes, "fits": again.fits}
         decision = again

@@ -12,13 +12,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ljperf.checkpoint.apply import GROUPED_MM_OPS, apply_plan, saves
+from ljperf.checkpoint.policies import GROUPED_MM_OPS, every_layer, saves
 from ljperf.core import hardware
 from ljperf.core.cache import cache_root, cached
+from ljperf.core.plans import MODES, RecomputeMode
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.trace import architecture_key, cache_dir, fake_model, real_code_paths, reference_kind
 from ljperf.models.build import build_picked, materialize
@@ -27,6 +28,7 @@ from ljperf.models.spec import ModelSpec, build_meta, with_layers
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +137,7 @@ class RecomputeCost:
     pointwise_bytes: float
     """Bytes the other (memory-bound) ops write and read."""
 
-    def seconds(self, mode: str, rates: Rates) -> float:
+    def seconds(self, mode: RecomputeMode, rates: Rates) -> float:
         pointwise = self.pointwise_bytes / rates.bytes_per_s
         return {"none": 0.0, "selective": pointwise, "full": self.saved_flops / rates.flops_per_s + pointwise}[mode]
 
@@ -206,12 +208,12 @@ def _timed_modes(
         if index == 0
         else build_picked(spec, (index,), attn_implementation=attn)
     )
-    model = materialize(meta, device=device, seed=0).train()
+    model = cast("PreTrainedModel", materialize(meta, device=device, seed=0).train())
     rng = torch.Generator().manual_seed(0)  # its own: the global one's next draws stay the run's
     ids = torch.randint(spec.facts.config_dict["vocab_size"], (micro_batch, seq_len), generator=rng).to(device)
 
-    def step(mode: str) -> float:
-        apply_plan(model, (mode,))
+    def step(mode: RecomputeMode) -> float:
+        every_layer(mode).apply(model)
         hardware.synchronize(device)
         start = time.perf_counter() if device.type == "cuda" else time.process_time()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -222,7 +224,7 @@ def _timed_modes(
             return time.perf_counter() - start
         return (time.process_time() - start) / torch.get_num_threads()
 
-    modes = ("none", "selective", "full")
+    modes = MODES
     for mode in modes:
         step(mode)
     fewest, most = _LAYER_ROUNDS

@@ -30,9 +30,9 @@ def decide_for_run(run: RunContext) -> Decision | None:
     value = parse_recompute(run.optim.recompute)
     if value == "none":
         return None
-    train, spec = run.train, run.model
-    attn = spec.attention(train.attn_implementation)
-    cost = layer_cost(spec, micro_batch=train.micro_batch, seq_len=train.resolved_seq_len, attn=attn)
+    spec, recipe = run.model, Recipe.from_run(run)  # the run's shape, its sequence length resolved
+    micro_batch, seq_len, attn = recipe.micro_batch, recipe.seq_len, recipe.attn_implementation
+    cost = layer_cost(spec, micro_batch=micro_batch, seq_len=seq_len, attn=attn)
     device, name = run.device.torch_device, run.device.calibration_name
     rates = Rates.measure(device)
     if value != "auto":
@@ -41,14 +41,12 @@ def decide_for_run(run: RunContext) -> Decision | None:
     budget = budget_bytes(
         device, given=run.optim.memory_budget, local_world=local_world_size(run.launch.nproc_per_node)
     )
-    recipe = Recipe.from_run(run)
     none, full = (
         forecast(spec, recipe.with_(recompute=(m,) * spec.layers), device_name=name) for m in ("none", "full")
     )
     if full.device_bytes <= budget < none.device_bytes:
         # a choice to make: rank the plans by what recomputing a real layer takes here (seconds, once per shape)
-        shape = {"micro_batch": train.micro_batch, "seq_len": train.resolved_seq_len, "attn": attn}
-        rates = run_rates(spec, cost, **shape, device=device, bf16=run.bf16)
+        rates = run_rates(spec, cost, micro_batch=micro_batch, seq_len=seq_len, attn=attn, device=device, bf16=run.bf16)
     return solve_recipe(spec, recipe, budget=budget, rates=rates, cost=cost, device_name=name)
 
 

@@ -8,7 +8,8 @@ when the later layers' activations are already freed, so recomputing them adds l
 then two numbers (layers full, layers selective); every pair is ranked by its recompute time and the memory
 forecast (``ljperf.forecast``) of each, cheapest first, decides the first that fits. Recompute time per layer
 comes from one layer traced on fake tensors at the run's shape: full repeats the layer's FLOPs and its
-memory-bound ops, selective only the memory-bound ops (``apply.SAVE_OPS`` outputs are kept).
+memory-bound ops, selective only the memory-bound ops (``checkpoint.policies.SAVE_OPS`` outputs are kept). The
+decision's ``policy`` (a ``checkpoint.policies.PerLayerRecompute``) is what ``--recompute auto`` resolves to.
 """
 
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ljperf.checkpoint.policies import PerLayerRecompute
 from ljperf.core.plans import Plan, summary
 from ljperf.core.units import format_bytes, format_part
 from ljperf.forecast.advice import dominant_term
@@ -52,6 +54,11 @@ class Decision:
     """The device rates the plans were ranked with (the closed loop re-plans with them, not new ones)."""
     cost: RecomputeCost | None = None
     """The per-layer recompute cost they were ranked with."""
+
+    @property
+    def policy(self) -> PerLayerRecompute:
+        """The plan as the policy that applies it to a model."""
+        return PerLayerRecompute(self.plan)
 
     def line(self) -> str:
         """``recomputing 12/32 layers (selective 4, full 8): forecast 71.2 of 72.0 GiB``."""

@@ -28,11 +28,10 @@ from ljperf.startup_hooks.post_import import when_imported
 
 if TYPE_CHECKING:  # the hook imports ljperf's planning code only when it plans
     import torch
-    from transformers import Trainer
+    from transformers import PreTrainedModel, Trainer
 
-REPLACES = "replaces the script's gradient_checkpointing=True"
-PATCHED = "_ljperf_checkpoint"
-"""The attribute that marks a function as this hook's wrapper: a second registration leaves it."""
+_PATCHED = "_ljperf_checkpoint"
+"""The mark on a function this hook has wrapped."""
 
 
 def register() -> None:
@@ -44,20 +43,22 @@ def register() -> None:
 def _patch(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
     """Replace ``owner.name`` by ``wrap(original)``, once (the hook may be registered twice)."""
     original = getattr(owner, name)
-    if getattr(original, PATCHED, False):
+    if getattr(original, _PATCHED, False):
         return
     wrapper = functools.wraps(original)(wrap(original))
-    setattr(wrapper, PATCHED, True)
+    setattr(wrapper, _PATCHED, True)
     setattr(owner, name, wrapper)
 
 
-def _attach(model: torch.nn.Module, setup: str, *args: Any, holders: list | None = None) -> None:
+def _attach(model: torch.nn.Module | None, setup: str, *args: Any, holders: list | None = None) -> None:
     """Plan ``model`` from its first training forward (``checkpoint_planner.attach``), its recipe read by
     ``checkpoint_planner.<setup>(*args)``; any failure warns once and leaves training as it is. The planner imports
     torch and ljperf's forecast: by now the script has imported torch (and transformers, DeepSpeed or FSDP2)."""
     try:
         from ljperf.startup_hooks import checkpoint_planner as planner
 
+        if model is None:
+            raise ValueError("there is no model to plan")
         planner.attach(model, functools.partial(getattr(planner, setup), *args), holders=holders)
     except Exception as exc:
         warn(f"CHECKPOINT_OPTIMIZATION left training unchanged: {exc}")
@@ -104,6 +105,6 @@ def _patch_fsdp(module: ModuleType) -> None:
     _patch(module, "fully_shard", wrap)
 
 
-def _is_hf_model(obj: object) -> TypeGuard[torch.nn.Module]:
+def _is_hf_model(obj: Any) -> TypeGuard[PreTrainedModel]:
     modeling = sys.modules.get("transformers.modeling_utils")  # not imported: not an HF model
     return modeling is not None and isinstance(obj, modeling.PreTrainedModel)

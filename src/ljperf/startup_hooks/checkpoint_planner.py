@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import PreTrainedModel
 
-from ljperf.checkpoint.apply import apply_plan
+from ljperf.checkpoint.policies import script_checkpoints
 from ljperf.core.errors import UsageError
 from ljperf.core.hardware import calibration_name
 from ljperf.distributed.collectives import max_over_ranks, shared_from_rank0
@@ -29,7 +29,7 @@ from ljperf.distributed.memory import (
     training_state_tensors,
 )
 from ljperf.forecast.recipe import Recipe, ZeroSettings
-from ljperf.models.layout import decoder_layers, find_blocks
+from ljperf.models.layout import decoder_layers
 from ljperf.models.spec import ModelSpec
 from ljperf.recompute.budget import budget_bytes
 from ljperf.recompute.closed_loop import judge_plan, loop_line
@@ -39,9 +39,12 @@ from ljperf.startup_hooks.messages import log, warn
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
+    from torch.utils.hooks import RemovableHandle
     from transformers import Trainer
 
 REPLACES = "replaces the script's gradient_checkpointing=True"
+_HOOK = "_ljperf_checkpoint_hook"
+"""The model attribute that holds its planner (None once the planner removed itself)."""
 
 
 def trainer_setup(trainer: Trainer) -> dict[str, Any]:
@@ -49,6 +52,8 @@ def trainer_setup(trainer: Trainer) -> dict[str, Any]:
     args = trainer.args
     mixed = "bf16-mixed" if args.bf16 else "fp32"
     # Loaded in bfloat16: no fp32 master (accelerate's FSDP2 upcasts under bf16 mixed precision before this runs).
+    if trainer.model is None:
+        raise ValueError("the Trainer has no model")
     bf16_weights = next(trainer.model.parameters()).dtype == torch.bfloat16
     setup = {
         "engine": "fsdp" if args.fsdp else "torch",
@@ -132,9 +137,10 @@ def attach(model: torch.nn.Module, setup: Callable[[], dict[str, Any]], *, holde
     whose tensors live between steps outside the model and its optimizer's state (DeepSpeed's optimizer)."""
     if getattr(model, "_ljperf_built", False):
         return  # ljperf benchmark's own model: CHECKPOINT_OPTIMIZATION made --recompute auto there
-    planner = getattr(model, "_ljperf_checkpoint_hook", None)
+    planner = getattr(model, _HOOK, None)
     if planner is None:  # a Trainer running DeepSpeed or FSDP2 attaches once, from Trainer.__init__
-        planner = model._ljperf_checkpoint_hook = _Planner(model, setup)
+        planner = _Planner(model, setup)
+        setattr(model, _HOOK, planner)
     planner.holders += holders or []
 
 
@@ -153,9 +159,9 @@ class _Planner:
     def __init__(self, model: torch.nn.Module, setup: Callable[[], dict[str, Any]]):
 
         self.model, self.make_setup = model, setup
-        self.setup: dict[str, Any] | None = None
+        self.setup: dict[str, Any] = {}  # read from the script's objects at the first training forward
         self.measures: tuple | None = None  # rank 0's (budget, rates), measured at the first plan
-        self.decision = None
+        self.decision: Decision | None = None
         self.shape = (0, 0)
         self.activation_scale = 1.0
         self.warned = False  # that no plan fits
@@ -165,7 +171,7 @@ class _Planner:
         self.holders: list = []
         self.window: _Window | None = None
         self.forward_handle = model.register_forward_pre_hook(torch._dynamo.disable(self.pre_forward), with_kwargs=True)
-        self.step_handle = register_optimizer_step_post_hook(self.after_step)
+        self.step_handle: RemovableHandle | None = register_optimizer_step_post_hook(self.after_step)
 
     def after_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Counted once per training step: ZeRO-3 steps its optimizer once per parameter sub-group.
@@ -184,9 +190,9 @@ class _Planner:
             return
         try:
             self.forwards += 1
-            if self.setup is None:
+            if not self.setup:
                 self.setup = self.make_setup()
-            shape = _largest_shape(ids) if _agreed(self.setup) else tuple(ids.shape[:2])
+            shape = _largest_shape(ids) if _agreed(self.setup) else (ids.shape[0], ids.shape[1])
             self.measure(shape, ids.device)
             if shape[0] * shape[1] > self.shape[0] * self.shape[1]:
                 self.plan(shape)
@@ -209,8 +215,8 @@ class _Planner:
         )
         if _agreed(self.setup):
             decision = shared_from_rank0(decision)
-        replaces = self.decision is None and _script_checkpoints(self.model)
-        apply_plan(self.model, decision.plan)
+        replaces = self.decision is None and script_checkpoints(self.model)
+        decision.policy.apply(self.model)
         self.decision, self.shape = decision, shape
         line = prefix + decision.line() + (f" ({REPLACES})" if replaces else "")
         if decision.fits is False and not self.warned:  # once: re-plans for longer batches log their lines
@@ -222,7 +228,8 @@ class _Planner:
     def measure(self, shape: tuple[int, int], device: torch.device) -> None:
         """Open the window at the second step's first training forward, widen it to each forward's batch, and
         close the loop at the first forward after that step."""
-        if self.decision is None or self.steps == 0 or self.step_handle is None:
+        decision = self.decision
+        if decision is None or self.steps == 0 or self.step_handle is None:
             return
         if self.window is None:
             self.window = _Window(device, self._state_tensors(), step=self.steps)
@@ -234,12 +241,12 @@ class _Planner:
         measured = self.window.close()
         if _agreed(self.setup):  # the shape is every rank's largest, so the peak is too
             (measured,) = max_over_ranks([measured], device)
-        self.close_loop(measured, self.window.shape)
+        self.close_loop(decision, measured, self.window.shape)
 
-    def close_loop(self, measured: int, shape: tuple[int, int]) -> None:
+    def close_loop(self, decision: Decision, measured: int, shape: tuple[int, int]) -> None:
 
         spec, recipe, _, name = model_recipe(self.model, micro_batch=shape[0], seq_len=shape[1], **self.setup)
-        scale, first_peak = judge_plan(spec, recipe, self.decision, measured=measured, device_name=name)
+        scale, first_peak = judge_plan(spec, recipe, decision, measured=measured, device_name=name)
         rank0 = shared_from_rank0(scale)
         if _agreed(self.setup):  # every rank measured the largest peak; one verdict keeps one plan
             scale = rank0
@@ -249,7 +256,7 @@ class _Planner:
             log(line, rank_local=own_verdict)
             return
         self.activation_scale = scale
-        self.plan(self.shape, prefix=line, cost=self.decision.cost, rank_local=own_verdict)
+        self.plan(self.shape, prefix=line, cost=decision.cost, rank_local=own_verdict)
 
     def _state_tensors(self) -> list:
         """What lives between steps, for the CPU measurement (ZeRO-3 keeps its partitions in ``ds_tensor``)."""
@@ -264,7 +271,7 @@ class _Planner:
                 handle.remove()
         if self.window is not None:
             self.window.close()
-        self.model._ljperf_checkpoint_hook = None
+        setattr(self.model, _HOOK, None)
 
 
 class _Window:
@@ -291,16 +298,6 @@ class _Window:
             self.tracker.__exit__(None, None, None)
             self.peak, self.tracker = self.tracker.peak, None
         return cuda_peaks(self.device)[0] if self.device.type == "cuda" else self.peak
-
-
-def _script_checkpoints(model: torch.nn.Module) -> bool:
-    """Whether the script turned HF gradient checkpointing on itself (``TrainingArguments(gradient_checkpointing=
-    True)``, ``model.gradient_checkpointing_enable()``): a layer checkpoints that no ljperf plan set."""
-
-    return any(
-        getattr(block, "gradient_checkpointing", False) and not hasattr(block, "_ljperf_recompute")
-        for block in find_blocks(model)
-    )
 
 
 def _batch_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:

@@ -1,4 +1,5 @@
-"""Per-layer recompute plans: gradients unchanged, the chosen layers really recompute, memory ordered."""
+"""Activation checkpointing policies (none, selective, full, one mode per layer; ``auto`` resolved to a per-layer
+plan): gradients unchanged, the chosen layers really recompute, memory ordered."""
 
 from __future__ import annotations
 
@@ -6,12 +7,23 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ljperf.checkpoint.apply import apply_plan, current_plan, find_blocks
+from ljperf.checkpoint.policies import (
+    FullRecompute,
+    NoRecompute,
+    PerLayerRecompute,
+    SelectiveRecompute,
+    current_plan,
+    every_layer,
+)
 from ljperf.core.errors import UsageError
 from ljperf.core.plans import fixed_plan, parse_recompute, summary
 from ljperf.distributed import memory
+from ljperf.forecast import Recipe, forecast
 from ljperf.models.build import materialize
+from ljperf.models.layout import find_blocks
 from ljperf.models.spec import build_meta, resolve
+from ljperf.recompute.cost import Rates
+from ljperf.recompute.solver import solve_recipe
 
 PLANS = [
     ("none",) * 4,
@@ -61,7 +73,7 @@ CASES += [("mixtral-tiny", "sdpa", PLANS[-1])]  # experts: the routing recompute
 def test_gradients_bitwise_equal_under_any_plan(name, attn, plan):
     reference = grads(tiny_model(attn=attn, name=name))
     model = tiny_model(attn=attn, name=name)
-    apply_plan(model, plan)
+    PerLayerRecompute(plan).apply(model)
     assert current_plan(model) == plan
     got = grads(model)
     for name, grad in reference.items():
@@ -71,7 +83,7 @@ def test_gradients_bitwise_equal_under_any_plan(name, attn, plan):
 def test_chosen_layers_recompute_their_forward():
     model = tiny_model()
     plan = ("full", "selective", "none", "full")
-    apply_plan(model, plan)
+    PerLayerRecompute(plan).apply(model)
     calls = [0] * 4
     # A pre-hook: non-reentrant recompute stops early, after the last saved tensor, before forward hooks fire.
     for i, block in enumerate(find_blocks(model)):
@@ -84,7 +96,7 @@ def test_selective_recomputes_no_matmul_and_full_recomputes_all():
     counts = {}
     for mode in ("none", "selective", "full"):
         model = tiny_model()
-        apply_plan(model, (mode,) * 4)
+        PerLayerRecompute((mode,) * 4).apply(model)
         with CountOps() as counter:
             grads(model)
         counts[mode] = counter.mm
@@ -100,7 +112,7 @@ def test_selective_recomputes_no_expert_matmul():
     counts = {}
     for mode in ("none", "selective", "full"):
         model = tiny_model(name="mixtral-tiny")
-        apply_plan(model, (mode,) * 4)
+        PerLayerRecompute((mode,) * 4).apply(model)
         with CountOps() as counter:
             grads(model)
         counts[mode] = (counter.mm, counter.grouped)
@@ -113,7 +125,7 @@ def test_activation_memory_ordered_none_selective_full():
     held = {}
     for mode in ("none", "selective", "full"):
         model = tiny_model()
-        apply_plan(model, (mode,) * 4)
+        PerLayerRecompute((mode,) * 4).apply(model)
         with memory.LiveTensorBytes(list(model.parameters())) as tracker:
             loss = model(input_ids=tokens(), labels=tokens(), use_cache=False).loss
             held[mode] = tracker.current - tracker.baseline  # what forward keeps for backward
@@ -153,7 +165,7 @@ def test_any_modulelist_model_checkpoints_and_replans():
     for i, block in enumerate(model.blocks):
         block.up.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     for plan, expected in ((("full", "none", "selective"), [2, 1, 2]), (("none", "none", "full"), [1, 1, 2])):
-        apply_plan(model, plan)
+        PerLayerRecompute(plan).apply(model)
         model.zero_grad(set_to_none=True)
         calls[:] = [0, 0, 0]
         model(x).square().sum().backward()
@@ -174,3 +186,71 @@ def test_recompute_flag_values():
     with pytest.raises(UsageError, match="only 4 layers"):
         fixed_plan(5, 4)
     assert summary(("full", "selective", "none", "full")) == "3/4 layers (selective 1, full 2)"
+
+
+POLICIES = [
+    NoRecompute(),
+    SelectiveRecompute(),
+    FullRecompute(),
+    PerLayerRecompute(("full", "selective", "none", "full", "none", "selective")),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: type(p).__name__)
+def test_each_policy_gives_the_gradients_of_no_recompute_bitwise(policy):
+    """On the hook scripts' tiny HF Llama (6 layers): the gradients of a model no policy touched, and the plan
+    the policy says."""
+    from scripts.tiny_llama import batch, build
+
+    ids = batch(0, 0)
+    grads = []
+    for applied in (False, True):
+        model = build().train()
+        if applied:
+            assert policy.apply(model) == list(model.model.layers)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    expected = policy.plan if isinstance(policy, PerLayerRecompute) else (policy.mode,) * 6
+    assert current_plan(model) == expected
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
+
+
+def test_selective_policy_saves_the_matmuls_full_reruns_them():
+    """Backward under ``SelectiveRecompute`` runs the matmuls backward runs with every activation kept (their
+    outputs were saved); under ``FullRecompute`` each layer's forward projections run again."""
+    counts = {}
+    for policy in (NoRecompute(), SelectiveRecompute(), FullRecompute()):
+        model = tiny_model()
+        policy.apply(model)
+        loss = model(input_ids=tokens(), labels=tokens(), use_cache=False).loss
+        with CountOps() as counter:
+            loss.backward()
+        counts[policy.mode] = counter.mm
+    assert counts["selective"] == counts["none"]
+    assert counts["full"] == counts["none"] + 4 * 6  # of 7 projections: recompute stops after down_proj's input
+
+
+def test_auto_resolves_through_the_solver_to_a_per_layer_plan():
+    """``--recompute auto``'s decision under a budget between the forecasts with no and with full recompute is a
+    ``PerLayerRecompute`` of its plan, which recomputes some layers and applies as that plan."""
+    spec = resolve(name="llama-tiny")
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64)
+    none, full = (forecast(spec, recipe.with_(recompute=(m,) * spec.layers)).device_bytes for m in ("none", "full"))
+    rates = Rates(flops_per_s=1e11, bytes_per_s=1e10)  # fixed: the plan depends on no timing
+    decision = solve_recipe(spec, recipe, budget=(none + full) // 2, rates=rates)
+    assert decision.fits and set(decision.plan) != {"none"}
+    assert decision.policy == PerLayerRecompute(decision.plan)
+    model = tiny_model()
+    decision.policy.apply(model)
+    assert current_plan(model) == decision.plan
+
+
+def test_a_plan_of_an_unknown_mode_or_the_wrong_length_is_refused():
+    with pytest.raises(ValueError, match="recompute mode 'some'"):
+        PerLayerRecompute(("full", "some"))
+    with pytest.raises(ValueError, match="recompute mode 'some'"):
+        every_layer("some")
+    with pytest.raises(ValueError, match="plan has 3 entries for 4 layers"):
+        PerLayerRecompute(("full",) * 3).apply(tiny_model())
+    assert every_layer("selective") == SelectiveRecompute()
