@@ -43,6 +43,8 @@ class FSDPRecord(EngineRecord):
     reshard_after_forward: bool
     mixed_precision: str | None
     """How bf16 is applied (None: fp32)."""
+    pipeline: dict[str, object] | None = None
+    """``--pp``: the schedule, micro-batches a step, stages a rank and in all, decoder layers per stage."""
 
 
 class FSDPEngine:
@@ -56,6 +58,8 @@ class FSDPEngine:
         ``setup``)."""
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer
+        self.split: list[int] = []
+        """``--pp``: decoder layers per stage."""
 
     def setup(self, model: torch.nn.Module) -> None:
         run, shape = self.run, self.run.mesh
@@ -65,7 +69,8 @@ class FSDPEngine:
                 device_mesh(device.type, shape) if shape.beyond_fsdp else init_device_mesh(device.type, (run.world,))
             )
         if shape.pp > 1:  # first of the optimizations: each stage then as a whole model
-            stages = apply_pp(model, run, counts=pipeline_counts(run))
+            self.split = pipeline_counts(run)
+            stages = apply_pp(model, run, counts=self.split)
             for stage in stages:  # the stage is FSDP2's root: its forward is what the schedule calls
                 stage.module.tp_mesh = self.mesh["tp"] if shape.tp > 1 else None
                 self._shard(stage.module.model, stage.names, layers=stage.layers, root=stage.module)
@@ -140,7 +145,20 @@ class FSDPEngine:
             reshard_after_forward=self.run.engine_opts.reshard_after_forward,
             mixed_precision=_mixed_precision(self.run),
             optimizer="AdamW",
+            pipeline=self._pipeline_record(),
         )
+
+    def _pipeline_record(self) -> dict[str, object] | None:
+        opts = self.run.engine_opts
+        if opts.pp == 1:
+            return None
+        return {
+            "schedule": opts.pp_schedule,
+            "microbatches": self.run.train.grad_accum,
+            "stages_per_rank": opts.pp_stages_per_rank,
+            "stages": opts.stages,
+            "split": self.split,
+        }
 
 
 def _wrapper(shape: MeshShape) -> str:

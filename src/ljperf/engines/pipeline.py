@@ -17,8 +17,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 
 from ljperf.engines.common import parameter_names
-from ljperf.forecast.pipeline import stage_costs
-from ljperf.models.pipeline_split import balanced_split, parse_split, stage_layers
+from ljperf.forecast.pipeline import pipeline_split
+from ljperf.forecast.recipe import Recipe
+from ljperf.models.pipeline_split import stage_layers
 from ljperf.models.stages import DecoderStage, next_token_loss, split_stage
 from ljperf.run.context import RunContext
 
@@ -95,9 +96,5 @@ class Pipeline:
 
 
 def pipeline_counts(run: RunContext) -> list[int]:
-    """Decoder layers per stage: ``--pp-split``, else ``stage_costs`` balanced (``pipeline_split.balanced_split``)."""
-    opts, spec = run.engine_opts, run.model
-    if opts.pp_split:
-        return parse_split(opts.pp_split, layers=spec.layers, stages=opts.stages)
-    layers, ends = stage_costs(spec, micro_batch=run.train.micro_batch, seq_len=run.train.resolved_seq_len)
-    return balanced_split(layers, stages=opts.stages, ends=ends)
+    """Decoder layers per stage: ``--pp-split``, else the forecast's balanced split (``forecast.pipeline``)."""
+    return list(pipeline_split(run.model, Recipe.from_run(run)))

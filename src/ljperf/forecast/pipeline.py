@@ -9,6 +9,8 @@ Run: ``layers, ends = stage_costs(resolve(name="llama3-8b"), micro_batch=1, seq_
 from __future__ import annotations
 
 from ljperf.forecast.blocks import block_params
+from ljperf.forecast.recipe import Recipe
+from ljperf.models.pipeline_split import balanced_split
 from ljperf.models.spec import ModelSpec
 
 STATE_BYTES = 16
@@ -24,3 +26,24 @@ def stage_costs(spec: ModelSpec, *, micro_batch: int, seq_len: int) -> tuple[lis
     layers = [float(n * STATE_BYTES) for n in blocks.layer_sizes]
     logits = micro_batch * seq_len * spec.vocab * LOGIT_BYTES
     return layers, (float(blocks.pre * STATE_BYTES), float(blocks.post * STATE_BYTES + logits))
+
+
+def bubble_fraction(*, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The share of a pipeline step its ranks sit idle, filling and draining: (p − 1) / (V·m + p − 1) for ``pp``
+    ranks, ``microbatches`` m and ``stages_per_rank`` V (GPipe and 1F1B alike; interleaving divides it by V)."""
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
+def in_flight(*, schedule: str, stage: int, pp: int, microbatches: int) -> int:
+    """Micro-batches whose activations pipeline rank ``stage`` holds at its peak: GPipe all of them, 1F1B at most
+    ``pp - stage`` (the warm-up forwards before its first backward)."""
+    return microbatches if schedule == "gpipe" else min(microbatches, pp - stage)
+
+
+def pipeline_split(spec: ModelSpec, recipe: Recipe) -> tuple[int, ...]:
+    """Decoder layers per stage: ``recipe.pp_split`` (``--pp-split``), else the split of ``stage_costs``
+    balanced, the one the fsdp engine runs."""
+    if recipe.pp_split:
+        return recipe.pp_split
+    layers, ends = stage_costs(spec, micro_batch=recipe.micro_batch, seq_len=recipe.seq_len)
+    return tuple(balanced_split(layers, stages=recipe.stages, ends=ends))

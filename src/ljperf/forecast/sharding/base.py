@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ljperf.forecast.blocks import BlockParams, block_params
+from ljperf.forecast.blocks import BlockParams, recipe_blocks
 from ljperf.forecast.recipe import Recipe
 from ljperf.models.spec import ModelSpec
 
@@ -174,7 +174,7 @@ class Sizes:
 
     @classmethod
     def of(cls, spec: ModelSpec, recipe: Recipe) -> Sizes:
-        blocks = block_params(spec, tp=recipe.tp)
+        blocks = recipe_blocks(spec, recipe)
         return cls(
             blocks=blocks,
             world=recipe.mesh.dp_shard,
