@@ -15,9 +15,10 @@ from ljperf.cli import main
 from ljperf.core.options import OptimizationConfig, TrainConfig
 from ljperf.core.plans import fixed_plan, parse_recompute
 from ljperf.engines.torch_engine import TorchEngine
-from ljperf.forecast import Recipe, analytic, forecast, layer_costs, patches, sharding, trace, walk
+from ljperf.forecast import Recipe, analytic, forecast, layer_costs, patches, segments, sharding, trace, walk
 from ljperf.forecast.blocks import block_params
-from ljperf.forecast.trace import LiveBytesTimeline, fake_model
+from ljperf.forecast.live_bytes import LiveBytesTimeline
+from ljperf.forecast.trace import fake_model
 from ljperf.models.catalog import read_config_dict
 from ljperf.models.spec import ModelSpec, build_meta, resolve, with_layers
 from ljperf.run.config import RunConfig, fixed_recompute
@@ -150,7 +151,8 @@ def test_the_older_transformers_experts_stand_in_traces_what_transformers_runs(m
     from transformers import AutoConfig
     from transformers.integrations import moe
 
-    from ljperf.forecast.trace import RawTrace, trace_shape
+    from ljperf.forecast.segments import RawTrace
+    from ljperf.forecast.trace import trace_shape
 
     size = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1024}
     size |= {"intermediate_size": 256, "num_key_value_heads": 2, "head_dim": 32} | MOE["mixtral"]
@@ -565,7 +567,7 @@ def test_a_cuda_trace_casts_in_a_recomputed_layer_as_in_its_forward(tmp_path):
     peaks = {}
     for cuda in (False, True):
         raw = trace.trace_shape(spec, **shape, as_cuda=cuda, first_only=True)
-        peaks[cuda] = {name: max(points) for name, points in trace.split_segments(raw, layers=3).items()}
+        peaks[cuda] = {name: max(points) for name, points in segments.split_segments(raw, layers=3).items()}
     # each layer's backward recomputes its GELU, and on CUDA keeps that GELU's fp32 copies until it is done
     assert all(peaks[True][f"b{i}@1"] > peaks[False][f"b{i}@1"] for i in range(3)), peaks
     recipe = Recipe(device="cuda", precision="bf16-mixed", micro_batch=1, seq_len=256, recompute=("full",) * 4)
