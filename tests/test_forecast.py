@@ -484,6 +484,40 @@ def test_optimizer_temporaries_match_a_traced_adamw_step(foreach):
     assert max(tracker.points) - before == pytest.approx(expected, rel=1e-3)
 
 
+def test_a_family_key_is_equal_for_equal_recipes_changes_with_each_field_is_hashable_and_round_trips():
+    """The cache key of a traced family (``cache_key.FamilyKey``, frozen and keyword-only): the same options on the
+    same architecture give equal keys, hashes and file names, at any depth unless layers are picked; a change to any
+    one field gives another key and another digest; a key reads back from its JSON (the entry's copy) as it was."""
+    import dataclasses
+
+    from ljperf.forecast.cache_key import FamilyKey
+
+    spec = resolve(name="llama-tiny")
+    options = {"precision": "bf16-mixed", "attn": "sdpa", "mode": "full", "shapes": "bn", "tp": 2, "loss": "chunked"}
+    key = FamilyKey.of(spec, **options)
+    again = FamilyKey.of(resolve(name="llama-tiny"), **options)
+    assert key == again and hash(key) == hash(again) and {key: 1}[again] == 1
+    assert key.digest() == again.digest() and key.file_name() == f"Llama-full-bn-{key.digest()}.json"
+    assert FamilyKey.of(with_layers(spec, 7), **options) == key  # a 3-layer copy stands for every depth
+    picked = FamilyKey.of(spec, **options, pick=(0, 1, spec.layers - 1))
+    assert FamilyKey.of(with_layers(spec, 7), **options, pick=(0, 1, spec.layers - 1)) != picked  # of another model
+    for value in (key, picked, FamilyKey.of(spec, precision="fp32", attn="eager", mode="none", shapes="b1")):
+        assert FamilyKey.from_json(json.loads(json.dumps(value.to_json()))) == value
+    other = {
+        "architecture": "Qwen3", "config": "{}", "precision": "fp32", "attn": "eager", "mode": "none", "shapes": "b1",
+        "as_cuda": True, "tp": 1, "loss": "plain", "loss_chunks": None, "pick": (0, 2, 3), "depth": 7,
+        "first_only": True, "torch_version": "0", "transformers_version": "0", "trace_version": 0,
+    }  # fmt: skip
+    assert other.keys() == {field.name for field in dataclasses.fields(FamilyKey)}
+    changed = [dataclasses.replace(key, **{name: value}) for name, value in other.items()]
+    assert all(each != key for each in changed)
+    assert len({key.digest(), *(each.digest() for each in changed)}) == len(other) + 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        key.mode = "none"
+    with pytest.raises(TypeError):
+        FamilyKey(*key.to_json().values())  # keyword-only
+
+
 def test_a_damaged_cache_file_is_made_again(tmp_path, monkeypatch):
     """Cache files edited or cut short outside ljperf are traced again, not a KeyError in every plan."""
     from ljperf.forecast import trace

@@ -114,8 +114,9 @@ class FamilyKey:
         return f"{self.architecture}-{self.mode}-{self.shapes}-{self.digest()}.json"
 
 
-def architecture_key(spec: ModelSpec, *extra: str) -> str:
-    """The config without its depth, plus ``extra`` and the package versions: what traced numbers depend on."""
+def architecture_key(spec: ModelSpec, *extra: object) -> str:
+    """The config without its depth, plus ``extra`` (as JSON, else as ``str``) and the package versions: what traced
+    numbers depend on."""
     blob = json.dumps([_config_without_depth(spec), *extra, _versions(), TRACE_VERSION], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 

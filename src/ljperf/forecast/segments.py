@@ -77,6 +77,7 @@ def install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: di
         _module: torch.nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: CausalLMOutputWithPast
     ) -> None:
         timeline.mark("loss")
+        assert output.loss is not None  # the step passes labels
         output.loss.register_hook(on_loss_grad)
 
     model.register_forward_pre_hook(model_pre, with_kwargs=True)

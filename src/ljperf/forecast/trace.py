@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -85,7 +85,8 @@ def fake_model(
         replace_parameters(model, lambda _m, _k, param: torch.nn.Parameter(_empty_like(param, dtype=dtype)))
     for module in model.modules():
         if getattr(module, "layerdrop", None) == 0:
-            module.layerdrop = _NeverDrops()
+            # cast: torch types a module's attributes as its tensors and submodules; a LayerDrop probability is neither
+            cast(Any, module).layerdrop = _NeverDrops()
     return fake_buffers(model, fake_mode)
 
 
@@ -190,7 +191,7 @@ def trace_shape(
             accumulate(model, batches, autocast=_autocast(precision))
         except SecondMicroStep:
             pass
-        except (RuntimeError, NotImplementedError) as exc:  # e.g. a kernel whose fake version refuses fp32
+        except RuntimeError as exc:  # NotImplementedError too: e.g. a kernel whose fake version refuses fp32
             raise TraceError(f"its training step does not run on fake tensors: {one_line(exc)}") from exc
     return RawTrace(
         points=timeline.points, marks=timeline.marks, cuda_differs=state["cuda_differs"], first_only=first_only
@@ -222,7 +223,7 @@ class CudaAutocastFp32(TorchFunctionMode):
     and, with ``cast``, casts its floating inputs to fp32 first, as CUDA's autocast does (the cast copies are
     what the op saves for backward)."""
 
-    def __init__(self, state: dict[str, bool], *, cast: bool):
+    def __init__(self, state: dict[str, Any], *, cast: bool):
         super().__init__()
         self.state, self.cast = state, cast
 
@@ -293,12 +294,13 @@ class _FusedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # torch's Function.backward takes the outputs' gradients as *args: none is read (only the sizes count)
         return tuple(torch.empty_like(t) for t in ctx.saved_tensors[:3])
 
 
 @contextlib.contextmanager
-def _quiet(logger: str) -> Iterator[None]:
+def _quiet(logger: str) -> Generator[None, None, None]:
     log = logging.getLogger(logger)
     level = log.level
     log.setLevel(logging.CRITICAL)
@@ -355,29 +357,16 @@ def traced_patterns(
     copy of those layers of the full model (``layer_picks``); ``tp``: one rank of that many tensor-parallel ones;
     ``loss``: plain or chunked (``--loss``); ``first_only``: the first micro-step's segments suffice (a recipe of
     one micro-step): both micro-steps' where they are cached, else the first one's alone."""
-    kwargs = {"precision": precision, "attn": attn, "mode": mode, "micro_batch": micro_batch, "pick": pick}
-    kwargs |= {"tp": tp, "loss": loss, "first_only": first_only}
-    patterns = _traced_patterns(spec, **kwargs)
+    key = FamilyKey.of(
+        spec, precision=precision, attn=attn, mode=mode, shapes=family(micro_batch), pick=pick, tp=tp, loss=loss
+    )
+    patterns = _traced_patterns(spec, key, first_only=first_only)
     if device == "cuda" and patterns.cuda_differs:
-        return _traced_patterns(spec, **kwargs, as_cuda=True)
+        return _traced_patterns(spec, replace(key, as_cuda=True), first_only=first_only)
     return patterns
 
 
-def _traced_patterns(
-    spec: ModelSpec,
-    *,
-    precision: str,
-    attn: str,
-    mode: str,
-    micro_batch: int,
-    as_cuda: bool = False,
-    pick: tuple[int, ...] | None = None,
-    tp: int = 1,
-    loss: str = "plain",
-    first_only: bool = False,
-) -> Patterns:
-    options = {"precision": precision, "attn": attn, "mode": mode, "as_cuda": as_cuda, "pick": pick}
-    key = FamilyKey.of(spec, shapes=family(micro_batch), tp=tp, loss=loss, **options)
+def _traced_patterns(spec: ModelSpec, key: FamilyKey, *, first_only: bool) -> Patterns:
     if first_only:
         if key not in _ONE_STEP:  # once per process: a solver forecasts hundreds of times
             both = key in _PATTERNS or key in _FAILED or (cache_dir() / key.file_name()).exists()
@@ -414,13 +403,24 @@ def _read_entry(data: dict, key: FamilyKey) -> Patterns:
 def _trace_family(spec: ModelSpec, key: FamilyKey) -> Patterns:
     """``key``'s family traced at each of its shapes and fitted: the ``TRACE_LAYERS``-deep copy, and the
     ``SLOPE_LAYERS``-deep one where a layer leaves bytes to the edges."""
-    options = {"precision": key.precision, "attn": key.attn, "mode": key.mode, "as_cuda": key.as_cuda}
-    options |= {"pick": key.pick, "tp": key.tp, "loss": key.loss, "first_only": key.first_only}
     # a chunk's tensors hold 1/LOSS_CHUNKS of the tokens: bytes per token that are fractions, as under --tp
     divisor = key.tp * (key.loss_chunks or 1)
 
     def trace(shape: tuple[int, int], layers: int) -> RawTrace:
-        return trace_shape(spec, micro_batch=shape[0], seq_len=shape[1], layers=layers, **options)
+        return trace_shape(
+            spec,
+            micro_batch=shape[0],
+            seq_len=shape[1],
+            precision=key.precision,
+            attn=key.attn,
+            mode=key.mode,
+            layers=layers,
+            as_cuda=key.as_cuda,
+            pick=key.pick,
+            tp=key.tp,
+            loss=key.loss,
+            first_only=key.first_only,
+        )
 
     shapes = FAMILIES[key.shapes]
     reference = {shape: trace(shape, TRACE_LAYERS) for shape in shapes}
