@@ -205,7 +205,7 @@ def test_transformers_warnings_show_only_for_an_accepted_config(tmp_path, refuse
 def test_building_a_model_leaves_the_specs_config_alone():
     """build_meta sets use_cache and the attention on its model's config, not the spec's: the spec's keys the
     forecast cache, so ``plan`` and ``benchmark`` (which builds first) would trace the same model twice."""
-    from ljperf.forecast.trace import architecture_key
+    from ljperf.forecast.cache_key import architecture_key
 
     spec = resolve(name="llama-tiny")
     before = architecture_key(spec)
@@ -218,7 +218,7 @@ def test_a_config_seen_before_is_read_from_the_cache_and_built_when_first_asked_
     """A warm ``ljperf plan`` reads the config's facts from the cache instead of building it (seconds of
     transformers imports); what it reads must key the same traces, and the config object built later must be
     the one a cold resolve builds."""
-    from ljperf.forecast.trace import architecture_key
+    from ljperf.forecast.cache_key import architecture_key
 
     monkeypatch.setenv("LJPERF_CACHE_DIR", str(tmp_path / "cache"))
     config = tmp_path / "config.json"  # GPT-2's attribute map: its n_embd is the hidden_size

@@ -21,7 +21,9 @@ from ljperf.core import hardware
 from ljperf.core.cache import cache_root, cached
 from ljperf.core.plans import MODES, RecomputeMode
 from ljperf.forecast.blocks import block_params
-from ljperf.forecast.trace import architecture_key, cache_dir, fake_model, real_code_paths, reference_kind
+from ljperf.forecast.cache_key import architecture_key, cache_dir
+from ljperf.forecast.patches import real_code_paths
+from ljperf.forecast.trace import fake_model, reference_kind
 from ljperf.models.build import build_picked, materialize
 from ljperf.models.layout import decoder_layers
 from ljperf.models.spec import ModelSpec, build_meta, with_layers
