@@ -39,6 +39,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/codespell src docs README.md
+	$(VENV)/bin/pyrefly check --python-interpreter-path $(VENV)/bin/python
 
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .

@@ -165,7 +165,8 @@ def test_an_oom_on_another_rank_is_the_runs_oom(tmp_path):
     assert res["peak_allocated_bytes_per_rank"][1] is None and res["peak_allocated_bytes_per_rank"][0] > 0
     assert res["forecast"]["peak_allocated_bytes"] > 0 and "memory forecast" in stdout
     # One table, the launcher's, with the run's cause (rank 0 saw only its peer vanish: a gloo error).
-    assert stdout.count("status") == 1 and "│ oom (rank 1 ran out of memory" in stdout, stdout
+    assert stdout.count("│ status") == 1 and "│        oom │" in stdout, stdout
+    assert "oom: rank 1 ran out of memory" in stdout, stdout
 
 
 def test_the_cause_is_named_before_a_rank_that_lost_its_peer_in_the_same_second():
