@@ -2,7 +2,7 @@
 Llama) on random tokens with the ZeRO settings of ``examples/ds_config.json``, on GPUs (NCCL) or CPUs (gloo).
 
 Run: ``torchrun --nproc-per-node 2 examples/train_deepspeed.py`` (or ``deepspeed examples/train_deepspeed.py``);
-under ljperf's startup hook, unchanged: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=80MiB torchrun
+under ljperf's startup hook, unchanged: ``CHECKPOINT_OPTIMIZATION=true LJPERF_MEMORY_BUDGET=100MiB torchrun
 --nproc-per-node 2 examples/train_deepspeed.py``. Rank 0 prints the losses as one JSON line.
 """
 

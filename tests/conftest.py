@@ -107,6 +107,7 @@ def read_record(path: str | Path) -> dict:
 LONGEST_FIRST = (
     "test_forecast.py",
     "test_reliability.py",
+    "test_readme.py",
     "test_startup_hooks.py",
     "test_forecast_matrix.py",
     "test_forecast_engines.py",
