@@ -1,0 +1,259 @@
+"""The step-time model's terms fitted from records, per device: ``ljperf plan --calibrate results/*.json``.
+
+A benchmark record holds the work the model saw in its step (``results.speed.work``) beside the measured step
+times and phase timers; per device (``results.speed.rates.device``: a GPU's name, ``cpu N threads``) the fit finds
+the efficiency of each op class, the cost of one op, the share of compute communication can hide behind, and the
+link (bandwidth, latency) that make the predicted step and phases closest to the measured ones (least squares of
+their logarithms, a weak pull toward the defaults for terms the records do not tell apart). An ``ljperf comm``
+record fits the links alone: time = latency + bus bytes / bandwidth over its rows. The terms are saved in the
+cache folder (``speed-calibration.json``) and used by every later plan and benchmark on that device.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ljperf.core.cache import cache_root
+from ljperf.core.errors import UsageError
+from ljperf.core.records import read_json, write_json
+from ljperf.forecast.calibrate import _same_model
+from ljperf.speed.census import OP_CLASSES
+from ljperf.speed.collectives import BUS_FACTOR, Links
+from ljperf.speed.model import Speed, StepWork, load_work, predict
+from ljperf.speed.rates import SpeedRates
+
+VERSION = 1
+PRIOR = 0.02
+"""Weight of the pull of each term's logarithm toward its default: small beside one record's squared log error."""
+PHASE_WEIGHT = 0.5
+"""Weight of the phase timers' (forward, backward, optimizer) errors beside the step's."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Terms:
+    """What a device's records fitted: the efficiencies, one op's cost and overlap (benchmark records)."""
+
+    efficiency: dict[str, float]
+    op_overhead_s: float
+    overlap: float
+    samples: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkTerms:
+    """What a device's records fitted of its links (``ljperf comm`` records, or benchmarks on several ranks)."""
+
+    intra_bytes_per_s: float
+    latency_s: float
+    samples: int
+
+
+def calibration_path() -> Path:
+    return cache_root() / "speed-calibration.json"
+
+
+def load(path: Path | None = None) -> tuple[dict[str, Terms], dict[str, LinkTerms]]:
+    """The saved terms by device ({} when none); a damaged file counts as none saved."""
+    path = path or calibration_path()
+    try:
+        data = read_json(path)
+        devices = {k: Terms(**v) for k, v in data["devices"].items()}
+        links = {k: LinkTerms(**v) for k, v in data["links"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}, {}
+    return devices, links
+
+
+def _find(saved: dict[str, Any], name: str) -> Any:
+    if name in saved:
+        return saved[name]
+    return next((terms for key, terms in saved.items() if _same_model(key, name)), None)
+
+
+def calibrated(rates: SpeedRates) -> SpeedRates:
+    """``rates`` with the terms and links saved for its device, if any."""
+    devices, links = load()
+    terms, link = _find(devices, rates.device), _find(links, link_name(rates.device))
+    if terms is not None:
+        rates = replace(
+            rates,
+            efficiency=dict(terms.efficiency),
+            op_overhead_s=terms.op_overhead_s,
+            overlap=terms.overlap,
+            calibrated=True,
+        )
+    if link is not None:
+        rates = replace(_with_links(rates, link), calibrated=True)
+    return rates
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """One benchmark record as the fit sees it."""
+
+    work: StepWork
+    rates: SpeedRates
+    """The rates the record was predicted with (its peaks stay: the work is priced at them)."""
+    step_s: float
+    """The median of its timed steps."""
+    phases: dict[str, float]
+    """Seconds of its phase timers' forward, backward and optimizer (empty where it has none)."""
+
+
+def sample(record: dict) -> tuple[str, Sample] | None:
+    """(device, ``Sample``) of a benchmark record with a speed section and timed steps, else None."""
+    results = record.get("results") if isinstance(record.get("results"), dict) else {}
+    speed, times = results.get("speed"), results.get("step_times_s")
+    if results.get("status") != "ok" or not isinstance(speed, dict) or not speed.get("work") or not times:
+        return None
+    rates = rates_from_record(speed["rates"])
+    ms = (results.get("breakdown") or {}).get("ms") or {}
+    phases = {p: ms[p] / 1e3 for p in ("forward", "backward", "optimizer") if isinstance(ms.get(p), int | float)}
+    step_s = statistics.median(times)
+    return rates.device, Sample(work=load_work(speed["work"]), rates=rates, step_s=step_s, phases=phases)
+
+
+def rates_from_record(data: dict) -> SpeedRates:
+    return SpeedRates(**{**data, "links": Links(**data["links"])})
+
+
+PARAMETERS = (*(f"efficiency.{c}" for c in OP_CLASSES), "op_overhead_s", "overlap", "intra", "latency")
+
+
+def _vector(rates: SpeedRates) -> list[float]:
+    links = rates.links
+    return [
+        *(rates.efficiency[c] for c in OP_CLASSES),
+        max(rates.op_overhead_s, 1e-9),
+        rates.overlap,
+        links.intra_bytes_per_s,
+        links.latency_s,
+    ]
+
+
+def _rates(base: SpeedRates, x: list[float]) -> SpeedRates:
+    n = len(OP_CLASSES)
+    links = replace(base.links, intra_bytes_per_s=x[n + 2], latency_s=x[n + 3])
+    return replace(
+        base,
+        efficiency=dict(zip(OP_CLASSES, x[:n], strict=True)),
+        op_overhead_s=x[n],
+        overlap=min(x[n + 1], 1.0),
+        links=links,
+    )
+
+
+def loss(samples: list[Sample], x: list[float], x0: list[float]) -> float:
+    """Mean squared log error of the steps (and, weighted, of their phases), plus the pull toward ``x0``."""
+    total = 0.0
+    for s in samples:
+        predicted: Speed = predict(s.work, _rates(s.rates, x), peak_mfu=False)
+        total += math.log(predicted.step_time_s / s.step_s) ** 2
+        for phase, measured in s.phases.items():
+            if measured > 0 and predicted.phases[phase] > 0:
+                total += PHASE_WEIGHT * math.log(predicted.phases[phase] / measured) ** 2
+    prior = sum(math.log(a / b) ** 2 for a, b in zip(x, x0, strict=True))
+    return total / len(samples) + PRIOR * prior
+
+
+def minimize(f: Callable[[list[float]], float], x0: list[float], *, rounds: int = 60) -> list[float]:
+    """A pattern search in log space: each term multiplied and divided by a step while that helps, the step halved
+    when nothing does (positive terms, no gradient needed; a few thousand evaluations)."""
+    x, best, step = list(x0), f(x0), 1.0
+    for _ in range(rounds):
+        improved = False
+        for i in range(len(x)):
+            for factor in (math.exp(step), math.exp(-step)):
+                trial = list(x)
+                trial[i] *= factor
+                if (value := f(trial)) < best:
+                    x, best, improved = trial, value, True
+                    break
+        if not improved:
+            step /= 2
+            if step < 1e-3:
+                break
+    return x
+
+
+def fit_device(samples: list[Sample]) -> SpeedRates:
+    """The rates that make ``samples``' predictions closest to their measurements (their first's as the start)."""
+    base = samples[0].rates
+    x0 = _vector(base)
+    x = minimize(lambda v: loss(samples, v, x0), x0)
+    return replace(_rates(base, x), calibrated=True)
+
+
+def fit_links(record: dict) -> tuple[str, LinkTerms] | None:
+    """(device, links) of an ``ljperf comm`` record: least squares of time on bus bytes over its rows."""
+    results, world = record.get("results") or {}, int(record.get("env", {}).get("world_size") or 0)
+    rows = [r for r in results.get("rows", []) if r.get("op") in BUS_FACTOR and r.get("time_us")]
+    if record.get("kind") != "comm" or world < 2 or len(rows) < 2:
+        return None
+    xs = [r["size_bytes"] * BUS_FACTOR[r["op"]](world) for r in rows]
+    ys = [r["time_us"] * 1e-6 for r in rows]
+    if len(set(xs)) < 2:
+        return None
+    slope, intercept = statistics.linear_regression(xs, ys)
+    if slope <= 0:
+        return None
+    devices = record.get("env", {}).get("devices") or ["cpu"]
+    name = "cpu" if record.get("config", {}).get("backend") == "gloo" else str(devices[0])
+    return name, LinkTerms(intra_bytes_per_s=1 / slope, latency_s=max(intercept, 0.0), samples=len(rows))
+
+
+def link_name(device: str) -> str:
+    """The name a device's links are kept under: its own, or ``cpu`` for any thread count of a CPU."""
+    return "cpu" if device.startswith("cpu") else device
+
+
+def fit(records: list[dict]) -> tuple[dict[str, Terms], dict[str, LinkTerms]]:
+    """The terms per device from benchmark records, and the links: from ``ljperf comm`` records where there are
+    some (measured), else from benchmark records on several ranks (the fit's)."""
+    by_device: dict[str, list[Sample]] = {}
+    links: dict[str, LinkTerms] = {}
+    for record in records:
+        if (found := sample(record)) is not None:
+            by_device.setdefault(found[0], []).append(found[1])
+        if (link := fit_links(record)) is not None:
+            links[link[0]] = link[1]
+    terms: dict[str, Terms] = {}
+    for name, samples in by_device.items():
+        if (measured := links.get(link_name(name))) is not None:
+            samples = [replace(s, rates=_with_links(s.rates, measured)) for s in samples]
+        rates = fit_device(samples)
+        terms[name] = Terms(
+            efficiency=rates.efficiency, op_overhead_s=rates.op_overhead_s, overlap=rates.overlap, samples=len(samples)
+        )
+        several = sum(s.work.traffic.style != "none" for s in samples)
+        if several and link_name(name) not in links:
+            links[link_name(name)] = LinkTerms(
+                intra_bytes_per_s=rates.links.intra_bytes_per_s, latency_s=rates.links.latency_s, samples=several
+            )
+    return terms, links
+
+
+def _with_links(rates: SpeedRates, link: LinkTerms) -> SpeedRates:
+    return replace(rates, links=replace(rates.links, intra_bytes_per_s=link.intra_bytes_per_s, latency_s=link.latency_s))
+
+
+def save(terms: dict[str, Terms], links: dict[str, LinkTerms], *, out: Path | None = None) -> Path:
+    """Merge into the saved terms and save them; the file's path."""
+    out = out or calibration_path()
+    devices, saved_links = load(out)
+    data = {
+        "version": VERSION,
+        "devices": {k: asdict(v) for k, v in (devices | terms).items()},
+        "links": {k: asdict(v) for k, v in (saved_links | links).items()},
+    }
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(out, data)
+    except OSError as exc:
+        raise UsageError(f"--calibrate: cannot save {str(out)!r} ({exc.strerror or exc}); set LJPERF_CACHE_DIR") from None
+    return out
