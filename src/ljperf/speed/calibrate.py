@@ -28,8 +28,10 @@ from ljperf.speed.model import Speed, StepWork, load_work, predict
 from ljperf.speed.rates import SpeedRates
 
 VERSION = 1
-PRIOR = 0.02
-"""Weight of the pull of each term's logarithm toward its default: small beside one record's squared log error."""
+PRIOR = 1e-4
+"""Weight of the pull of each term's logarithm toward its default (none for the cost of an op, whose default on a
+GPU is 0): small beside one record's squared log error, it settles only what the records leave open (the links
+without a record on several ranks)."""
 PHASE_WEIGHT = 0.5
 """Weight of the phase timers' (forward, backward, optimizer) errors beside the step's."""
 
@@ -111,11 +113,13 @@ def sample(record: dict) -> tuple[str, Sample] | None:
     speed, times = results.get("speed"), results.get("step_times_s")
     if results.get("status") != "ok" or not isinstance(speed, dict) or not speed.get("work") or not times:
         return None
-    rates = rates_from_record(speed["rates"])
+    try:
+        rates, work = rates_from_record(speed["rates"]), load_work(speed["work"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"--calibrate: a record's results.speed is damaged ({type(exc).__name__}: {exc})") from None
     ms = (results.get("breakdown") or {}).get("ms") or {}
     phases = {p: ms[p] / 1e3 for p in ("forward", "backward", "optimizer") if isinstance(ms.get(p), int | float)}
-    step_s = statistics.median(times)
-    return rates.device, Sample(work=load_work(speed["work"]), rates=rates, step_s=step_s, phases=phases)
+    return rates.device, Sample(work=work, rates=rates, step_s=statistics.median(times), phases=phases)
 
 
 def rates_from_record(data: dict) -> SpeedRates:
@@ -129,7 +133,7 @@ def _vector(rates: SpeedRates) -> list[float]:
     links = rates.links
     return [
         *(rates.efficiency[c] for c in OP_CLASSES),
-        max(rates.op_overhead_s, 1e-9),
+        rates.op_overhead_s or 1e-6,  # a start for a GPU's 0
         rates.overlap,
         links.intra_bytes_per_s,
         links.latency_s,
@@ -148,44 +152,54 @@ def _rates(base: SpeedRates, x: list[float]) -> SpeedRates:
     )
 
 
-def loss(samples: list[Sample], x: list[float], x0: list[float]) -> float:
-    """Mean squared log error of the steps (and, weighted, of their phases), plus the pull toward ``x0``."""
-    total = 0.0
+def residuals(samples: list[Sample], x: list[float], x0: list[float]) -> list[float]:
+    """Log errors of each step (and, weighted, of its phases), then each term's log distance from ``x0`` weighted
+    by ``PRIOR``: their squares' sum is what the fit makes least."""
+    out = []
     for s in samples:
         predicted: Speed = predict(s.work, _rates(s.rates, x), peak_mfu=False)
-        total += math.log(predicted.step_time_s / s.step_s) ** 2
-        for phase, measured in s.phases.items():
+        out.append(math.log(predicted.step_time_s / s.step_s))
+        for phase, measured in sorted(s.phases.items()):
             if measured > 0 and predicted.phases[phase] > 0:
-                total += PHASE_WEIGHT * math.log(predicted.phases[phase] / measured) ** 2
-    prior = sum(math.log(a / b) ** 2 for a, b in zip(x, x0, strict=True))
-    return total / len(samples) + PRIOR * prior
+                out.append(math.sqrt(PHASE_WEIGHT) * math.log(predicted.phases[phase] / measured))
+    pull = math.sqrt(PRIOR * len(samples))
+    free = PARAMETERS.index("op_overhead_s")
+    return out + [pull * math.log(a / b) for i, (a, b) in enumerate(zip(x, x0, strict=True)) if i != free]
 
 
-def minimize(f: Callable[[list[float]], float], x0: list[float], *, rounds: int = 60) -> list[float]:
-    """A pattern search in log space: each term multiplied and divided by a step while that helps, the step halved
-    when nothing does (positive terms, no gradient needed; a few thousand evaluations)."""
-    x, best, step = list(x0), f(x0), 1.0
-    for _ in range(rounds):
-        improved = False
-        for i in range(len(x)):
-            for factor in (math.exp(step), math.exp(-step)):
-                trial = list(x)
-                trial[i] *= factor
-                if (value := f(trial)) < best:
-                    x, best, improved = trial, value, True
-                    break
-        if not improved:
-            step /= 2
-            if step < 1e-3:
+def minimize(residuals: Callable[[list[float]], list[float]], x0: list[float], *, iterations: int = 100) -> list[float]:
+    """Levenberg–Marquardt in log space (positive terms; the Jacobian by finite differences): the ``x`` near
+    ``x0`` whose ``residuals`` have the least sum of squares."""
+    import torch
+
+    def at(z: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(residuals([math.exp(v) for v in z.tolist()]), dtype=torch.float64)
+
+    z = torch.tensor([math.log(v) for v in x0], dtype=torch.float64)
+    now = at(z)
+    cost, damping, h = float(now @ now), 1e-3, 1e-6
+    for _ in range(iterations):
+        jacobian = torch.stack([(at(z + h * e) - now) / h for e in torch.eye(len(z), dtype=torch.float64)], dim=1)
+        normal, gradient = jacobian.T @ jacobian, jacobian.T @ now
+        while damping < 1e10:
+            step = torch.linalg.solve(normal + damping * torch.diag(normal.diagonal() + 1e-12), -gradient)
+            trial = at(z + step)
+            if (trial_cost := float(trial @ trial)) < cost:
+                z, now, cost, damping = z + step, trial, trial_cost, max(damping / 3, 1e-9)
                 break
-    return x
+            damping *= 4
+        else:
+            break
+        if float(step.abs().max()) < 1e-9:
+            break
+    return [math.exp(v) for v in z.tolist()]
 
 
 def fit_device(samples: list[Sample]) -> SpeedRates:
     """The rates that make ``samples``' predictions closest to their measurements (their first's as the start)."""
     base = samples[0].rates
     x0 = _vector(base)
-    x = minimize(lambda v: loss(samples, v, x0), x0)
+    x = minimize(lambda v: residuals(samples, v, x0), x0)
     return replace(_rates(base, x), calibrated=True)
 
 
@@ -239,7 +253,9 @@ def fit(records: list[dict]) -> tuple[dict[str, Terms], dict[str, LinkTerms]]:
 
 
 def _with_links(rates: SpeedRates, link: LinkTerms) -> SpeedRates:
-    return replace(rates, links=replace(rates.links, intra_bytes_per_s=link.intra_bytes_per_s, latency_s=link.latency_s))
+    return replace(
+        rates, links=replace(rates.links, intra_bytes_per_s=link.intra_bytes_per_s, latency_s=link.latency_s)
+    )
 
 
 def save(terms: dict[str, Terms], links: dict[str, LinkTerms], *, out: Path | None = None) -> Path:
@@ -255,5 +271,24 @@ def save(terms: dict[str, Terms], links: dict[str, LinkTerms], *, out: Path | No
         out.parent.mkdir(parents=True, exist_ok=True)
         write_json(out, data)
     except OSError as exc:
-        raise UsageError(f"--calibrate: cannot save {str(out)!r} ({exc.strerror or exc}); set LJPERF_CACHE_DIR") from None
+        raise UsageError(
+            f"--calibrate: cannot save {str(out)!r} ({exc.strerror or exc}); set LJPERF_CACHE_DIR"
+        ) from None
     return out
+
+
+def describe(terms: dict[str, Terms], links: dict[str, LinkTerms]) -> list[str]:
+    """One line per fitted device and per fitted link."""
+    lines = []
+    for name, t in terms.items():
+        effs = ", ".join(f"{c} {t.efficiency[c]:.2f}" for c in OP_CLASSES)
+        lines.append(
+            f"{name}: efficiency {effs}; {t.op_overhead_s * 1e6:.1f} µs an op; overlap {t.overlap:.2f} from"
+            f" {t.samples} record(s)"
+        )
+    for name, link in links.items():
+        lines.append(
+            f"{name} links: {link.intra_bytes_per_s / 1e9:.3g} GB/s bus bandwidth, {link.latency_s * 1e6:.0f} µs a"
+            f" call, from {link.samples} record(s) or row(s)"
+        )
+    return lines

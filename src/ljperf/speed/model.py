@@ -8,6 +8,7 @@ breakdown); ``speed.api.speed_for`` does both with the device's calibrated rates
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -187,7 +188,7 @@ def predict(work: StepWork, rates: SpeedRates, *, peak_mfu: bool = True) -> Spee
     )
 
 
-def _pricer(rates: SpeedRates):
+def _pricer(rates: SpeedRates) -> Callable[[Collective], float]:
     cache: dict[Collective, float] = {}
 
     def seconds(c: Collective) -> float:

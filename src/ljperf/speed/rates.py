@@ -3,8 +3,9 @@ class against them, the cost of one op, the links, and how much communication ca
 
 Run: ``gpu_rates("H100")`` (the datasheet's peaks, the uncalibrated efficiencies below), or
 ``cpu_rates(threads=1, processes=2)`` (this CPU's rates, measured once and cached); an unknown GPU gets None: no
-speed rather than a guessed one; ``with_cluster`` sets the links of ``--gpus-per-node`` and ``--link-bandwidth``. ``speed.calibrate`` replaces the efficiencies and links with
-those fitted from benchmark records of the device.
+speed rather than a guessed one; ``with_cluster`` sets the links of ``--gpus-per-node`` and
+``--link-bandwidth``. ``speed.calibrate`` replaces the efficiencies and links with those fitted from benchmark
+records of the device.
 """
 
 from __future__ import annotations

@@ -101,7 +101,9 @@ def _fsdp(spec: ModelSpec, recipe: Recipe, blocks: BlockParams) -> Traffic:
     tp_forward, tp_backward, root_tp = _tp(spec, recipe)
 
     def gather(elements: int) -> Collective:
-        return Collective(kind="all_gather", what="all_gather", size_bytes=elements * compute, ranks=shards, stride=stride)
+        return Collective(
+            kind="all_gather", what="all_gather", size_bytes=elements * compute, ranks=shards, stride=stride
+        )
 
     def reduce(elements: int) -> tuple[Collective, ...]:
         scatter = Collective(
