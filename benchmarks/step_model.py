@@ -4,10 +4,11 @@ Run: ``.venv/bin/python benchmarks/step_model.py [--repeats 2] [--records DIR] [
 on the 2-core machine). The grid: engines torch (one process), DDP, FSDP2 (one and two processes), ZeRO-1/2/3
 (two processes) × two architectures (llama-tiny, qwen-tiny) × two shapes × recompute none/full, each recipe one
 ``ljperf benchmark`` process (fp32, ``--threads 1``, ``OMP_NUM_THREADS=1``), the recipes shuffled anew in each
-repeat so machine drift hits them alike. A run's measured step is the median of its timed steps; a recipe's, the
-median over its repeats. Every other recipe of each engine (in a fixed order) calibrates (``ljperf plan
---calibrate`` on its records, into a fresh cache), the rest is predicted as ``ljperf plan`` predicts (its
-``speed_for``); the table shows both, the footer the held-out median and worst |error| and the Spearman rank
+repeat so machine drift hits them alike. A run's measured step is the median of its timed steps in device
+seconds (a process's CPU time per thread: on the shared machine the wall time holds the waits for a core, see
+``speed.calibrate.device_seconds``); a recipe's, the median over its repeats. Every other recipe of each engine
+(in a fixed order) calibrates (``ljperf plan --calibrate`` on its records, into a fresh cache), the rest is
+predicted as ``ljperf plan`` predicts (its ``speed_for``); the table shows both, the footer the held-out median and worst |error| and the Spearman rank
 correlation of predicted and measured step times. ``--records DIR`` keeps the records (a rerun measures only the
 recipes missing there).
 """
@@ -120,7 +121,9 @@ def measured_steps(recipe: Recipe, records: Path, repeats: int) -> tuple[float, 
     ok = [r["results"] for r in runs if r["results"]["status"] == "ok" and r["results"].get("speed")]
     if not ok:
         return None
-    measured = statistics.median(statistics.median(r["step_times_s"]) for r in ok)
+    from ljperf.speed.calibrate import device_seconds
+
+    measured = statistics.median(device_seconds(r, threads=1) for r in ok)
     return measured, statistics.median(r["speed"]["predicted_step_time_s"] for r in ok)
 
 

@@ -155,7 +155,7 @@ def speed_section(run: RunContext, results: dict[str, Any], plan: tuple[str, ...
             recipe,
             device_name=run.device.calibration_name,
             threads=torch.get_num_threads(),
-            step_times=results.get("step_times_s") or [],
+            results=results,
         )
     except Exception as exc:  # a prediction must never fail a benchmark
         warn(f"no step-time prediction for this run ({describe(exc)})")

@@ -54,9 +54,9 @@ def speed_lines(speed: dict[str, Any] | None, *, device: str | None) -> list[str
         lines.append(
             "  communication (hidden or not): " + " · ".join(f"{LABELS.get(k, k)} {_seconds(parts[k])}" for k in moved)
         )
-    links = rates["links"]
+    links, peak, memory = rates["links"], rates["flops_per_s"] / 1e12, rates["bytes_per_s"] / 1e9
     lines.append(
-        f"  rates of {rates['device']}: {rates['flops_per_s'] / 1e12:.3g} TFLOP/s, {rates['bytes_per_s'] / 1e9:.3g} GB/s;"
+        f"  rates of {rates['device']}: {peak:.3g} TFLOP/s, {memory:.3g} GB/s;"
         f" links {links['intra_bytes_per_s'] / 1e9:.3g} GB/s within a node of {links['gpus_per_node']},"
         f" {links['inter_bytes_per_s'] / 1e9:.3g} GB/s between"
     )

@@ -7,12 +7,11 @@ knows no rates of; ``benchmark_speed(...)`` → the record's ``results.speed``.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from ljperf.forecast.recipe import Recipe
 from ljperf.models.spec import ModelSpec
-from ljperf.speed.calibrate import calibrated
+from ljperf.speed.calibrate import calibrated, device_seconds
 from ljperf.speed.model import Speed, StepWork, bf16_peak, device_rates, predict, step_work
 from ljperf.speed.rates import Cluster, with_cluster
 
@@ -37,20 +36,24 @@ def speed_for(
 
 
 def benchmark_speed(
-    spec: ModelSpec, recipe: Recipe, *, device_name: str, threads: int, step_times: list[float]
+    spec: ModelSpec, recipe: Recipe, *, device_name: str, threads: int, results: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """``results.speed`` of a benchmark: the prediction beside the median measured step, the rates, and the work
-    (what ``ljperf plan --calibrate`` fits the rates to); None for a device without rates."""
+    """``results.speed`` of a benchmark: the prediction beside the measured step (``calibrate.device_seconds``),
+    the rates, and the work (what ``ljperf plan --calibrate`` fits the rates to); None for a device without
+    rates."""
     found = speed_work(spec, recipe, device_name=device_name, cluster=Cluster(), threads=threads)
     if found is None:
         return None
     speed, work = found
-    measured = statistics.median(step_times) if step_times else None
+    cpu = recipe.device == "cpu"
+    measured = device_seconds(results, threads=threads if cpu else None)
     error = round(100 * (speed.step_time_s - measured) / measured, 2) if measured else None
     return {
         "predicted_step_time_s": speed.step_time_s,
         "measured_step_time_s": measured,
         "error_pct": error,
+        "measured": "process CPU time per thread" if cpu else "wall",
+        "threads": threads if cpu else None,
         "calibrated": speed.calibrated,
         "breakdown": speed.breakdown,
         "rates": speed.rates,

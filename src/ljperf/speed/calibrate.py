@@ -26,6 +26,7 @@ from ljperf.speed.census import OP_CLASSES
 from ljperf.speed.collectives import BUS_FACTOR, Links
 from ljperf.speed.model import Speed, StepWork, load_work, predict
 from ljperf.speed.rates import SpeedRates
+from ljperf.speed.traffic import STYLES
 
 VERSION = 1
 PRIOR = 1e-4
@@ -43,6 +44,7 @@ class Terms:
     efficiency: dict[str, float]
     op_overhead_s: float
     overlap: float
+    hook_s: dict[str, float]
     samples: int
 
 
@@ -87,6 +89,7 @@ def calibrated(rates: SpeedRates) -> SpeedRates:
             efficiency=dict(terms.efficiency),
             op_overhead_s=terms.op_overhead_s,
             overlap=terms.overlap,
+            hook_s=dict(terms.hook_s),
             calibrated=True,
         )
     if link is not None:
@@ -107,26 +110,51 @@ class Sample:
     """Seconds of its phase timers' forward, backward and optimizer (empty where it has none)."""
 
 
+def device_seconds(results: dict, *, threads: int | None) -> float | None:
+    """A run's measured step in device seconds, what the model predicts: the median step's wall time on a GPU; on
+    a CPU (``threads`` per process) its process's CPU time per thread, since on a shared machine the wall time
+    also holds the waits for a core (two of 2.4 cores' worth a process under a load of 9 on 2 cores)."""
+    times = results.get("step_times_s") or []
+    if threads is None:
+        return statistics.median(times) if times else None
+    cpu = results.get("step_cpu_times_s") or []
+    return statistics.median(cpu) / threads if cpu else None
+
+
 def sample(record: dict) -> tuple[str, Sample] | None:
-    """(device, ``Sample``) of a benchmark record with a speed section and timed steps, else None."""
+    """(device, ``Sample``) of a benchmark record with a speed section and timed steps, else None. Its phase
+    timers (wall) are scaled by the step's device seconds over its wall time."""
     results = record.get("results") if isinstance(record.get("results"), dict) else {}
     speed, times = results.get("speed"), results.get("step_times_s")
     if results.get("status") != "ok" or not isinstance(speed, dict) or not speed.get("work") or not times:
         return None
     try:
         rates, work = rates_from_record(speed["rates"]), load_work(speed["work"])
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        step = device_seconds(results, threads=speed.get("threads"))
+    except (KeyError, TypeError, ValueError, AttributeError, statistics.StatisticsError) as exc:
         raise UsageError(f"--calibrate: a record's results.speed is damaged ({type(exc).__name__}: {exc})") from None
+    if not step:
+        return None
     ms = (results.get("breakdown") or {}).get("ms") or {}
-    phases = {p: ms[p] / 1e3 for p in ("forward", "backward", "optimizer") if isinstance(ms.get(p), int | float)}
-    return rates.device, Sample(work=work, rates=rates, step_s=statistics.median(times), phases=phases)
+    scale = step / statistics.median(times) / 1e3
+    phases = {p: ms[p] * scale for p in ("forward", "backward", "optimizer") if isinstance(ms.get(p), int | float)}
+    return rates.device, Sample(work=work, rates=rates, step_s=step, phases=phases)
 
 
 def rates_from_record(data: dict) -> SpeedRates:
     return SpeedRates(**{**data, "links": Links(**data["links"])})
 
 
-PARAMETERS = (*(f"efficiency.{c}" for c in OP_CLASSES), "op_overhead_s", "overlap", "intra", "latency")
+PARAMETERS = (
+    *(f"efficiency.{c}" for c in OP_CLASSES),
+    "op_overhead_s",
+    "overlap",
+    "intra",
+    "latency",
+    *(f"hook_s.{style}" for style in STYLES),
+)
+FREE = frozenset({"op_overhead_s", *(f"hook_s.{style}" for style in STYLES)})
+"""Terms with no pull toward their start: a GPU's default of 0 says nothing of what they are."""
 
 
 def _vector(rates: SpeedRates) -> list[float]:
@@ -137,6 +165,7 @@ def _vector(rates: SpeedRates) -> list[float]:
         rates.overlap,
         links.intra_bytes_per_s,
         links.latency_s,
+        *(rates.hook_s.get(style) or 1e-6 for style in STYLES),
     ]
 
 
@@ -149,6 +178,7 @@ def _rates(base: SpeedRates, x: list[float]) -> SpeedRates:
         op_overhead_s=x[n],
         overlap=min(x[n + 1], 1.0),
         links=links,
+        hook_s=dict(zip(STYLES, x[n + 4 :], strict=True)),
     )
 
 
@@ -163,8 +193,8 @@ def residuals(samples: list[Sample], x: list[float], x0: list[float]) -> list[fl
             if measured > 0 and predicted.phases[phase] > 0:
                 out.append(math.sqrt(PHASE_WEIGHT) * math.log(predicted.phases[phase] / measured))
     pull = math.sqrt(PRIOR * len(samples))
-    free = PARAMETERS.index("op_overhead_s")
-    return out + [pull * math.log(a / b) for i, (a, b) in enumerate(zip(x, x0, strict=True)) if i != free]
+    free = {PARAMETERS.index(name) for name in FREE}
+    return out + [pull * math.log(a / b) for i, (a, b) in enumerate(zip(x, x0, strict=True)) if i not in free]
 
 
 def minimize(residuals: Callable[[list[float]], list[float]], x0: list[float], *, iterations: int = 100) -> list[float]:
@@ -183,7 +213,12 @@ def minimize(residuals: Callable[[list[float]], list[float]], x0: list[float], *
         normal, gradient = jacobian.T @ jacobian, jacobian.T @ now
         while damping < 1e10:
             step = torch.linalg.solve(normal + damping * torch.diag(normal.diagonal() + 1e-12), -gradient)
-            trial = at(z + step)
+            step = step.clamp(-2.0, 2.0)  # a factor of e² at most per iteration: exp() of a wild step overflows
+            try:
+                trial = at(z + step)
+            except (OverflowError, ZeroDivisionError, ValueError):
+                damping *= 4
+                continue
             if (trial_cost := float(trial @ trial)) < cost:
                 z, now, cost, damping = z + step, trial, trial_cost, max(damping / 3, 1e-9)
                 break
@@ -242,9 +277,13 @@ def fit(records: list[dict]) -> tuple[dict[str, Terms], dict[str, LinkTerms]]:
             samples = [replace(s, rates=_with_links(s.rates, measured)) for s in samples]
         rates = fit_device(samples)
         terms[name] = Terms(
-            efficiency=rates.efficiency, op_overhead_s=rates.op_overhead_s, overlap=rates.overlap, samples=len(samples)
+            efficiency=rates.efficiency,
+            op_overhead_s=rates.op_overhead_s,
+            overlap=rates.overlap,
+            hook_s=rates.hook_s,
+            samples=len(samples),
         )
-        several = sum(s.work.traffic.style != "none" for s in samples)
+        several = sum(s.work.traffic.communicates for s in samples)
         if several and link_name(name) not in links:
             links[link_name(name)] = LinkTerms(
                 intra_bytes_per_s=rates.links.intra_bytes_per_s, latency_s=rates.links.latency_s, samples=several
@@ -282,9 +321,10 @@ def describe(terms: dict[str, Terms], links: dict[str, LinkTerms]) -> list[str]:
     lines = []
     for name, t in terms.items():
         effs = ", ".join(f"{c} {t.efficiency[c]:.2f}" for c in OP_CLASSES)
+        hooks = ", ".join(f"{style} {1e6 * t.hook_s[style]:.1f}" for style in STYLES)
         lines.append(
-            f"{name}: efficiency {effs}; {t.op_overhead_s * 1e6:.1f} µs an op; overlap {t.overlap:.2f} from"
-            f" {t.samples} record(s)"
+            f"{name}: efficiency {effs}; {t.op_overhead_s * 1e6:.1f} µs an op; hooks (µs) {hooks}; overlap"
+            f" {t.overlap:.2f} from {t.samples} record(s)"
         )
     for name, link in links.items():
         lines.append(

@@ -19,7 +19,7 @@ from ljperf.speed.census import OP_CLASSES, SAVED, Entry, StepOps, step_ops
 from ljperf.speed.collectives import KINDS, Collective
 from ljperf.speed.overlap import StepTimes, exposed, totals
 from ljperf.speed.rates import SpeedRates, cpu_rates, gpu_rates
-from ljperf.speed.traffic import Traffic, step_traffic
+from ljperf.speed.traffic import EngineWork, Traffic, step_traffic
 
 BREAKDOWN = ("forward", "backward", "recompute", "optimizer", *KINDS, "exposed_comm", "bubble")
 """The record's ``speed.breakdown``: compute by phase, each collective kind's seconds (hidden or not), the
@@ -161,12 +161,15 @@ def predict(work: StepWork, rates: SpeedRates, *, peak_mfu: bool = True) -> Spee
     )
     seconds = _pricer(rates)
     waits = exposed(work.traffic, seconds=seconds, times=times, overlap=rates.overlap)
-    n = work.micro_steps
+    n, traffic = work.micro_steps, work.traffic
+    engine = _engine_seconds(traffic, rates)
+    reductions = n if traffic.bucketed_every_micro_step else 1
     parts = {
-        "forward": n * (sum(times.layer_forward) + times.rest_forward),
-        "backward": n * (backward * len(work.modes) + times.rest_backward),
+        "forward": n * (sum(times.layer_forward) + times.rest_forward + engine(traffic.engine_forward)),
+        "backward": n * (backward * len(work.modes) + times.rest_backward + engine(traffic.engine_backward))
+        + reductions * engine(traffic.engine_reduce),
         "recompute": n * sum(per_layer),
-        "optimizer": work.optimizer.seconds(rates),
+        "optimizer": work.optimizer.seconds(rates) + engine(traffic.engine_step),
     }
     parts |= dict.fromkeys(KINDS, 0.0) | totals(work.traffic, seconds=seconds, layers=len(work.modes), micro_steps=n)
     parts["exposed_comm"] = sum(waits.values())
@@ -188,6 +191,13 @@ def predict(work: StepWork, rates: SpeedRates, *, peak_mfu: bool = True) -> Spee
     )
 
 
+def _engine_seconds(traffic: Traffic, rates: SpeedRates) -> Callable[[EngineWork], float]:
+    """The seconds of an engine's own work: its hooks at the engine's cost, its copies memory-bound."""
+    hook = rates.hook_s.get(traffic.style, 0.0)
+    copy = rates.bytes_per_s * rates.efficiency["elementwise"]
+    return lambda w: w.hooks * hook + w.copy_bytes / copy
+
+
 def _pricer(rates: SpeedRates) -> Callable[[Collective], float]:
     cache: dict[Collective, float] = {}
 
@@ -207,6 +217,9 @@ _COLLECTIVE_LISTS = ("layer_reduce", "root_reduce", "layer_tp_forward", "layer_t
                      "after_step")  # fmt: skip
 
 
+_ENGINE_WORK = ("engine_forward", "engine_backward", "engine_reduce", "engine_step")
+
+
 def load_work(data: dict) -> StepWork:
     """A ``StepWork`` from its record (``StepWork.record``)."""
 
@@ -215,6 +228,7 @@ def load_work(data: dict) -> StepWork:
 
     t = dict(data["traffic"])
     t |= {k: _load_collective(t[k]) for k in ("layer_gather", "root_gather")}
+    t |= {k: EngineWork(**t[k]) for k in _ENGINE_WORK}
     t |= {k: tuple(_load_collective(c) for c in t[k]) for k in _COLLECTIVE_LISTS}
     blocks = ("layer_forward", "layer_backward", "rest_forward", "rest_backward", "optimizer")
     return StepWork(

@@ -21,6 +21,7 @@ from ljperf.core.cache import cache_root, cached
 from ljperf.recompute.cost import Rates
 from ljperf.speed.census import OP_CLASSES
 from ljperf.speed.collectives import Links
+from ljperf.speed.traffic import STYLES
 
 GB = 1e9
 
@@ -59,6 +60,9 @@ CPU_LINK = (2.0 * GB, 100e-6)
 """gloo between processes of one machine (loopback TCP), uncalibrated: bytes/s and seconds a call, until
 ``ljperf plan --calibrate`` fits them from records (``ljperf comm`` or benchmarks with two processes)."""
 
+CPU_HOOK_OPS = 10
+"""Ops' worth of time one engine hook costs a CPU, uncalibrated (Python around a few tensor ops)."""
+
 CPU_ATTENTION = 0.5
 """CPU flash attention over the measured matmul rate, uncalibrated (its blocks are small matmuls)."""
 
@@ -92,6 +96,9 @@ class SpeedRates:
     links: Links
     overlap: float = 1.0
     """Share of the compute that communication can hide behind (1: a separate stream, as NCCL on a GPU)."""
+    hook_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STYLES, 0.0))
+    """Seconds of one engine hook per parameter tensor, by engine (``traffic.STYLES``): 0 on a GPU, whose host
+    runs ahead of it; a CPU's ``CPU_HOOK_OPS`` ops."""
     calibrated: bool = False
     """The efficiencies and links were fitted from records of this device (``ljperf plan --calibrate``)."""
 
@@ -144,6 +151,7 @@ def cpu_rates(*, threads: int, processes: int) -> SpeedRates:
         bytes_per_s=measured.bytes_per_s,
         efficiency=efficiency,
         op_overhead_s=overhead,
+        hook_s=dict.fromkeys(STYLES, CPU_HOOK_OPS * overhead),
         links=Links(
             intra_bytes_per_s=bandwidth,
             inter_bytes_per_s=bandwidth,
@@ -165,11 +173,11 @@ def _timed_op() -> float:
     a = torch.zeros(64, requires_grad=True)
     rounds = []
     for _ in range(5):
-        start = time.perf_counter()
+        start = time.process_time()  # the op's own cost, not the waits for a core of a shared machine
         x = a
         for _ in range(200):
             x = x + 1.0
-        rounds.append((time.perf_counter() - start) / 200)
+        rounds.append((time.process_time() - start) / 200)
     return sorted(rounds)[2]
 
 

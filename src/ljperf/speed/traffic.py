@@ -22,6 +22,18 @@ ZERO_ALLGATHER_BUCKET = 500_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
+class EngineWork:
+    """What an engine does around the model's own ops in one pass: its hooks (Python, a few ops each, per
+    parameter tensor), and the bytes it copies (into and out of flat communication buffers)."""
+
+    hooks: float = 0.0
+    copy_bytes: float = 0.0
+
+
+NO_WORK = EngineWork()
+
+
+@dataclass(frozen=True, kw_only=True)
 class Traffic:
     """A step's collectives, by where they run; the per-layer ones are one layer's in one micro-step."""
 
@@ -51,6 +63,30 @@ class Traffic:
     """After the optimizer step: ZeRO-1/2's all-gather of the updated parameters."""
     prefetch: float = 1.0
     """Share of the next layer's gather issued while this one computes (ZeRO-3: its prefetch bucket over a layer)."""
+    engine_forward: EngineWork = NO_WORK
+    """The engine's own work in one micro-step's forward (FSDP2's and ZeRO-3's gathers' copy-outs, hooks)."""
+    engine_backward: EngineWork = NO_WORK
+    """In one micro-step's backward (gradient hooks, copies into reduce buffers; DDP's and ZeRO-1's: in the
+    micro-step that reduces)."""
+    engine_reduce: EngineWork = NO_WORK
+    """In each micro-step that reduces the gradient buckets (``bucketed_every_micro_step``): their copies."""
+    engine_step: EngineWork = NO_WORK
+    """Around the optimizer step (ZeRO: the updated partition copied to the compute parameters; FSDP2: each
+    optimizer op dispatched on sharded tensors)."""
+
+    @property
+    def communicates(self) -> bool:
+        """Whether any of its collectives runs over more than one rank."""
+        return any(c.ranks > 1 for c in self.collectives())
+
+    def collectives(self) -> tuple[Collective, ...]:
+        single = tuple(c for c in (self.layer_gather, self.root_gather) if c is not None)
+        lists = (self.layer_reduce, self.root_reduce, self.layer_tp_forward, self.layer_tp_backward, self.root_tp)
+        return single + tuple(c for group in lists for c in group) + self.bucketed + self.after_step
+
+
+STYLES = ("ddp", "fsdp", "zero12", "zero3")
+"""The engines' ways of running collectives and hooks (``Traffic.style``; ``none``: one device, no engine work)."""
 
 
 def step_traffic(spec: ModelSpec, recipe: Recipe) -> Traffic:
@@ -75,7 +111,12 @@ def _ddp(recipe: Recipe, blocks: BlockParams) -> Traffic:
     total = blocks.total * recipe.weight_bytes  # DDP's gradients are its parameters' dtype
     calls = max(1, -(-total // DDP_BUCKET_BYTES))
     bucket = Collective(kind="all_reduce", what="all_reduce", size_bytes=total / calls, ranks=world, calls=calls)
-    return Traffic(style="ddp", bucketed=(bucket,))
+    return Traffic(
+        style="ddp",
+        bucketed=(bucket,),
+        engine_backward=EngineWork(hooks=blocks.tensors),  # a gradient hook per parameter
+        engine_reduce=EngineWork(copy_bytes=4 * total),  # into the buckets and back, each read and written
+    )
 
 
 def _tp(spec: ModelSpec, recipe: Recipe) -> tuple[tuple[Collective, ...], tuple[Collective, ...], tuple]:
@@ -121,8 +162,16 @@ def _fsdp(spec: ModelSpec, recipe: Recipe, blocks: BlockParams) -> Traffic:
         return scatter, replicas
 
     root = blocks.pre + blocks.post
+    gathered = EngineWork(hooks=blocks.tensors, copy_bytes=2 * blocks.total * compute)  # the copy-out of each
+    reduced = EngineWork(hooks=blocks.tensors, copy_bytes=2 * blocks.total * master)  # the copy-in of gradients
+    backward = reduced
+    if recipe.reshard_after_forward:
+        backward = EngineWork(hooks=2 * blocks.tensors, copy_bytes=gathered.copy_bytes + reduced.copy_bytes)
     return Traffic(
         style="fsdp",
+        engine_forward=gathered,
+        engine_backward=backward,
+        engine_step=EngineWork(hooks=blocks.tensors),
         layer_gather=gather(blocks.layer),
         gather_in_backward=recipe.reshard_after_forward,
         layer_reduce=reduce(blocks.layer),
@@ -139,8 +188,6 @@ def _zero(spec: ModelSpec, recipe: Recipe, blocks: BlockParams) -> Traffic:
     reduce-scatters its gradients in buckets; stages 1/2 reduce the gradients in buckets (2: every micro-step, 1: at
     the accumulation boundary) and gather the updated parameters after the step."""
     world, compute, zero = recipe.world, _compute_bytes(recipe), recipe.zero
-    if world == 1:
-        return Traffic(style="none")
     bucket = zero.reduce_bucket_elements(spec.hidden)
 
     def buckets(elements: int, what: str, kind: str, per_call: int) -> Collective:
@@ -149,8 +196,12 @@ def _zero(spec: ModelSpec, recipe: Recipe, blocks: BlockParams) -> Traffic:
 
     if recipe.zero_stage == 3:
         root = blocks.pre + blocks.post
+        fetches = EngineWork(hooks=2 * blocks.tensors)  # fetch and release each parameter: views of the gathered
         return Traffic(
             style="zero3",
+            engine_forward=fetches,
+            engine_backward=EngineWork(hooks=3 * blocks.tensors, copy_bytes=2 * blocks.total * compute),
+            engine_step=EngineWork(copy_bytes=2 * blocks.total * recipe.weight_bytes / world),
             layer_gather=buckets(blocks.layer, "all_gather", "all_gather", blocks.layer),
             gather_in_backward=True,
             layer_reduce=(buckets(blocks.layer, "reduce_scatter", "reduce_scatter", bucket),),
@@ -160,6 +211,9 @@ def _zero(spec: ModelSpec, recipe: Recipe, blocks: BlockParams) -> Traffic:
         )
     return Traffic(
         style="zero12",
+        engine_backward=EngineWork(hooks=blocks.tensors),
+        engine_reduce=EngineWork(copy_bytes=2 * blocks.total * compute),  # into the IPG bucket
+        engine_step=EngineWork(copy_bytes=2 * blocks.total * recipe.weight_bytes / world),
         bucketed=(buckets(blocks.total, "reduce_scatter", "reduce_scatter", bucket),),
         bucketed_every_micro_step=recipe.zero_stage == 2,
         overlapped_buckets=zero.overlap_comm,
