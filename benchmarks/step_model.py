@@ -8,9 +8,9 @@ repeat so machine drift hits them alike. A run's measured step is the median of 
 seconds (a process's CPU time per thread: on the shared machine the wall time holds the waits for a core, see
 ``speed.calibrate.device_seconds``); a recipe's, the median over its repeats. Every other recipe of each engine
 (in a fixed order) calibrates (``ljperf plan --calibrate`` on its records, into a fresh cache), the rest is
-predicted as ``ljperf plan`` predicts (its ``speed_for``); the table shows both, the footer the held-out median and worst |error| and the Spearman rank
-correlation of predicted and measured step times. ``--records DIR`` keeps the records (a rerun measures only the
-recipes missing there).
+predicted as ``ljperf plan`` predicts (its ``speed_for``); the table shows both, the footer the held-out median
+and worst |error| and the Spearman rank correlation of predicted and measured step times. ``--records DIR`` keeps
+the records (a rerun measures only the recipes missing there).
 """
 
 from __future__ import annotations

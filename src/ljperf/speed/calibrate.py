@@ -131,7 +131,7 @@ def sample(record: dict) -> tuple[str, Sample] | None:
     try:
         rates, work = rates_from_record(speed["rates"]), load_work(speed["work"])
         step = device_seconds(results, threads=speed.get("threads"))
-    except (KeyError, TypeError, ValueError, AttributeError, statistics.StatisticsError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # StatisticsError is a ValueError
         raise UsageError(f"--calibrate: a record's results.speed is damaged ({type(exc).__name__}: {exc})") from None
     if not step:
         return None
@@ -142,7 +142,18 @@ def sample(record: dict) -> tuple[str, Sample] | None:
 
 
 def rates_from_record(data: dict) -> SpeedRates:
-    return SpeedRates(**{**data, "links": Links(**data["links"])})
+    """The ``SpeedRates`` of a record (``SpeedRates.record``)."""
+    return SpeedRates(
+        device=str(data["device"]),
+        flops_per_s=float(data["flops_per_s"]),
+        bytes_per_s=float(data["bytes_per_s"]),
+        efficiency={str(k): float(v) for k, v in data["efficiency"].items()},
+        op_overhead_s=float(data["op_overhead_s"]),
+        links=Links(**data["links"]),
+        overlap=float(data["overlap"]),
+        hook_s={str(k): float(v) for k, v in data["hook_s"].items()},
+        calibrated=bool(data["calibrated"]),
+    )
 
 
 PARAMETERS = (

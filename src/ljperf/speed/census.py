@@ -94,7 +94,7 @@ def _attention_flops(func: OpOverload, args: Sequence[Any]) -> float:
 def _nbytes(t: torch.Tensor) -> int:
     try:  # an expanded or sliced view moves its storage at most
         return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):
+    except RuntimeError:  # NotImplementedError too
         return t.numel() * t.element_size()
 
 
@@ -178,8 +178,8 @@ def _traced(spec: ModelSpec, *, layers: int, micro_batch: int, seq_len: int, pre
         census.phase = "backward"
         value.backward()
         census.phase = "optimizer"
-        kind = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[optimizer]
-        torch.optim.AdamW(params, lr=1e-4, **kind).step()
+        foreach, fused = optimizer == "foreach", optimizer == "fused"
+        torch.optim.AdamW(params, lr=1e-4, foreach=foreach, fused=fused or None).step()
     return phases, sum(p.numel() * p.element_size() for p in params), len(params)
 
 
@@ -207,8 +207,18 @@ def _trace_step_ops(spec: ModelSpec, **shape: Any) -> StepOps:
 
 
 def _load(data: dict) -> StepOps:
-    entries = {k: tuple((str(c), float(f), float(m), int(n)) for c, f, m, n in data[k]) for k in _ENTRY_FIELDS}
-    return StepOps(**entries, **{k: float(data[k]) for k in _NUMBER_FIELDS})
+    def entries(key: str) -> tuple[Entry, ...]:
+        return tuple((str(c), float(f), float(m), int(n)) for c, f, m, n in data[key])
+
+    return StepOps(
+        layer_forward=entries("layer_forward"),
+        layer_backward=entries("layer_backward"),
+        rest_forward=entries("rest_forward"),
+        rest_backward=entries("rest_backward"),
+        optimizer_bytes_per_param_byte=float(data["optimizer_bytes_per_param_byte"]),
+        optimizer_ops_per_tensor=float(data["optimizer_ops_per_tensor"]),
+        optimizer_ops_fixed=float(data["optimizer_ops_fixed"]),
+    )
 
 
 _ENTRY_FIELDS = ("layer_forward", "layer_backward", "rest_forward", "rest_backward")
