@@ -8,10 +8,10 @@ TORCH ?= torch==2.13.0
 # (tests/conftest.py's LONGEST_FIRST; xdist would order them by their number of tests).
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
-# Bytecode: pip compiles every module it installs (transformers' thousands, most never imported): half of the
-# install, 80 -> 36 s on 2 cores without it. Instead the venv's processes started from here write the bytecode of
-# what they import, once: the project's machines set PYTHONDONTWRITEBYTECODE=1, under which each of the suite's
-# few hundred processes would compile all it imports anew (a run 7 s instead of 2.7).
+# Bytecode: pip compiles every module it installs (transformers' thousands, most never imported), half of the
+# install's time. Instead the venv's processes started from here write the bytecode of what they import, once: the
+# project's machines set PYTHONDONTWRITEBYTECODE=1, under which each of the suite's few hundred processes would
+# compile all it imports anew. Times: benchmarks/results/suite_times_cpu-2core_2026-12.md.
 INSTALL := $(PY) -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
@@ -39,6 +39,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/codespell src docs README.md
+	$(VENV)/bin/pyrefly check --python-interpreter-path $(VENV)/bin/python
 
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff check --fix .
@@ -47,8 +48,8 @@ format: $(VENV)/.installed
 test: lint
 	$(PYTEST)
 
-# The inner loop (2-3 minutes): the tests not marked slow, which still import and exercise every module of
-# src/ljperf (tests/test_imports.py imports each)
+# The inner loop (budget: 3 minutes with lint): the tests not marked slow, which still import and exercise every
+# module of src/ljperf (tests/test_imports.py imports each)
 test-quick: lint
 	$(PYTEST) -m "not slow"
 

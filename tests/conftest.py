@@ -107,6 +107,7 @@ def read_record(path: str | Path) -> dict:
 LONGEST_FIRST = (
     "test_forecast.py",
     "test_reliability.py",
+    "test_readme.py",
     "test_startup_hooks.py",
     "test_forecast_matrix.py",
     "test_forecast_engines.py",
@@ -114,7 +115,7 @@ LONGEST_FIRST = (
     "test_mesh.py",
     "test_benchmark.py",
     "test_ablation.py",
-    "test_newcomer_fixes.py",
+    "test_plan.py",
     "test_engines.py",
     "test_checkpoint_plan.py",
 )
@@ -126,6 +127,21 @@ files to the workers in this order, so no long file starts last and leaves one w
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu and (reason := no_cuda()):
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def no_cuda() -> str | None:
+    """Why a test marked ``gpu`` cannot run here, or None where torch sees a CUDA device (torch is imported only
+    when a collected test carries the marker)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
+        return f"needs a CUDA device: torch {torch.__version__} ({build}) sees none"
+    return None
 
 
 def pytest_unconfigure() -> None:

@@ -477,3 +477,41 @@ def test_builtin_variants_are_benchmark_flags():
     for variant in parse_variants(",".join(BUILTIN), []):
         cfg = check_variant(list(SHORT), variant)
         assert (cfg.optim.compile_mode != "off") == ("compile" in variant.name), variant
+
+
+# --- the chart ----------------------------------------------------------------------------------------------------
+
+
+def ablation_run(variant: str, index: int, repeat: int, tokens_per_s: float) -> dict:
+    """A finished run's record, as much of it as the report reads."""
+    config = {
+        "engine": {"name": "fsdp"},
+        "model": {"name": "llama-tiny"},
+        "launch": {"world_size": 2},
+        "train": {"micro_batch": 4, "seq_len": 256, "grad_accum": 1, "precision": "fp32", "steps": 5, "warmup": 1},
+    }
+    env = {"name": "local", "python": "python", "prefix": "/", "versions": {}}
+    meta = {"variant": variant, "variant_index": index, "flags": "", "repeat": repeat, "environment": env}
+    meta |= {"environment_index": 0, "command": [], "wall_s": 9.0, "log": f"{variant}.r{repeat}.log"}
+    results = {"status": "ok", "tokens_per_s": tokens_per_s, "peak_allocated_bytes": 2**30, "losses": [1.0]}
+    return {"ablation": meta, "config": config, "env": {"devices": ["cpu"]}, "results": results}
+
+
+def test_the_ablation_chart_is_titled_and_its_bars_are_the_tables_median_run(tmp_path):
+    """The chart had no title; then its bar was the mean of 2 repeats while the table showed the slower run (and
+    the chart printed the table's ratio above the mean's bar). One statistic for both: the median run (of an even
+    count, the slower middle one), named on the chart."""
+    from PIL import Image
+
+    two = [ablation_run("base", 0, 1, 20480.0), ablation_run("base", 0, 2, 4096.0)]
+    three = [ablation_run("compile", 1, k, tps) for k, tps in enumerate([100.0, 90.0, 250.0], start=1)]
+    base, compiled = summarize(two + three)
+    assert (report.bar_height(base.tokens_per_s), report.bar_height(compiled.tokens_per_s)) == (4096.0, 100.0)
+    header, body = report.rows([base, compiled])
+    assert [row[header.index("tokens/s")] for row in body] == ["4,096", "100"]
+    assert compiled.speedup.value == pytest.approx(100.0 / 4096.0)
+    report.chart(two + three, [base, compiled], tmp_path / "chart.png")
+    meta = Image.open(tmp_path / "chart.png").text
+    assert meta["Title"].startswith("fsdp/llama-tiny · 2 process(es) · mb 4 × seq 256 × accum 1 · fp32 · ")
+    assert meta["Title"].endswith(" · device: cpu")
+    assert meta["Description"] == "throughput bar: the median run (of an even count, the slower middle one)"

@@ -497,3 +497,37 @@ def test_peak_bf16_tflops_of_a_device_name(name, tflops):
     from ljperf.core.hardware import peak_tflops
 
     assert peak_tflops(name) == tflops
+
+
+def test_a_cpu_run_sets_and_records_its_threads_and_says_when_nobody_chose(tmp_path, monkeypatch, capsys):
+    """CPU step times followed the thread count (ratios 1.26-1.55 apart with torch's default, 1.009 with one)."""
+    from ljperf.cli import main
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    previous = torch.get_num_threads()
+    out = tmp_path / "r.json"
+    run = ["benchmark", "--model", "torch/llama-tiny", "--seq-len", "32", "--steps", "1", "--warmup", "0"]
+    run += ["--output", str(out)]
+    try:
+        assert main([*run, "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+        assert json.loads(out.read_text())["config"]["train"]["threads"] == 1
+        assert "--threads N" not in capsys.readouterr().err
+        assert main(run) == 0
+    finally:
+        torch.set_num_threads(previous)
+    assert "give --threads N (or OMP_NUM_THREADS) to compare runs" in capsys.readouterr().err
+    assert json.loads(out.read_text())["config"]["train"]["threads"] >= 1
+
+
+@pytest.mark.gpu
+def test_a_cuda_record_holds_the_allocators_peaks_retries_and_oom_count(tmp_path, capsys):
+    """On CUDA the caching allocator's figures are measured, not null as on a CPU: its peak reserved holds its peak
+    allocated, and a tiny model's run neither retries an allocation nor runs out."""
+    out = tmp_path / "r.json"
+    code, _, stderr = run_main(capsys, "benchmark", *TINY, "--device", "cuda", "--steps", "3", "--output", str(out))
+    assert code == 0, stderr
+    res = read_record(out)["results"]
+    assert res["status"] == "ok" and res["peak_reserved_bytes"] >= res["peak_allocated_bytes"] > 0
+    assert (res["num_alloc_retries"], res["num_ooms"]) == (0, 0)
+    assert (res["num_alloc_retries_per_rank"], res["num_ooms_per_rank"]) == ([0], [0])

@@ -1,11 +1,23 @@
-"""``--recompute auto``: the solver's plan fits the budget in a real run; an impossible budget exits 2."""
+"""``--recompute auto``: the solver's plan fits the budget in a real run; an impossible budget exits 2; auto that
+recomputes nothing says so, in the run and in an ablation's table."""
 
 from __future__ import annotations
 
+import io
+import json
+import sys
+
 import pytest
 
+from ljperf import cli
+from ljperf.ablation import report
+from ljperf.ablation.variants import parse_variants
+from ljperf.commands.ablation import check_variant, split_argv, warn_untested_recompute
+from ljperf.core.plans import no_recompute_line
+from ljperf.core.units import format_bytes
 from ljperf.forecast import Recipe, forecast
 from ljperf.models.spec import resolve
+from ljperf.recompute.run import untested_auto
 from ljperf.recompute.solver import Decision
 
 from conftest import read_record, run_main, stale_calibration_cache
@@ -85,3 +97,62 @@ def test_the_plan_line_gives_each_size_a_unit_that_suits_it():
     assert line(5 * 1024**2, 200 * 1024**2).endswith("forecast 5.0 of 200.0 MiB")
     assert line(int(21.3 * 1024**2), 1024).endswith("forecast 21.30 MiB of 1.00 KiB")
     assert line(20 * 1024, int(22.4 * 1024**3)).endswith("forecast 20.00 KiB of 22.40 GiB")
+
+
+# --- --recompute auto that recomputes nothing ----------------------------------------------------------------------
+
+RUN = ["--model", "torch/llama-tiny", "--device", "cpu", "--micro-batch", "4", "--seq-len", "512", "--steps", "1"]
+"""Forecast 146 MiB without recompute, 70 MiB with full recompute: the RAM (the CPU's budget) holds it whole."""
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory) -> tuple[dict, str]:
+    """(the record, the standard output) of a benchmark with ``--recompute auto`` and no budget, in this process."""
+    out = tmp_path_factory.mktemp("auto") / "run.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("LJPERF_MEMORY_BUDGET", raising=False)
+        mp.setattr("sys.stdout", io.StringIO())
+        code = cli.main(["benchmark", *RUN, "--warmup", "1", "--recompute", "auto", "--output", str(out)])
+        printed = sys.stdout.getvalue()
+    assert code == 0, printed
+    return json.loads(out.read_text()), printed
+
+
+def test_auto_that_recomputes_nothing_says_so_at_the_top_of_the_run(auto_run):
+    """``compile+ckpt`` on CPU with no budget was ``compile`` with nothing said: ``recompute 0/4 layers``."""
+    record, printed = auto_run
+    plan = record["results"]["recompute"]
+    none, full = plan["forecast_none_bytes"], plan["forecast_full_bytes"]
+    assert plan["plan"] == ["none"] * 4 and plan["forecast_peak_bytes"] == none and full < none
+    expected = no_recompute_line(plan)
+    assert expected == (
+        f"recompute auto chose no recompute: the budget {format_bytes(plan['budget_bytes'])} holds the whole run"
+        f" (forecast {format_bytes(none)}); set --memory-budget or LJPERF_MEMORY_BUDGET to test it, e.g."
+        f" --memory-budget {round((none + full) / 2 / 2**20)}MiB (between the forecasts with full recompute,"
+        f" {format_bytes(full)}, and none, {format_bytes(none)})"
+    )
+    assert printed.splitlines()[1] == expected  # under "recomputing 0/4 layers ..."
+
+
+def test_ablation_marks_the_variant_and_suggests_a_budget_before_its_runs(auto_run, tmp_path, capsys):
+    record, _ = auto_run
+    [variant] = parse_variants("compile+ckpt", [])
+    cfg = check_variant(split_argv(["ablation", *RUN], "ablation"), variant)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("LJPERF_MEMORY_BUDGET", raising=False)
+        warn_untested_recompute([variant], [cfg])  # what ljperf ablation prints before its runs
+        mp.setenv("LJPERF_MEMORY_BUDGET", "100MiB")
+        assert untested_auto(cfg) is None  # a budget is given: it tests something
+    plan = record["results"]["recompute"]
+    before = capsys.readouterr().out
+    assert before.startswith("variant compile+ckpt: recompute auto will choose no recompute: the budget ")
+    assert before.endswith(no_recompute_line(plan).split("holds the whole run")[1] + "\n")  # the same forecasts
+    # The table marks the variant and says why under it, in report.md too.
+    env = {"name": "local", "python": "python", "prefix": "/", "versions": {}}
+    meta = {"variant": "compile+ckpt", "variant_index": 0, "flags": "--compile --recompute auto", "repeat": 1}
+    meta |= {"environment": env, "environment_index": 0, "command": RUN, "wall_s": 5.0, "log": "x.log"}
+    report.render(tmp_path, [{**record, "ablation": meta}], command=None)
+    printed, md = capsys.readouterr().out, (tmp_path / "report.md").read_text()
+    line = f"† compile+ckpt: {no_recompute_line(plan)}"
+    assert "compile+ckpt †" in printed and line in printed
+    assert "| compile+ckpt † | --compile --recompute auto | ok |" in md and f"† `compile+ckpt`: {line[16:]}" in md

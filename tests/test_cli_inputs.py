@@ -1,13 +1,16 @@
 """Bad input across every subcommand: exit 2 and one line that names the problem, never a traceback.
 
 A table of bad inputs runs through the real ``ljperf.cli.main`` (in-process: no training starts, since
-each input must be refused before anything runs), plus a property-based test over the argument parser.
+each input must be refused before anything runs), plus a property-based test over the argument parser, refusals
+that import no torch, old flag spellings, help text, and JSON inputs read with limits.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -18,6 +21,8 @@ from hypothesis import strategies as st
 from ljperf import cli
 from ljperf.core.errors import LINE_LIMIT
 from ljperf.models.catalog import read_config_dict
+
+from conftest import cli_env
 
 BAD_JSON = "{not: json"
 WRONG_BATCH = json.dumps({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1})
@@ -323,3 +328,121 @@ print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr[-3000:]
+
+
+# --- refusals that import nothing, old flag spellings, help's metavars, and inputs past any machine ---------------
+
+REFUSED = [
+    ["benchmark", "--model", "torch/llama-tiny", "--seq-len", "0"],
+    ["benchmark", "--model", "deepspeed/llama-tiny", "--zero-stage", "5"],
+    ["benchmark", "--model", "torch/llama-tiny", "--compile", "--warmup", "0"],
+    ["benchmark", "--model", "torch/llama-tiny", "--memory-budget", "1GiB"],
+    ["plan", "--model", "torch/llama-tiny", "--micro-batch", "0"],
+    ["plan", "--model", "fsdp/llama-tiny", "--zero-stage", "2"],
+    ["compile-report", "--model", "torch/llama-tiny", "--seq-lens", "0"],
+    ["comm", "--iters", "0"],
+    ["ablation", "--model", "torch/llama-tiny", "--repeat", "0"],
+]
+
+
+@pytest.mark.parametrize("argv", REFUSED, ids=[" ".join(a[:2] + a[-2:]) for a in REFUSED])
+def test_a_refused_flag_value_imports_no_torch(argv):
+    """Under load a refused value took 4.5–12 s: torch and transformers were imported before the check."""
+    code = f"import sys; from ljperf.cli import main; code = main({argv!r}); print('torch' in sys.modules, code)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), check=True)
+    assert out.stdout.split() == ["False", "2"], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("argv", "new"),
+    [
+        (["benchmark", *TINY, "--timeout", "0"], "--collective-timeout"),
+        (["comm", "--timeout", "0"], "--collective-timeout"),
+        (["ablation", *TINY, "--timeout", "nan"], "--run-timeout"),
+    ],
+)
+def test_the_old_timeout_spelling_says_its_new_name_and_still_counts(argv, new, capsys):
+    """``--timeout`` was the hung-collective limit in benchmark and comm, and one run's wall time in ablation."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    command = argv[0]
+    assert err == [
+        f"ljperf {command}: --timeout is deprecated here: write {new}",
+        f"ljperf {command}: error: {new} must be larger than zero and at most 2147483647 (got {argv[-1]})",
+    ], err
+
+
+METAVARS = re.compile(r"N|N\[,N\]|SIZE|FILE|PATH|DIR|PLAN|NAME|HOST:PORT|ENGINE/NAME|\{[a-z0-9_,.-]+\}|.*[=,\[].*")
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_help_shows_one_metavar_per_kind_and_titles_in_one_style(command):
+    """Help showed argparse's own metavars (``MICRO_BATCH``, ``DEEPSPEED_CONFIG``) beside ``N`` and ``FILE`` for
+    the same kinds, and group titles mixed ``model`` with sentences."""
+    parser = cli.build_parser(command)
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    child = sub.choices[command]
+    for action in child._actions:
+        if action.nargs == 0 or action.help == argparse.SUPPRESS or not action.option_strings:
+            continue
+        shown = action.metavar or ("{" + ",".join(action.choices) + "}" if action.choices else action.dest.upper())
+        assert METAVARS.fullmatch(shown), (action.option_strings, shown)
+    for group in child._action_groups[2:]:
+        assert re.fullmatch(r"[a-z][a-z ]*", group.title), group.title
+
+
+def test_a_learning_rate_is_refused_for_what_it_is(capsys):
+    """``--lr 1e40`` said it must be "at most 2147483647", a count's bound; it overflows torch's float32."""
+    assert cli.main(["benchmark", *TINY, "--lr", "1e40"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--lr must be larger than zero and fit a float32, at most 3.4e+38 (got 1e+40)"), err
+
+
+TINY_RUN = ["benchmark", "--model", "torch/llama-tiny", "--seq-len", "32", "--steps", "1", "--warmup", "1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "text"),
+    [
+        (["plan", "--model", "torch/llama-tiny", "--gpu-memory", "9" * 400 + "GiB"], "larger than 1 EiB"),
+        (
+            ["plan", "--model", "torch/llama-tiny", "--recompute", "auto", "--memory-budget", "9" * 40 + "TiB"],
+            "larger than 1 EiB",
+        ),
+        (["comm", "--max-bytes", "9" * 400], "larger than 1 EiB"),
+        ([*TINY_RUN, "--warmup", str(10**12)], "--warmup must be zero or more and at most"),
+        (["comm", "--iters", str(10**12)], "--iters must be larger than zero and at most"),
+        (["comm", "--warmup-iters", str(10**12)], "--warmup-iters must be zero or more and at most"),
+    ],
+)
+def test_sizes_and_counts_past_any_machine_are_one_line(argv, text, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and text in err[0] and len(err[0]) < 300, err
+
+
+@pytest.mark.parametrize("content", ["nested", "/dev/zero", "fifo", "large"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["benchmark", "--model-config", "{file}"],
+        ["plan", "--model", "deepspeed/llama-tiny", "--deepspeed-config", "{file}"],
+        ["plan", "--calibrate", "{file}"],
+        ["doctor", "--deepspeed-config", "{file}", "--skip", "driver,nccl-ifname,nccl,versions,compile"],
+    ],
+)
+def test_every_json_input_is_read_with_limits(argv, content, tmp_path, capsys):
+    """``'[' * 200000`` gave a RecursionError traceback, ``/dev/zero`` was read until memory ran out and a FIFO
+    blocked for ever: one reader for every JSON input refuses each in one line naming the file."""
+    path = tmp_path / "input.json"
+    if content == "nested":
+        path.write_text("[" * 200_000)
+    elif content == "large":
+        path.write_text(" " * (8 * 1024**2 + 1) + "{}")
+    elif content == "fifo":
+        os.mkfifo(path)
+    else:
+        path = content
+    assert cli.main([a.replace("{file}", str(path)) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "Traceback" not in err[0], err

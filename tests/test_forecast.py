@@ -15,9 +15,10 @@ from ljperf.cli import main
 from ljperf.core.options import OptimizationConfig, TrainConfig
 from ljperf.core.plans import fixed_plan, parse_recompute
 from ljperf.engines.torch_engine import TorchEngine
-from ljperf.forecast import Recipe, analytic, forecast, layer_costs, patches, sharding, trace, walk
+from ljperf.forecast import Recipe, analytic, forecast, layer_costs, patches, segments, sharding, trace, walk
 from ljperf.forecast.blocks import block_params
-from ljperf.forecast.trace import LiveBytesTimeline, fake_model
+from ljperf.forecast.live_bytes import LiveBytesTimeline
+from ljperf.forecast.trace import fake_model
 from ljperf.models.catalog import read_config_dict
 from ljperf.models.spec import ModelSpec, build_meta, resolve, with_layers
 from ljperf.run.config import RunConfig, fixed_recompute
@@ -150,7 +151,8 @@ def test_the_older_transformers_experts_stand_in_traces_what_transformers_runs(m
     from transformers import AutoConfig
     from transformers.integrations import moe
 
-    from ljperf.forecast.trace import RawTrace, trace_shape
+    from ljperf.forecast.segments import RawTrace
+    from ljperf.forecast.trace import trace_shape
 
     size = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1024}
     size |= {"intermediate_size": 256, "num_key_value_heads": 2, "head_dim": 32} | MOE["mixtral"]
@@ -482,6 +484,40 @@ def test_optimizer_temporaries_match_a_traced_adamw_step(foreach):
     assert max(tracker.points) - before == pytest.approx(expected, rel=1e-3)
 
 
+def test_a_family_key_is_equal_for_equal_recipes_changes_with_each_field_is_hashable_and_round_trips():
+    """The cache key of a traced family (``cache_key.FamilyKey``, frozen and keyword-only): the same options on the
+    same architecture give equal keys, hashes and file names, at any depth unless layers are picked; a change to any
+    one field gives another key and another digest; a key reads back from its JSON (the entry's copy) as it was."""
+    import dataclasses
+
+    from ljperf.forecast.cache_key import FamilyKey
+
+    spec = resolve(name="llama-tiny")
+    options = {"precision": "bf16-mixed", "attn": "sdpa", "mode": "full", "shapes": "bn", "tp": 2, "loss": "chunked"}
+    key = FamilyKey.of(spec, **options)
+    again = FamilyKey.of(resolve(name="llama-tiny"), **options)
+    assert key == again and hash(key) == hash(again) and {key: 1}[again] == 1
+    assert key.digest() == again.digest() and key.file_name() == f"Llama-full-bn-{key.digest()}.json"
+    assert FamilyKey.of(with_layers(spec, 7), **options) == key  # a 3-layer copy stands for every depth
+    picked = FamilyKey.of(spec, **options, pick=(0, 1, spec.layers - 1))
+    assert FamilyKey.of(with_layers(spec, 7), **options, pick=(0, 1, spec.layers - 1)) != picked  # of another model
+    for value in (key, picked, FamilyKey.of(spec, precision="fp32", attn="eager", mode="none", shapes="b1")):
+        assert FamilyKey.from_json(json.loads(json.dumps(value.to_json()))) == value
+    other = {
+        "architecture": "Qwen3", "config": "{}", "precision": "fp32", "attn": "eager", "mode": "none", "shapes": "b1",
+        "as_cuda": True, "tp": 1, "loss": "plain", "loss_chunks": None, "pick": (0, 2, 3), "depth": 7,
+        "first_only": True, "torch_version": "0", "transformers_version": "0", "trace_version": 0,
+    }  # fmt: skip
+    assert other.keys() == {field.name for field in dataclasses.fields(FamilyKey)}
+    changed = [dataclasses.replace(key, **{name: value}) for name, value in other.items()]
+    assert all(each != key for each in changed)
+    assert len({key.digest(), *(each.digest() for each in changed)}) == len(other) + 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        key.mode = "none"
+    with pytest.raises(TypeError):
+        FamilyKey(*key.to_json().values())  # keyword-only
+
+
 def test_a_damaged_cache_file_is_made_again(tmp_path, monkeypatch):
     """Cache files edited or cut short outside ljperf are traced again, not a KeyError in every plan."""
     from ljperf.forecast import trace
@@ -565,7 +601,7 @@ def test_a_cuda_trace_casts_in_a_recomputed_layer_as_in_its_forward(tmp_path):
     peaks = {}
     for cuda in (False, True):
         raw = trace.trace_shape(spec, **shape, as_cuda=cuda, first_only=True)
-        peaks[cuda] = {name: max(points) for name, points in trace.split_segments(raw, layers=3).items()}
+        peaks[cuda] = {name: max(points) for name, points in segments.split_segments(raw, layers=3).items()}
     # each layer's backward recomputes its GELU, and on CUDA keeps that GELU's fp32 copies until it is done
     assert all(peaks[True][f"b{i}@1"] > peaks[False][f"b{i}@1"] for i in range(3)), peaks
     recipe = Recipe(device="cuda", precision="bf16-mixed", micro_batch=1, seq_len=256, recompute=("full",) * 4)

@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("commands",),
     ("ablation",),
     ("benchmark", "plan", "doctor", "comm", "startup_hooks"),
+    ("speed",),
     ("recompute", "engines"),
     ("forecast", "compile"),
     ("checkpoint",),

@@ -1,4 +1,5 @@
-"""Model catalog and model arithmetic against published and hand-computed figures."""
+"""Model catalog and model arithmetic against published and hand-computed figures; the listing, refusals of
+unsupported layouts and absurd sizes, and meta builds that make nothing large for real."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ljperf.models.catalog import catalog_names, read_config_dict, split_model_a
 from ljperf.models.layout import decoder_layers
 from ljperf.models.spec import build_meta, format_params, resolve
 
-from conftest import MOE, run_ljperf, run_main
+from conftest import MOE, cli_env, run_ljperf, run_main
 
 REQUIRED = [
     "llama3-8b",
@@ -205,7 +206,7 @@ def test_transformers_warnings_show_only_for_an_accepted_config(tmp_path, refuse
 def test_building_a_model_leaves_the_specs_config_alone():
     """build_meta sets use_cache and the attention on its model's config, not the spec's: the spec's keys the
     forecast cache, so ``plan`` and ``benchmark`` (which builds first) would trace the same model twice."""
-    from ljperf.forecast.trace import architecture_key
+    from ljperf.forecast.cache_key import architecture_key
 
     spec = resolve(name="llama-tiny")
     before = architecture_key(spec)
@@ -218,7 +219,7 @@ def test_a_config_seen_before_is_read_from_the_cache_and_built_when_first_asked_
     """A warm ``ljperf plan`` reads the config's facts from the cache instead of building it (seconds of
     transformers imports); what it reads must key the same traces, and the config object built later must be
     the one a cold resolve builds."""
-    from ljperf.forecast.trace import architecture_key
+    from ljperf.forecast.cache_key import architecture_key
 
     monkeypatch.setenv("LJPERF_CACHE_DIR", str(tmp_path / "cache"))
     config = tmp_path / "config.json"  # GPT-2's attribute map: its n_embd is the hidden_size
@@ -334,3 +335,59 @@ def test_flops_per_token_are_what_torch_counts_in_a_training_step(model, tmp_pat
     assert (unrouted > 0) == (model != "llama-tiny")
     expected = spec.flops_per_token(seq) + (6 * unrouted if model == "llama4_text" else 0)
     assert counted == pytest.approx(expected, rel=0.01)
+
+
+# --- the listing, refusals of layouts and sizes, meta builds ----------------------------------------------------
+
+
+def test_a_second_model_listing_builds_nothing_and_imports_no_torch(tmp_path):
+    """``ljperf models`` took 13–17 s to print a static table: it built every catalog model on the meta device."""
+    env = cli_env(LJPERF_CACHE_DIR=str(tmp_path))
+    code = "import sys; from ljperf.cli import main; code = main(['models', '--json']); print('torch' in sys.modules)"
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert first.stdout.split()[-1] == "True" and second.stdout.split()[-1] == "False"
+    assert first.stdout == second.stdout.replace("False", "True")
+
+
+def test_an_unsupported_layout_is_said_in_a_whole_sentence():
+    """BERT's refusal ended mid-sentence: "... or GPT-2 and Falcon (transformer.h) are"."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    bert = BertForMaskedLM(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8))
+    with pytest.raises(UsageError) as refused:
+        decoder_layers(bert)
+    assert str(refused.value).endswith("as Llama, Qwen, Gemma and OPT are (model.layers) or as GPT-2 and Falcon are"
+                                       " (transformer.h)"), str(refused.value)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "text"),
+    [
+        ({"hidden_size": 10**9, "num_attention_heads": 1, "num_key_value_heads": 1}, "parameters, more than the 1e+13"),
+        ({"num_hidden_layers": 100_000}, "num_hidden_layers 100,000 is more than the 10,000"),
+    ],
+)
+def test_an_absurd_config_is_refused_before_anything_is_built(change, text, tmp_path, capsys):
+    """A hidden size of 10^9 made ``plan`` allocate ~4 GB at a time and 100,000 layers built a 100k-layer model:
+    neither finished in 300 s. Refused from the file's own numbers, before transformers is imported."""
+    import ljperf.plan.record  # noqa: F401 - imported before the clock starts: the command's own imports
+    from ljperf.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(read_config_dict(name="llama-tiny") | change))
+    started = time.monotonic()
+    assert main(["plan", "--model-config", str(config), "--gpu", "H100"]) == 2
+    assert time.monotonic() - started < 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and text in err[0], err
+
+
+def test_a_meta_build_makes_no_large_filled_tensor_for_real():
+    """``torch.ones`` of a norm weight is made for real and only then moved to the meta device."""
+    from ljperf.models.spec import LARGEST_REAL, _empty_on_meta
+
+    with _empty_on_meta():
+        large = torch.ones(LARGEST_REAL + 1), torch.zeros((2, LARGEST_REAL)), torch.full((LARGEST_REAL + 1,), 2.0)
+        small = torch.ones(8), torch.arange(4.0)
+    assert [t.device.type for t in large] == ["meta"] * 3 and [t.device.type for t in small] == ["cpu"] * 2

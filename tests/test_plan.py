@@ -1,4 +1,5 @@
-"""``ljperf plan``: its JSON and table, bad input, DeepSpeed configs, GPU names, and the saved calibration."""
+"""``ljperf plan``: its JSON and table, exit 4 when it does not fit, bad input, DeepSpeed configs, GPU names, and the
+saved calibration."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ljperf.cli import main
+from ljperf.cli import COMMANDS, main
+from ljperf.core.errors import EXIT_DOES_NOT_FIT
 from ljperf.forecast import Recipe, calibrate, forecast
 from ljperf.models.spec import resolve
 
@@ -264,3 +266,49 @@ def test_auto_recomputes_budget_says_where_it_came_from(capsys, monkeypatch):
     assert "(budget 71.20 GiB: 90% of the device's 79.11 GiB, 10% left for the CUDA context" in capsys.readouterr().out
     main([*base, "--memory-budget", "40GiB"])
     assert "(budget 40.00 GiB: --memory-budget; rates: H100 datasheet)" in capsys.readouterr().out
+
+
+# --- exit 4 for a plan that does not fit, and where the GPU is named ------------------------------------------------
+
+FP32_TINY = ["--model", "torch/llama-tiny", "--precision", "fp32", "--seq-len", "64"]
+"""Traced once at micro batch 1 (none and full recompute), as other tests trace it: plans here that do not fit
+need no other trace (the largest micro batch search stops at 1)."""
+NO_BUDGET = ["--recompute", "auto", "--memory-budget", "1MiB"]
+
+
+def plan_json(capsys, *argv: str) -> tuple[int, dict, str]:
+    """``ljperf plan ARGV --json`` in this process: (exit code, the record, stderr)."""
+    code = main(["plan", *argv, "--json"])
+    out = capsys.readouterr()
+    return code, json.loads(out.out), out.err
+
+
+def test_a_plan_that_does_not_fit_exits_4(capsys):
+    """It exited 0 beside "does NOT fit": a script could not tell without parsing the table (a plan that fits
+    exits 0: ``test_checkpoint_plan``)."""
+    code, out, _ = plan_json(capsys, *FP32_TINY, "--device", "cpu", "--gpu-memory", "1MiB")
+    assert (code, out["fits"]) == (EXIT_DOES_NOT_FIT, False)
+    assert main(["plan", *FP32_TINY, "--device", "cpu", "--gpu-memory", "1MiB"]) == EXIT_DOES_NOT_FIT  # the table
+    assert "does NOT fit in 1.00 MiB" in capsys.readouterr().out
+    # --recompute auto with no plan under its budget: the same code, and one line of what would (it was exit 2)
+    fsdp = ["--model", "fsdp/llama-tiny", "--gpus", "2", "--device", "cpu", *FP32_TINY[2:], *NO_BUDGET]
+    code, out, err = plan_json(capsys, *fsdp)
+    assert (code, out["fits"], out["recompute"]["fits"]) == (EXIT_DOES_NOT_FIT, False, False)
+    assert err.count("\n") == 1 and "full recompute does not fit with 8 processes either" in err  # not GPUs
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "exit codes: 0 it fits; 4 it does NOT fit" in " ".join(capsys.readouterr().out.split())
+
+
+def test_plan_names_the_gpu_only_when_it_was_not_given(capsys):
+    """``--gpu H100`` was told to "name it with --gpu"; ``--gpu-memory 80GiB`` read as "H100 datasheet (give --gpu
+    NAME ...)"; the command's description ended in "; --calibrate"."""
+    _, named, _ = plan_json(capsys, *FP32_TINY, "--gpu", "H100", *NO_BUDGET)
+    _, unnamed, _ = plan_json(capsys, *FP32_TINY, "--gpu-memory", "80GiB", *NO_BUDGET)
+    assert not any("--gpu" in n for n in named["notes"]), named["notes"]
+    assert any("no calibration for H100 is saved here" in n for n in named["notes"]), named["notes"]
+    assert any("name it with --gpu" in n for n in unnamed["notes"]), unnamed["notes"]
+    assert named["recompute"]["rates"] == "H100 datasheet"
+    rates = unnamed["recompute"]["rates"]
+    assert "give --gpu NAME" not in rates and "the given 80.00 GiB (--gpu-memory), uncalibrated overheads" in rates
+    assert not COMMANDS["plan"].help.endswith("--calibrate") and "(--calibrate)" in COMMANDS["plan"].help

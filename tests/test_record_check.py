@@ -129,3 +129,13 @@ def test_report_of_a_folder_with_a_poisoned_record_skips_it_and_exits_2_when_non
         "base.r2.json",
     ]
     assert "results.tokens_per_s is Infinity" in stderr
+
+
+def test_a_run_record_nested_too_deep_is_skipped_with_a_line(tmp_path):
+    """One such record broke ``ljperf report`` and resume for the whole folder (a RecursionError traceback)."""
+    from ljperf.ablation.runner import read_records
+
+    (tmp_path / "runs" / "local").mkdir(parents=True)
+    (tmp_path / "runs" / "local" / "base.r1.json").write_text("[" * 200_000)
+    records, skipped = read_records(tmp_path)
+    assert records == {} and len(skipped) == 1 and "nested deeper than Python reads" in skipped[0]

@@ -165,7 +165,8 @@ def test_an_oom_on_another_rank_is_the_runs_oom(tmp_path):
     assert res["peak_allocated_bytes_per_rank"][1] is None and res["peak_allocated_bytes_per_rank"][0] > 0
     assert res["forecast"]["peak_allocated_bytes"] > 0 and "memory forecast" in stdout
     # One table, the launcher's, with the run's cause (rank 0 saw only its peer vanish: a gloo error).
-    assert stdout.count("status") == 1 and "│ oom (rank 1 ran out of memory" in stdout, stdout
+    assert stdout.count("│ status") == 1 and "│        oom │" in stdout, stdout
+    assert "oom: rank 1 ran out of memory" in stdout, stdout
 
 
 def test_the_cause_is_named_before_a_rank_that_lost_its_peer_in_the_same_second():
@@ -820,3 +821,38 @@ def test_faults_on_two_processes_of_comm_keep_the_sizes_measured_and_name_the_ca
             assert res["reason"].startswith("rank 1 was killed by SIGKILL")
         time.sleep(1)
         assert not [p for p in workers if alive(p)], "orphan processes"
+
+
+# --- a launcher killed with SIGKILL ----------------------------------------------------------------------------
+
+
+def direct_children(pid: int) -> list[int]:
+    """The processes ``pid`` started itself (its ranks), from each of its threads' ``/proc`` children list."""
+    tasks = os.listdir(f"/proc/{pid}/task")
+    return [int(c) for task in tasks for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+
+
+@pytest.mark.slow
+def test_ranks_end_with_a_killed_launcher_and_leave_nothing_behind(tmp_path):
+    """``kill -9`` of the launcher: both ranks trained on and wrote ``status: "ok"`` 40 s after it had exited 137,
+    and ``ljperf-run-*`` (and every run's ``torchelastic_*``) stayed in $TMPDIR. Now the ranks get SIGTERM when
+    it dies, keep what they measured in the record, and remove the run folder."""
+    out = tmp_path / "r.json"
+    argv = ["benchmark", "--model", "torch/llama-tiny", "--seq-len", "64", "--steps", "1000", "--nproc-per-node", "2"]
+    env = cli_env(TMPDIR=str(tmp_path))
+    launcher = subprocess.Popen([sys.executable, "-m", "ljperf", *argv, "--output", str(out)], env=env, cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(ranks := direct_children(launcher.pid)) < 2 or not list(tmp_path.glob("ljperf-run-*/progress.jsonl")):
+        assert time.monotonic() < deadline and launcher.poll() is None, "the run did not start"
+        time.sleep(0.5)
+    time.sleep(2)  # a few steps
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while any(alive(r) for r in ranks):
+        assert time.monotonic() < deadline, "ranks outlived their launcher"
+        time.sleep(0.5)
+    results = json.loads(out.read_text())["results"]
+    assert results["status"] == "error" and results["reason"] == "interrupted by SIGTERM", results["reason"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("ljperf-", "torchelastic_"))) == []

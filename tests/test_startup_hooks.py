@@ -431,3 +431,16 @@ def test_the_scripts_adamw_implementation_is_planned():
     args = SimpleNamespace(fsdp="", world_size=1, bf16=False, gradient_accumulation_steps=1, hf_deepspeed_config=None)
     trainer = SimpleNamespace(args=args, model=torch.nn.Linear(2, 2), optimizer=torch.optim.AdamW(params, fused=True))
     assert trainer_setup(trainer)["optimizer"] == "fused"
+
+
+def test_a_hook_warning_is_one_line_that_a_scripts_filter_does_not_hide(capsys):
+    """Hook warnings were ``train.py:19: UserWarning: [ljperf] ...`` and ``warnings.simplefilter("ignore")`` in
+    the script hid them (the DeepSpeed bucket advice among them)."""
+    import warnings
+
+    from ljperf.startup_hooks.messages import warn
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warn("recomputing 8/8 layers (does not fit)")
+    assert capsys.readouterr().err == "[ljperf] warning: recomputing 8/8 layers (does not fit)\n"

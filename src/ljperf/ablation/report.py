@@ -104,6 +104,7 @@ def rows(stats: list[VariantStats], *, marked: Collection[str] = ()) -> tuple[li
         "tokens/s",
         "tokens/s min–max",
         "step ms",
+        "predicted ms",
         "peak memory",
         "MFU %",
         "speedup vs base",
@@ -122,6 +123,7 @@ def rows(stats: list[VariantStats], *, marked: Collection[str] = ()) -> tuple[li
                 tps,
                 tps_range,
                 format_spread(s.step_time_s, 1e3, ".1f")[0],
+                _predicted(s),
                 format_bytes(s.peak_allocated_bytes.median) if s.peak_allocated_bytes else "-",
                 format_spread(s.mfu, 100, ".1f")[0],
                 format_ratio(s.speedup),
@@ -131,6 +133,14 @@ def rows(stats: list[VariantStats], *, marked: Collection[str] = ()) -> tuple[li
             ]
         )
     return header, body
+
+
+def _predicted(s: VariantStats) -> str:
+    """The step-time model's step beside the measured one: its ms and its error (docs/speed.md)."""
+    if s.predicted_step_s is None:
+        return "-"
+    error = f" ({s.predicted_error_pct:+.0f}%)" if s.predicted_error_pct is not None else ""
+    return f"{1e3 * s.predicted_step_s:.1f}{error}"
 
 
 def title(records: list[dict]) -> str:

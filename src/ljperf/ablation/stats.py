@@ -7,6 +7,7 @@ two variants overlap: the repeats do not separate them, so the difference is not
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,6 +41,10 @@ class VariantStats:
     """Throughput vs the baseline (first variant of the first environment)."""
     gain: Ratio | None = None
     """Throughput vs the previous variant of the same environment (the added optimization's share)."""
+    predicted_step_s: float | None = None
+    """The step-time model's step (``results.speed``), the median over the runs; None where none predicted."""
+    predicted_error_pct: float | None = None
+    """Its error against the measured step (``results.speed.error_pct``), the median over the runs."""
 
     @property
     def label(self) -> str:
@@ -78,7 +83,12 @@ def _one(runs: list[dict]) -> VariantStats:
             return whole
         return replace(whole, median=middle[key])
 
+    speeds = [res["speed"] for res in ok if isinstance(res.get("speed"), dict)]
+    predicted = [x["predicted_step_time_s"] for x in speeds]
+    errors = [x["error_pct"] for x in speeds if x.get("error_pct") is not None]
     return VariantStats(
+        predicted_step_s=statistics.median(predicted) if predicted else None,
+        predicted_error_pct=statistics.median(errors) if errors else None,
         environment=meta["environment"]["name"],
         variant=meta["variant"],
         flags=meta["flags"],

@@ -26,9 +26,10 @@ from ljperf.distributed.runtime import Process
 from ljperf.engines import Engine
 from ljperf.engines.fsdp_engine import FSDPEngine
 from ljperf.engines.torch_engine import TorchEngine
+from ljperf.forecast.live_bytes import fake_device
 from ljperf.forecast.patches import real_code_paths, swapped
 from ljperf.forecast.recipe import Recipe
-from ljperf.forecast.trace import fake_buffers, fake_device, fake_model
+from ljperf.forecast.trace import fake_buffers, fake_model
 from ljperf.models.build import cast_parameters
 from ljperf.models.spec import ModelSpec, build_meta
 from ljperf.run.config import RunConfig

@@ -24,7 +24,7 @@ from ljperf.benchmark.faults import Fault
 from ljperf.benchmark.memory_check import benchmark_forecast, check_memory
 from ljperf.benchmark.profile import profile_steps
 from ljperf.benchmark.progress import ProgressReporter
-from ljperf.benchmark.record import LoopState, new_record, results_section
+from ljperf.benchmark.record import LoopState, new_record, results_section, speed_section
 from ljperf.benchmark.table import last_line, print_result_table
 from ljperf.core import hardware
 from ljperf.core.console import say, warn
@@ -108,6 +108,8 @@ def run_worker(cfg: RunConfig, *, picture: Callable[..., None] | None = None) ->
         # A failed run's record shows what the forecast expected too; a signal must not wait on a first trace.
         plan = recompute.plan if recompute is not None else None
         record["results"]["forecast"] = benchmark_forecast(run, record["results"], plan)
+        if status == "ok":
+            record["results"]["speed"] = speed_section(run, record["results"], plan)
     if run.is_main:
         if cfg.output:
             try:

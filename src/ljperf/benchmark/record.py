@@ -19,13 +19,18 @@ from ljperf.benchmark.metrics import Throughput, throughput
 from ljperf.compile.regional import session
 from ljperf.core import hardware
 from ljperf.core.choices import DeviceType, OptimizerImpl
+from ljperf.core.console import warn
+from ljperf.core.errors import describe
 from ljperf.core.options import LaunchConfig, default_adamw_impl
+from ljperf.core.plans import Plan
 from ljperf.core.records import record_header
 from ljperf.distributed.launch import local_world_size, under_torchrun
 from ljperf.distributed.memory import MemoryStats
 from ljperf.forecast.pipeline import bubble_fraction
+from ljperf.forecast.recipe import Recipe
 from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext, unjoined
+from ljperf.speed.api import benchmark_speed
 
 
 @dataclass
@@ -155,6 +160,23 @@ def pipeline_results(run: RunContext, per_rank: list[int | None]) -> dict[str, A
         stage_peaks.append(max(mine, default=None))
     bubble = bubble_fraction(pp=shape.pp, microbatches=run.train.grad_accum, stages_per_rank=opts.pp_stages_per_rank)
     return {"peak_allocated_bytes_per_pp_rank": stage_peaks, "bubble_fraction": bubble}
+
+
+def speed_section(run: RunContext, results: dict[str, Any], plan: Plan | None) -> dict[str, Any] | None:
+    """``results.speed``: the step-time model's prediction of the run's recipe beside its median measured step
+    (docs/speed.md); None for a device without rates, or (with a warning) when the prediction failed."""
+    try:
+        recipe = Recipe.from_run(run, recompute=tuple(plan or ()))
+        return benchmark_speed(
+            run.model,
+            recipe,
+            device_name=run.device.calibration_name,
+            threads=torch.get_num_threads(),
+            results=results,
+        )
+    except Exception as exc:  # a prediction must never fail a benchmark
+        warn(f"no step-time prediction for this run ({describe(exc)})")
+        return None
 
 
 PROFILE_FILES = ("traces", "memory_snapshots")

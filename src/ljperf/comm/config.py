@@ -1,12 +1,11 @@
-"""What ``ljperf comm`` times: the collectives, the message sizes, the iterations, and nccl-tests' bus bandwidth
-factors.
+"""What ``ljperf comm`` times: the collectives, the message sizes and the iterations (nccl-tests' bus bandwidth
+factors: ``speed.collectives.BUS_FACTOR``, which the step-time model prices collectives with too).
 
 Run: ``CommConfig(ops="all_reduce", max_bytes="1G").sizes``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -14,15 +13,8 @@ from ljperf.core.choices import Device, values_of
 from ljperf.core.errors import UsageError
 from ljperf.core.options import check_values, not_negative, opt, positive
 from ljperf.core.units import parse_size
+from ljperf.speed.collectives import BUS_FACTOR
 
-# Bus bandwidth = algbw × this factor of the world size n (nccl-tests, doc/PERFORMANCE.md).
-BUS_FACTOR: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
 OPS = tuple(BUS_FACTOR)
 CommDtype = Literal["float32", "bfloat16", "float16"]
 """The element types ``ljperf comm`` times (torch's names)."""

@@ -569,3 +569,40 @@ def from_args(cls: type[Group], args: argparse.Namespace) -> Group:
     """Build the dataclass ``cls`` from the parsed flags (validation runs in ``__post_init__``)."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Where the ranks sit and what links them: the step-time model's communication tiers (docs/speed.md)."""
+
+    TITLE: ClassVar[str] = "cluster"
+
+    gpus_per_node: int | None = opt(
+        None, "ranks per node: a collective over a wider group runs on the network (default: 8 GPUs; a CPU: all)"
+    )
+    link_bandwidth: str | None = opt(
+        None,
+        "bus bandwidth per rank in GB/s within a node (NVLink), and between nodes after a comma (the network),"
+        " e.g. 450,50 (default: the device's, calibrated or from its datasheet)",
+        metavar="INTRA[,INTER]",
+    )
+
+    def __post_init__(self) -> None:
+        positive("gpus_per_node", self.gpus_per_node)
+        self.links_gbps()
+
+    def links_gbps(self) -> tuple[float | None, float | None]:
+        """(within a node, between nodes) in GB/s from ``--link-bandwidth``; None where not given."""
+        if self.link_bandwidth is None:
+            return None, None
+        parts = [p.strip() for p in self.link_bandwidth.split(",")]
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            values = []
+        if not 1 <= len(values) <= 2 or not all(0 < v < 1e6 for v in values):
+            raise UsageError(
+                f"--link-bandwidth {self.link_bandwidth!r}: give GB/s within a node and, after a comma, between"
+                " nodes, e.g. 450,50"
+            )
+        return values[0], values[1] if len(values) == 2 else None

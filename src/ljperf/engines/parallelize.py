@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from transformers import PreTrainedModel
 
 from ljperf.checkpoint.policies import PerLayerRecompute
 from ljperf.compile.regional import compile_model, zero3_gather_per_block
@@ -33,6 +34,8 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh | None) -> None:
     """Split each block's projections, the embedding and the LM head over ``tp_mesh`` (none: no tensor parallel);
     checkpointing and compile then wrap the split blocks."""
     if tp_mesh is not None:
+        if not isinstance(model, PreTrainedModel):  # the plan names an HF causal LM's modules
+            raise TypeError(f"tensor parallel splits an HF causal LM, not a {type(model).__name__}")
         parallelize(model, tp_mesh)
 
 

@@ -14,8 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
 
+from ljperf.core.choices import PipelineSchedule
 from ljperf.engines.common import parameter_names
 from ljperf.forecast.pipeline import pipeline_split
 from ljperf.forecast.recipe import Recipe
@@ -23,8 +27,14 @@ from ljperf.models.pipeline_split import stage_layers
 from ljperf.models.stages import DecoderStage, next_token_loss, split_stage
 from ljperf.run.context import RunContext
 
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved-1f1b": ScheduleInterleaved1F1B}
-"""``--pp-schedule`` → torch's schedule class (one stage a rank for the first two; several for interleaving)."""
+
+def make_schedule(kind: PipelineSchedule, pipes: list[_PipelineStageBase], *, microbatches: int) -> _PipelineSchedule:
+    """``--pp-schedule`` as torch's schedule (one stage a rank for GPipe and 1F1B; several for interleaving),
+    gradients averaged over the micro-batches (``scale_grads``), the loss as every engine's."""
+    options = {"loss_fn": next_token_loss, "scale_grads": True}
+    if kind == "interleaved-1f1b":
+        return ScheduleInterleaved1F1B(pipes, microbatches, **options)
+    return (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(pipes[0], microbatches, **options)
 
 
 @dataclass(kw_only=True)
@@ -48,6 +58,8 @@ def apply_pp(model: torch.nn.Module, run: RunContext, *, counts: list[int]) -> l
     """This rank's stages of ``model`` (meta), ``counts`` decoder layers each stage in order; each a copy of the
     model cut down to its stage (on the meta device a copy costs no memory), so the ranks' stages are the same
     HF code as the whole model."""
+    if not isinstance(model, PreTrainedModel):  # the split names an HF causal LM's modules
+        raise TypeError(f"pipeline parallel splits an HF causal LM, not a {type(model).__name__}")
     total, ranges = len(counts), stage_layers(counts)
     stages = []
     for index in stage_indices(run):
@@ -61,7 +73,9 @@ def apply_pp(model: torch.nn.Module, run: RunContext, *, counts: list[int]) -> l
 class Pipeline:
     """The schedule over this rank's stages; ``step`` trains one step's micro-batches through it."""
 
-    def __init__(self, schedule: object, *, first: bool, last: bool, last_rank: int, group: dist.ProcessGroup):
+    def __init__(
+        self, schedule: _PipelineSchedule, *, first: bool, last: bool, last_rank: int, group: dist.ProcessGroup
+    ):
         self.schedule, self.first, self.last = schedule, first, last
         self.last_rank, self.group = last_rank, group
 
@@ -71,10 +85,8 @@ class Pipeline:
         step's accumulation), gradients averaged over them (``scale_grads``), the loss as every engine's."""
         opts, device = run.engine_opts, run.device.torch_device
         total = opts.stages
-        pipes = [PipelineStage(s.module, s.index, total, device, group=group) for s in stages]
-        kind = SCHEDULES[opts.pp_schedule]
-        schedule = kind(pipes if kind is ScheduleInterleaved1F1B else pipes[0], run.train.grad_accum,
-                        loss_fn=next_token_loss, scale_grads=True)  # fmt: skip
+        pipes: list[_PipelineStageBase] = [PipelineStage(s.module, s.index, total, device, group=group) for s in stages]
+        schedule = make_schedule(opts.pp_schedule, pipes, microbatches=run.train.grad_accum)
         indices = {s.index for s in stages}
         world = run.world // opts.pp  # the ranks of one pipeline stage
         last_rank = (opts.pp - 1) * world + run.rank % world  # this rank's peer on the last pipeline rank

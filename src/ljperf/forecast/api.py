@@ -9,19 +9,12 @@ from ljperf.core.options import LARGEST, LOSS_CHUNKS
 from ljperf.forecast import analytic, timeline
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.calibrate import overheads_for
+from ljperf.forecast.patterns import FAMILIES, Patterns
 from ljperf.forecast.pipeline import pipeline_split
 from ljperf.forecast.recipe import Forecast, Recipe
+from ljperf.forecast.segments import Segment, SegmentKey, TraceError
 from ljperf.forecast.sharding import engine_sharding
-from ljperf.forecast.trace import (
-    FAMILIES,
-    Patterns,
-    Segment,
-    SegmentKey,
-    TraceError,
-    layer_picks,
-    reference_kind,
-    traced_patterns,
-)
+from ljperf.forecast.trace import layer_picks, reference_kind, traced_patterns
 from ljperf.forecast.walk import TOKEN_BYTES, optimizer_transient
 from ljperf.models.spec import ModelSpec
 

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ljperf.core.cache import cached
 from ljperf.distributed.mesh import fake_tp_mesh
-from ljperf.forecast.trace import architecture_key, cache_dir
+from ljperf.forecast.cache_key import architecture_key, cache_dir
 from ljperf.models.layout import decoder_layers, weight
 from ljperf.models.spec import ModelSpec, build_meta
 from ljperf.models.tensor_parallel import parallelize

@@ -170,6 +170,12 @@ def calibrate(paths: list[str], *, out: Path | None = None) -> dict[str, Overhea
     fitted = fit(records)
     if not fitted:
         raise UsageError("--calibrate: no record holds both a forecast and a measured peak (run ljperf benchmark)")
+    save(fitted, out=out)
+    return fitted
+
+
+def save(fitted: dict[str, Overheads], *, out: Path | None = None) -> None:
+    """Merge ``fitted`` into the saved calibration and save it atomically."""
     out = out or calibration_path()
     merged = {**load(out), **fitted}
     try:
@@ -178,4 +184,3 @@ def calibrate(paths: list[str], *, out: Path | None = None) -> dict[str, Overhea
     except OSError as exc:
         reason = exc.strerror or exc
         raise UsageError(f"--calibrate: cannot save {str(out)!r} ({reason}); set LJPERF_CACHE_DIR") from None
-    return fitted

@@ -13,9 +13,11 @@ from __future__ import annotations
 from collections import Counter
 
 from ljperf.forecast.blocks import block_params, recipe_blocks
+from ljperf.forecast.patterns import Patterns, peak_and_net
 from ljperf.forecast.recipe import Forecast, Recipe
+from ljperf.forecast.segments import SegmentKey, TraceError
 from ljperf.forecast.sharding import rank_shardings
-from ljperf.forecast.trace import TRACE_LAYERS, Patterns, SegmentKey, TraceError, peak_and_net, reference_kind
+from ljperf.forecast.trace import TRACE_LAYERS, reference_kind
 from ljperf.forecast.walk import Segments, Walk, walk_step
 from ljperf.models.spec import ModelSpec
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from ljperf.forecast.blocks import BlockParams
 from ljperf.forecast.recipe import Recipe
+from ljperf.forecast.segments import Segment, SegmentKey
 from ljperf.forecast.sharding.base import FP32, FsdpReduce, Sharding
-from ljperf.forecast.trace import Segment, SegmentKey
 
 TOKEN_BYTES = 8  # int64 token ids
 

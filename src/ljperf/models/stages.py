@@ -8,9 +8,12 @@ materialized); ``stage(tokens)`` gives the hidden states the next stage takes (t
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from transformers import PreTrainedModel
 
 from ljperf.core.phases import phase
 
@@ -19,7 +22,7 @@ class DecoderStage(torch.nn.Module):
     """One pipeline stage: token ids (first stage) or hidden states in, hidden states or (last stage) logits out.
     ``model`` is the HF causal LM cut down to the stage's modules (``split_stage``)."""
 
-    def __init__(self, model: torch.nn.Module, *, first: bool, last: bool):
+    def __init__(self, model: PreTrainedModel, *, first: bool, last: bool):
         super().__init__()
         self.model, self.first, self.last = model, first, last
 
@@ -35,15 +38,17 @@ class DecoderStage(torch.nn.Module):
         with phase("forward"):  # the schedule interleaves the stages' forwards with backwards and transfers
             hidden = decoder(**given, use_cache=False).last_hidden_state
             if self.last:
-                return self.model.get_output_embeddings()(hidden)
+                head = self.model.get_output_embeddings()
+                assert head is not None  # check_pipeline_model refused a model without an LM head
+                return head(hidden)
         return hidden.to_local() if isinstance(hidden, DTensor) else hidden
 
 
-def split_stage(model: torch.nn.Module, *, layers: range, first: bool, last: bool) -> DecoderStage:
+def split_stage(model: PreTrainedModel, *, layers: range, first: bool, last: bool) -> DecoderStage:
     """The stage of ``model`` holding decoder ``layers``, the embedding when ``first``, the final norm and LM head
     when ``last``. The modules are ``model``'s own, not copies: their parameter names (and so their initial
     values, ``models.build.init_value``) stay the whole model's; ``model`` is cut down in place."""
-    decoder = model.get_decoder()
+    decoder: Any = model.get_decoder()  # HF decoders: duck-typed layers, embed_tokens, norm
     decoder.layers = torch.nn.ModuleList([decoder.layers[i] for i in layers])
     if not first:
         decoder.embed_tokens = None

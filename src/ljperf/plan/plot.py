@@ -51,7 +51,8 @@ def memory_figure(
     names = [n for n in dict.fromkeys([*COMPONENTS, *points[0].bytes]) if any(p.bytes.get(n) for p in points)]
     highest = max(p.total for p in points)
     unit, scale = unit_of(max(highest, measured or 0))
-    fig, ax = plt.subplots(figsize=FIGURE_INCHES)
+    # Constrained layout keeps the legend inside the figure, so its pixel size is the same whatever the labels.
+    fig, ax = plt.subplots(figsize=FIGURE_INCHES, layout="constrained")
     x = list(range(len(points)))
     series = [[p.bytes.get(n, 0) / scale for p in points] for n in names]
     ax.stackplot(x, series, labels=[LABELS.get(n, n) for n in names], colors=[COLORS[n] for n in names])
@@ -74,9 +75,8 @@ def memory_figure(
     ax.set_ylabel(f"memory per rank ({unit})")
     ax.set_xlabel("moments of the step, block by block (forecast walk)")
     ax.set_title(f"{title}\nforecast peak {format_bytes(peak.total)} at {peak.phase}", fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
     return fig
 
 
@@ -132,7 +132,7 @@ def draw_memory(path: str | Path, memory: StepMemory, **lines: Any) -> None:
     fig = memory_figure(memory, **lines)
     kind = Path(path).suffix.lstrip(".").lower()
     try:
-        write_atomic(path, lambda f: fig.savefig(f, dpi=120, format=kind, bbox_inches="tight"))
+        write_atomic(path, lambda f: fig.savefig(f, dpi=120, format=kind))
     finally:
         plt.close(fig)
 

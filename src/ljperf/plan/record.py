@@ -23,15 +23,19 @@ from ljperf.forecast.blocks import block_params
 from ljperf.forecast.over_step import LABELS
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.models.spec import ModelSpec
+from ljperf.plan.speed import speed_lines, speed_record
 from ljperf.recompute.budget import budget_source
 from ljperf.recompute.solver import Decision, solve_for_plan
 from ljperf.run.config import RunConfig, fixed_recompute
 from ljperf.run.titles import shape_title, strategy
+from ljperf.speed.rates import Cluster
 
 
-def planned(cfg: RunConfig, *, world: int, memory: int, device_name: str | None) -> tuple[dict, Decision | None]:
+def planned(
+    cfg: RunConfig, *, world: int, memory: int, device_name: str | None, cluster: Cluster | None = None
+) -> tuple[dict, Decision | None]:
     """The plan record of ``cfg`` on ``world`` devices of ``memory`` bytes, and the decision of ``--recompute
-    auto`` (None for a fixed plan), solved under its budget."""
+    auto`` (None for a fixed plan), solved under its budget; its speed on ``cluster`` (``plan.speed``)."""
     spec, device = cfg.model, cfg.train.resolved_device
     recipe = Recipe.of(cfg, world=world, device=device, recompute=fixed_recompute(cfg) or ())
     decision = rates = None
@@ -61,6 +65,10 @@ def planned(cfg: RunConfig, *, world: int, memory: int, device_name: str | None)
         report["notes"] += auto_notes(decision, memory=memory)
     elif not report["fits"] and set(recipe.layer_modes(spec.layers)) != {"full"}:
         report["notes"].append(full_recompute_note(spec, recipe, memory=memory, device_name=device_name))
+    report["device_name"] = device_name
+    report["speed"] = speed_record(
+        spec, recipe, device_name=device_name, cluster=cluster or Cluster(), threads=cfg.train.threads
+    )
     return report, decision
 
 
@@ -186,6 +194,8 @@ def print_plan(report: dict) -> None:
     lines.append(f"{verdict} in {where}: headroom {headroom}; largest micro batch that fits: {largest}")
     lines += [f"note: {n}" for n in report["notes"]]
     lines += [f"warning: {w}" for w in report["warnings"]]
+    if "speed" in report:
+        lines += speed_lines(report["speed"], device=report.get("device_name"))
     for line in lines:
         # soft_wrap: the terminal wraps a long line; rich would break it at its own width (140 in a pipe)
         console.print(escape(line), highlight=False, soft_wrap=True)

@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,14 +21,15 @@ from ljperf.core import hardware
 from ljperf.core.cache import cache_root, cached
 from ljperf.core.plans import MODES, RecomputeMode
 from ljperf.forecast.blocks import block_params
-from ljperf.forecast.trace import architecture_key, cache_dir, fake_model, real_code_paths, reference_kind
+from ljperf.forecast.cache_key import architecture_key, cache_dir
+from ljperf.forecast.patches import real_code_paths
+from ljperf.forecast.trace import fake_model, reference_kind
 from ljperf.models.build import build_picked, materialize
 from ljperf.models.layout import decoder_layers
 from ljperf.models.spec import ModelSpec, build_meta, with_layers
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
-    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +209,7 @@ def _timed_modes(
         if index == 0
         else build_picked(spec, (index,), attn_implementation=attn)
     )
-    model = cast("PreTrainedModel", materialize(meta, device=device, seed=0).train())
+    model = materialize(meta, device=device, seed=0).train()
     rng = torch.Generator().manual_seed(0)  # its own: the global one's next draws stay the run's
     ids = torch.randint(spec.facts.config_dict["vocab_size"], (micro_batch, seq_len), generator=rng).to(device)
 

@@ -17,6 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import PreTrainedModel
 
 from ljperf.checkpoint.policies import script_checkpoints
+from ljperf.core.choices import Precision
 from ljperf.core.errors import UsageError
 from ljperf.core.hardware import calibration_name
 from ljperf.distributed.collectives import max_over_ranks, shared_from_rank0
@@ -326,7 +327,7 @@ def _largest_shape(ids: torch.Tensor) -> tuple[int, int]:
 
 
 def model_recipe(
-    model: torch.nn.Module, *, micro_batch: int, seq_len: int, world: int, precision: str, **recipe: Any
+    model: torch.nn.Module, *, micro_batch: int, seq_len: int, world: int, precision: Precision, **recipe: Any
 ) -> tuple[ModelSpec, Recipe, torch.device, str]:
     """The forecast's view of training this HF model at this batch shape: (spec, recipe, the torch device,
     the name its forecast overheads are calibrated under)."""
@@ -342,7 +343,7 @@ def model_recipe(
     device = torch.device("cuda", device.index) if device.type == "cuda" else torch.device("cpu")
     attn = getattr(config, "_attn_implementation", None) or "sdpa"
     full = Recipe(
-        device=device.type,
+        device="cuda" if device.type == "cuda" else "cpu",
         world=world,
         precision=precision,
         micro_batch=micro_batch,
