@@ -15,12 +15,12 @@ sharded gradients or communication buffers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ljperf.forecast.blocks import BlockParams
 from ljperf.forecast.recipe import Recipe
 from ljperf.forecast.segments import Segment, SegmentKey
-from ljperf.forecast.sharding.base import FP32, FsdpReduce, Sharding
+from ljperf.forecast.sharding.base import FP32, FsdpReduce, PipelinedFsdp, Sharding
 
 TOKEN_BYTES = 8  # int64 token ids
 
@@ -268,16 +268,51 @@ def schedule_order(recipe: Recipe) -> list[tuple[str, int]]:
 
 def pipelined(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> None:
     """A pipeline stage's micro-steps in its schedule's ``order``: the activations of every forward not yet
-    backwarded stay, so a stage holds as many micro-batches as it has in flight."""
-    in_flight = 0
-    for kind, number in order:
-        micro = step.micro(number)
-        if kind == "F":  # FSDP2's root stays gathered while any micro-batch is in flight
-            forward(walk, step, micro, gather_root=in_flight == 0)
-            in_flight += 1
+    backwarded stay, so a stage holds as many micro-batches as it has in flight. FSDP2 runs as the schedule drives
+    it (``PipelinedFsdp``), its gradients reduce-scattered after the last backward."""
+    fsdp = step.shard.pipelined
+    if fsdp is None:
+        in_flight = 0
+        for kind, number in order:
+            micro = step.micro(number)
+            if kind == "F":  # FSDP2's root stays gathered while any micro-batch is in flight
+                forward(walk, step, micro, gather_root=in_flight == 0)
+                in_flight += 1
+            else:
+                in_flight -= 1
+                backward(walk, step, micro, release_root=in_flight == 0)
+        return
+    last, backwarded = "", False
+    for index, (kind, number) in enumerate(order):
+        if kind == "F" and not backwarded:
+            current = step
+        elif kind == "F":  # after a backward the layers are gathered: each is resharded as it runs
+            current = replace(step, shard=replace(fsdp.no_sync, gathering=fsdp.reuse if last == "B" else fsdp.sync))
         else:
-            in_flight -= 1
-            backward(walk, step, micro, release_root=in_flight == 0)
+            current = replace(step, shard=replace(fsdp.no_sync, gathering=fsdp.stay if last == "B" else fsdp.keep))
+        if kind == "F":
+            forward(walk, current, current.micro(number), gather_root=index == 0)
+        else:
+            backward(walk, current, current.micro(number), release_root=False)
+        last, backwarded = kind, backwarded or kind == "B"
+    reduce_accumulated(walk, step, fsdp)
+
+
+def reduce_accumulated(walk: Walk, step: TrainingStep, fsdp: PipelinedFsdp) -> None:
+    """After a pipeline's last backward, FSDP2's gradients reduce-scattered group by group (the root first, then
+    each layer): each group's parameters resharded, its whole gradient copied into the reduce's input and freed
+    when the reduce is done (the previous group's input is let go first); gloo copies each input while it runs."""
+    shard, blocks = step.shard, step.blocks
+    assert shard.fsdp is not None
+    groups = [("root", blocks.pre + blocks.post, shard.gathering.resident)]
+    groups += [(f"layer {i}", size, fsdp.layer_bytes) for i, size in enumerate(blocks.layer_sizes)]
+    for name, size, gathered in groups:
+        reduce_input = size * shard.kept_grad_bytes
+        output = round(reduce_input * shard.grad_keep)
+        copy = reduce_input if shard.fsdp.copies_input else 0
+        walk.add("gathered_parameters", -gathered)  # resharded before its reduce (``FSDPParamGroup.post_backward``)
+        walk.visit(0, f"backward end, {name} reduce-scatter", comm_buffers=reduce_input + output + copy)
+        walk.add("gradients", output - size * step.traced_grad_bytes)
 
 
 def accumulate(walk: Walk, step: TrainingStep) -> None:
@@ -418,6 +453,7 @@ def embedding_backward(
     )
     if shard.fsdp:
         walk.add("gathered_parameters", -shard.gathering.resident if release_root else 0)
+    if shard.fsdp and shard.fsdp.synced:
         root = grads.reduce_root(blocks.pre + blocks.post, embedding=blocks.pre + beyond)
         walk.visit(0, f"{phase}, root reduce-scatter", comm_buffers=root)
     grads.settle(walk, blocks.pre + (blocks.post if shard.fsdp else 0), beyond=beyond)

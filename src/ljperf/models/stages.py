@@ -60,5 +60,7 @@ def split_stage(model: PreTrainedModel, *, layers: range, first: bool, last: boo
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The mean next-token cross-entropy of ``logits`` against ``tokens`` (the inputs, shifted), as HF's causal-LM
-    loss computes it: fp32 logits, the mean over the predicted tokens."""
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss computes it: fp32 logits, the labels shifted (not the logits: a slice of them is a copy, and its backward
+    a logits-sized buffer more), the last position ignored."""
+    labels = torch.nn.functional.pad(tokens, (0, 1), value=-100)[:, 1:]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
