@@ -56,7 +56,7 @@ BAD = [
     (["plan", "--model", "fsdp/llama-tiny", "--gpus", "6", "--tp", "4"], "--tp 4 does not divide the world size 6"),
     (
         ["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--tp", "2", "--dp-replicate", "3"],
-        "--tp 2 × --dp-replicate 3 = 6 does not divide the world size 8",
+        "--dp-replicate 3 × --tp 2 = 6 does not divide the world size 8",
     ),
     (["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--tp", "4"], "must divide llama-tiny's K/V heads, 2"),
     (["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--tp", "8"], "must divide llama-tiny's attention heads"),

@@ -196,6 +196,9 @@ class TrainingStep:
     """The step runs the head and loss (no pipeline, or its last stage)."""
     boundary: int = 0
     """Bytes of the hidden states a pipeline stage receives or sends for one micro-batch (0: no pipeline)."""
+    kept_output: int = 0
+    """Bytes of the last pipeline stage's output (its logits) the schedule keeps from the stage's forward to the end
+    of its backward (``PipelineStage.fwd_cache``, then ``backward_one_chunk``'s ``stage_output``); 0: no pipeline."""
 
     def micro(self, number: int) -> MicroStep:
         replicated = self.shard.grad_keep == 1.0
@@ -221,6 +224,7 @@ def walk_step(
     layers: tuple[Segments, ...],
     edges: Segments,
     boundary: int = 0,
+    kept_output: int = 0,
     record: bool = False,
 ) -> Walk:
     """One rank's training step, as the walk of its running level (a pipeline stage's, ``recipe.stage``, whose
@@ -236,6 +240,7 @@ def walk_step(
         first=recipe.stage in (None, 0),
         last=recipe.stage is None or recipe.last_stage,
         boundary=boundary,
+        kept_output=kept_output if recipe.stage is not None and recipe.last_stage else 0,
     )
     batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * TOKEN_BYTES
     walk = Walk.start(shard, buffers=blocks.buffer_bytes, batch=batch)
@@ -347,6 +352,7 @@ def backward(walk: Walk, step: TrainingStep, micro: MicroStep, *, release_root: 
     for i in reversed(range(len(step.layers))):
         layer_backward(walk, step, micro, grads, i)
     embedding_backward(walk, step, micro, grads, release_root=release_root)
+    walk.add("logits_and_loss", -step.kept_output)
     backward_end(walk, step, micro)
 
 
@@ -371,6 +377,7 @@ def forward(walk: Walk, step: TrainingStep, micro: MicroStep, *, gather_root: bo
     if step.last:
         head = step.edge(Segment.POST_F, micro)
         walk.step(head, f"{phase}, LM head and loss", gathered=gathering.head_forward, logits_and_loss=head[1])
+        walk.add("logits_and_loss", step.kept_output)
     else:  # the stage's output, sent on and kept for the backward the next stage's gradient starts
         walk.add("activations", step.boundary)
         walk.visit(0, f"{phase}, activations sent")
