@@ -105,11 +105,9 @@ def test_gpipe_holds_every_micro_batch_so_its_first_stage_peaks_higher(capsys):
     one_f_one_b = _plan(capsys, *common)["pipeline"]["peak_allocated_bytes_per_pp_rank"]
     gpipe = _plan(capsys, *common, "--pp-schedule", "gpipe")["pipeline"]["peak_allocated_bytes_per_pp_rank"]
     assert gpipe[0] > one_f_one_b[0]
-    four = _plan(
-        capsys, "--gpus", "2", "--pp", "2", "--pp-microbatches", "4", "--micro-batch", "2", "--pp-split", "2,2"
-    )
-    # 1F1B: more micro-batches than stages add none in flight
-    assert four["pipeline"]["peak_allocated_bytes_per_pp_rank"][0] == one_f_one_b[0]
+    four = _plan(capsys, *common[:5], "4", *common[6:])["pipeline"]["peak_allocated_bytes_per_pp_rank"]
+    # 1F1B: more micro-batches than stages add none in flight (only their token ids, a few KiB)
+    assert four[0] == pytest.approx(one_f_one_b[0], abs=8 * 2 * 32 * 8)
 
 
 def test_the_plan_table_names_each_pipeline_rank(capsys):
