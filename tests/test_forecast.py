@@ -422,6 +422,8 @@ def test_a_model_whose_step_fails_on_fake_tensors_gets_the_analytic_forecast_and
     record = json.loads(out)
     assert record["source"] == "analytic" and "does not run on fake tensors: DynamicOutputShape" in record["notes"][0]
     assert any(note.startswith("mixture of 4 experts") for note in record["notes"])
+    # nor can the step-time model's census trace it: no speed, and why
+    assert "does not run on fake tensors: DynamicOutputShape" in record["speed"]["unavailable"]
     assert "Traceback" not in err
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from ljperf.core.options import ClusterConfig
 from ljperf.forecast.recipe import Recipe
+from ljperf.forecast.segments import TraceError
 from ljperf.models.spec import ModelSpec
 from ljperf.speed.api import speed_for
 from ljperf.speed.rates import Cluster
@@ -24,8 +25,12 @@ def cluster_of(config: ClusterConfig) -> Cluster:
 def speed_record(
     spec: ModelSpec, recipe: Recipe, *, device_name: str | None, cluster: Cluster, threads: int | None
 ) -> dict[str, Any] | None:
-    """The plan record's ``speed`` (None: the device has no known rates, and the model gives no guess)."""
-    speed = speed_for(spec, recipe, device_name=device_name, cluster=cluster, threads=threads)
+    """The plan record's ``speed`` (None: the device has no known rates, and the model gives no guess; a step the
+    census cannot trace gives ``{"unavailable": why}``)."""
+    try:
+        speed = speed_for(spec, recipe, device_name=device_name, cluster=cluster, threads=threads)
+    except TraceError as exc:
+        return {"unavailable": str(exc)}
     return None if speed is None else speed.record()
 
 
@@ -38,6 +43,8 @@ def speed_lines(speed: dict[str, Any] | None, *, device: str | None) -> list[str
     if speed is None:
         named = f"the device {device!r}" if device else "a device named by --gpu-memory alone"
         return [f"speed: none predicted: no rates are known for {named} (name a known one with --gpu)"]
+    if "unavailable" in speed:
+        return [f"speed: none predicted: {speed['unavailable']}"]
     mfu = f", MFU {100 * speed['mfu']:.1f}%" if speed["mfu"] is not None else ""
     rates = speed["rates"]
     how = "calibrated" if speed["calibrated"] else "uncalibrated: run ljperf plan --calibrate on benchmark records"
