@@ -30,9 +30,22 @@ FOUR = {
     "ddp": f"--model torch/llama-tiny --micro-batch 2 {COMMON}",
     "tp2-fsdp2": f"--model fsdp/llama-tiny --tp 2 --micro-batch 4 {COMMON}",
     "hsdp2x2": f"--model fsdp/llama-tiny --dp-replicate 2 --micro-batch 2 {COMMON}",
+    "pp2-fsdp2": f"--model fsdp/llama-tiny --pp 2 --pp-microbatches 2 --micro-batch 2 {COMMON}",
+    "pp2-tp2": f"--model fsdp/llama-tiny --pp 2 --tp 2 --pp-microbatches 2 --micro-batch 4 {COMMON}",
 }
-TWO = {"tp2": f"--model fsdp/llama-tiny --tp 2 --micro-batch 8 {COMMON}"}
-MESHES = {"tp2": (1, 1, 2), "tp2-fsdp2": (1, 2, 2), "hsdp2x2": (2, 2, 1)}
+TWO = {
+    "tp2": f"--model fsdp/llama-tiny --tp 2 --micro-batch 8 {COMMON}",
+    "pp2": f"--model fsdp/llama-tiny --pp 2 --pp-microbatches 4 --micro-batch 2 {COMMON}",
+}
+MESHES = {
+    "tp2": (1, 1, 1, 2),
+    "tp2-fsdp2": (1, 1, 2, 2),
+    "hsdp2x2": (1, 2, 2, 1),
+    "pp2": (2, 1, 1, 1),
+    "pp2-fsdp2": (2, 1, 2, 1),
+    "pp2-tp2": (2, 1, 1, 2),
+}
+"""Each run's mesh: pp × dp_replicate × dp_shard × tp."""
 
 
 # --- bad meshes: one line, exit 2, before any process starts ---
@@ -43,7 +56,7 @@ BAD = [
     (["plan", "--model", "fsdp/llama-tiny", "--gpus", "6", "--tp", "4"], "--tp 4 does not divide the world size 6"),
     (
         ["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--tp", "2", "--dp-replicate", "3"],
-        "--tp 2 × --dp-replicate 3 = 6 does not divide the world size 8",
+        "--dp-replicate 3 × --tp 2 = 6 does not divide the world size 8",
     ),
     (["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--tp", "4"], "must divide llama-tiny's K/V heads, 2"),
     (["plan", "--model", "fsdp/llama-tiny", "--gpus", "8", "--tp", "8"], "must divide llama-tiny's attention heads"),
@@ -88,10 +101,10 @@ def test_each_mesh_trains_with_ddps_losses(runs):
     """Same seed, same global batch: the losses of 5 steps agree within 1e-4 relative (measured: 6.4e-8)."""
     reference = runs["ddp"][0]["results"]["losses"]
     assert len(reference) == 5
-    for name, (dp_replicate, dp_shard, tp) in MESHES.items():
+    for name, (pp, dp_replicate, dp_shard, tp) in MESHES.items():
         record = runs[name][0]
         assert record["results"]["status"] == "ok", (name, record["results"]["reason"])
-        assert record["config"]["mesh"] == {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        assert record["config"]["mesh"] == {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
         assert record["config"]["engine"]["mesh"] == record["config"]["mesh"]
         assert record["results"]["losses"] == pytest.approx(reference, rel=1e-4), name
 
@@ -108,29 +121,29 @@ def test_one_steps_gradients_equal_one_models_on_the_global_batch(runs):
 @pytest.mark.slow
 def test_tokens_count_a_tensor_parallel_group_once(runs):
     """Throughput is of the sequences trained: a group of ``tp`` ranks shares its sequences."""
-    for name, (dp_replicate, dp_shard, _) in MESHES.items():
+    for name, (pp, dp_replicate, dp_shard, tp) in MESHES.items():
         record = runs[name][0]
         assert record["config"]["tokens_per_step"] == 8 * 32, name
         results = record["results"]
         world = record["config"]["launch"]["world_size"]
         assert results["tokens_per_s_per_device"] == pytest.approx(results["tokens_per_s"] / world)
         assert results["tokens_per_s"] == pytest.approx(8 * 32 / results["step_time_s_p50"])
-        assert dp_replicate * dp_shard * record["config"]["mesh"]["tp"] == world
+        assert pp * dp_replicate * dp_shard * tp == world
 
 
 @pytest.mark.slow
 def test_forecast_within_5_percent_of_each_ranks_peak(runs):
-    """The forecast each mesh's record holds (``ljperf plan --tp/--dp-replicate`` on the same recipe) against the
-    peak every rank measured."""
-    for name in MESHES:
+    """The forecast each mesh's record holds (``ljperf plan --tp/--dp-replicate/--pp`` on the same recipe) against
+    the peak every rank measured; under ``--pp``, each pipeline rank's own forecast."""
+    for name, (pp, *_) in MESHES.items():
         results = runs[name][0]["results"]
-        predicted = results["forecast"]["peak_allocated_bytes"]
-        for measured in results["peak_allocated_bytes_per_rank"]:
-            assert abs(predicted - measured) / measured < 0.05, (
-                name,
-                predicted,
-                results["peak_allocated_bytes_per_rank"],
-            )
+        forecast = results["forecast"]
+        predicted = forecast.get("peak_allocated_bytes_per_pp_rank") or [forecast["peak_allocated_bytes"]]
+        assert len(predicted) == pp, name
+        per_rank = results["peak_allocated_bytes_per_rank"]
+        for rank, measured in enumerate(per_rank):
+            expected = predicted[rank // (len(per_rank) // pp)]
+            assert abs(expected - measured) / measured < 0.05, (name, predicted, per_rank)
 
 
 @pytest.mark.slow
@@ -142,8 +155,8 @@ def test_plan_forecasts_what_the_benchmark_forecast(runs, capsys):
     for name, mesh in flags.items():
         assert main([*plan, *mesh, "--json"]) == 0
         report = json.loads(capsys.readouterr().out)
-        dp_replicate, dp_shard, tp = MESHES[name]
-        assert report["recipe"]["mesh"] == {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+        pp, dp_replicate, dp_shard, tp = MESHES[name]
+        assert report["recipe"]["mesh"] == {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
         assert report["peak_allocated_bytes"] == runs[name][0]["results"]["forecast"]["peak_allocated_bytes"]
     assert main([*plan, *flags["hsdp2x2"]]) == 0
     assert "4 × cpu (2 replicas × 2 shards × tp 1)" in capsys.readouterr().out

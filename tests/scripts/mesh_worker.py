@@ -24,6 +24,7 @@ from ljperf.benchmark.config import config_from_args
 from ljperf.benchmark.data import SyntheticTokens
 from ljperf.cli import build_parser
 from ljperf.engines import make_engine
+from ljperf.engines.pipeline import stage_indices
 from ljperf.models.build import materialize
 from ljperf.models.spec import build_meta
 from ljperf.models.step import accumulate
@@ -35,6 +36,8 @@ def gradient_error(args: str) -> dict[str, float]:
     argv = ["benchmark", *shlex.split(args)]
     cfg = config_from_args(build_parser("benchmark").parse_args(argv), argv)
     run = init_process(unjoined(cfg), need_group=True)
+    if run.mesh.pp > 1:
+        return pipeline_gradient_error(cfg, run)
     train, shape = cfg.train, run.mesh
     data = SyntheticTokens(
         vocab=cfg.model.vocab, seq_len=train.seq_len, micro_batch=train.micro_batch * shape.dp, grad_accum=1,
@@ -52,13 +55,51 @@ def gradient_error(args: str) -> dict[str, float]:
         seed=train.seed,
     )
     accumulate(reference, [whole], autocast=run.autocast)
+    return _worst(engine.model.named_parameters(), reference)
+
+
+def _worst(named, reference: torch.nn.Module) -> dict[str, float]:
     expected = dict(reference.named_parameters())
     worst = {}
-    for name, param in engine.model.named_parameters():
+    for name, param in named:
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         want = expected[name].grad
         worst[name] = float((grad - want).abs().max() / want.abs().max())
     return worst
+
+
+def pipeline_gradient_error(cfg, run) -> dict[str, float]:
+    """``--pp``: each stage's gradients after one pipelined step (this data-parallel rank's micro-batches) against
+    the same layers' of one model on every rank's micro-batches; every pipeline rank's, gathered on each."""
+    train, shape = cfg.train, run.mesh
+    data = SyntheticTokens(
+        vocab=cfg.model.vocab, seq_len=train.seq_len, micro_batch=train.micro_batch, grad_accum=train.grad_accum,
+        world=shape.dp, seed=train.seed,
+    )  # fmt: skip
+    engine = make_engine(run)
+    engine.setup(build_meta(cfg.model, attn_implementation=train.attn_implementation))
+    with engine.loss_context(), run.autocast():
+        engine.pipeline.step(data.micro_batches(0, run.dp_rank, torch.device("cpu")))
+    reference = materialize(
+        build_meta(cfg.model, attn_implementation=train.attn_implementation),
+        device=torch.device("cpu"),
+        seed=train.seed,
+    )
+    every = [mb for rank in range(shape.dp) for mb in data.micro_batches(0, rank, torch.device("cpu"))]
+    accumulate(reference, [torch.cat(every)], autocast=run.autocast)
+    starts = [sum(engine.split[:i]) for i in range(len(engine.split))]
+    named = []
+    for stage, module in zip(stage_indices(run), engine.model, strict=True):
+        for name, param in module.named_parameters():
+            # the stage's own names (``model.model.layers.0...``) as the whole model's
+            parts = name.removeprefix("model.").split(".")
+            if parts[:2] == ["model", "layers"]:
+                parts[2] = str(int(parts[2]) + starts[stage])
+            named.append((".".join(parts), param))
+    mine = _worst(named, reference)
+    gathered: list[dict[str, float] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    return {k: max(g[k] for g in gathered if g and k in g) for g in gathered if g for k in g}
 
 
 def main() -> int:

@@ -46,6 +46,12 @@ def benchmark_forecast(run: RunContext, results: dict[str, Any], plan: Plan | No
     measured = results.get("peak_allocated_bytes")
     if measured:
         out["error_pct"] = round(100 * (result.peak_allocated_bytes - measured) / measured, 2)
+    if result.stage_peaks:  # --pp: each pipeline rank's forecast beside its measured peak
+        out["peak_allocated_bytes_per_pp_rank"] = list(result.stage_peaks)
+        each = (results.get("pipeline") or {}).get("peak_allocated_bytes_per_pp_rank") or []
+        out["error_pct_per_pp_rank"] = [
+            round(100 * (f - m) / m, 2) if m else None for f, m in zip(result.stage_peaks, each, strict=False)
+        ]
     return out
 
 

@@ -26,6 +26,7 @@ from ljperf.core.plans import Plan
 from ljperf.core.records import record_header
 from ljperf.distributed.launch import local_world_size, under_torchrun
 from ljperf.distributed.memory import MemoryStats
+from ljperf.forecast.pipeline import bubble_fraction
 from ljperf.forecast.recipe import Recipe
 from ljperf.run.config import RunConfig
 from ljperf.run.context import RunContext, unjoined
@@ -143,8 +144,22 @@ def results_section(
         ) | {"peak_tflops_per_device": peak}
     if cfg.optim.compile_mode != "off":
         out["compile"] = sess.results() if (sess := session()) is not None else None
+    if run.mesh.pp > 1:
+        out["pipeline"] = pipeline_results(run, out["peak_allocated_bytes_per_rank"])
     out |= explained(cfg, run, state, healthy=healthy)
     return {**figures, **out}
+
+
+def pipeline_results(run: RunContext, per_rank: list[int | None]) -> dict[str, Any]:
+    """``--pp``: each pipeline rank's peak (the highest of its ranks) and the schedule's bubble, the share of the
+    pipeline's time its ranks sit idle filling and draining (``forecast.pipeline.bubble_fraction``)."""
+    shape, opts = run.mesh, run.engine_opts
+    stage_peaks: list[int | None] = []
+    for pp_rank in range(shape.pp):
+        mine = [p for rank, p in enumerate(per_rank) if shape.pp_rank(rank) == pp_rank and p is not None]
+        stage_peaks.append(max(mine, default=None))
+    bubble = bubble_fraction(pp=shape.pp, microbatches=run.train.grad_accum, stages_per_rank=opts.pp_stages_per_rank)
+    return {"peak_allocated_bytes_per_pp_rank": stage_peaks, "bubble_fraction": bubble}
 
 
 def speed_section(run: RunContext, results: dict[str, Any], plan: Plan | None) -> dict[str, Any] | None:

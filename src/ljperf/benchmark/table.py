@@ -51,6 +51,8 @@ def print_result_table(record: dict) -> None:
         say(f"{res['status']}: {res['reason']}")
     if res.get("breakdown"):
         console.print(breakdown_table(res["breakdown"]))
+    if pipeline := res.get("pipeline"):
+        say(pipeline_line(pipeline, record["config"]["engine"].get("pipeline") or {}))
     if line := forecast_line(res):
         say(line)
     if res.get("profile"):
@@ -92,6 +94,17 @@ def profile_line(profile: dict[str, Any]) -> str:
     if profile["memory_snapshots"]:
         text += "; memory snapshots: drag a .memory.pickle into https://pytorch.org/memory_viz"
     return text
+
+
+def pipeline_line(results: dict[str, Any], config: dict[str, Any]) -> str:
+    """``--pp``: the schedule's bubble (its ranks idle while it fills and drains: in the breakdown's other) and
+    each pipeline rank's peak."""
+    peaks = ", ".join(format_bytes(p) for p in results["peak_allocated_bytes_per_pp_rank"])
+    return (
+        f"pipeline: {config.get('schedule')} over {config.get('stages')} stages ({config.get('split')} layers),"
+        f" {config.get('microbatches')} micro-batches: bubble {results['bubble_fraction']:.0%} of the step's"
+        f" pipeline time (in other); peak per pipeline rank {peaks}"
+    )
 
 
 def _print_refusal(record: dict) -> None:

@@ -44,6 +44,11 @@ CompileMode = Literal[TorchCompileMode, "deepspeed", "off"]
 """``--compile-mode``: ljperf's ``torch.compile``, DeepSpeed's ``engine.compile()``, or eager."""
 
 
+PipelineSchedule = Literal["1f1b", "gpipe", "interleaved-1f1b"]
+"""``torch.distributed.pipelining``'s schedules ljperf runs: one forward one backward, all forwards then all
+backwards, and 1F1B over several stages a rank (``--pp-stages-per-rank``)."""
+
+
 def values_of(kind: object) -> tuple[Any, ...]:
     """The values of the ``Literal`` type ``kind`` (an optional one's too: ``Precision | None``), in its order; ()
     for any other type. Typed as ``typing.get_args``: annotate a tuple kept of them (``tuple[Precision, ...]``),

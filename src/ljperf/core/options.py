@@ -25,6 +25,7 @@ from ljperf.core.choices import (
     EngineName,
     Loss,
     OptimizerImpl,
+    PipelineSchedule,
     Precision,
     check_choice,
     values_of,
@@ -251,14 +252,77 @@ class EngineConfig:
     )
     dp_replicate: int = opt(
         1,
-        "fsdp engine: HSDP replicas; FSDP2 shards over world / (N × --tp) ranks and replicates that N times",
+        "fsdp engine: HSDP replicas; FSDP2 shards over world / (N × --tp × --pp) ranks and replicates that N times",
         metavar="N",
+    )
+    pp: int = opt(
+        1,
+        "fsdp engine: pipeline stages, the outermost mesh dimension; each stage holds a run of decoder layers (the"
+        " embedding on the first, the norm, LM head and loss on the last; Llama, Qwen 2/3, Mistral)",
+        metavar="N",
+    )
+    pp_schedule: PipelineSchedule = opt(
+        "1f1b",
+        "--pp's schedule (torch.distributed.pipelining): {values}",
+        values={
+            "1f1b": "one forward, one backward: at most --pp micro-batches in flight",
+            "gpipe": "all forwards, then all backwards: every micro-batch in flight",
+            "interleaved-1f1b": "1F1B over --pp-stages-per-rank stages a rank, a smaller bubble",
+        },
+    )
+    pp_microbatches: int | None = opt(
+        None,
+        "--pp's micro-batches a step, each --micro-batch sequences (they are the step's gradient accumulation)"
+        " (default: --grad-accum when given, else --pp)",
+        metavar="M",
+    )
+    pp_stages_per_rank: int = opt(1, "--pp's stages a rank holds (interleaved-1f1b: 2 or more)", metavar="V")
+    pp_split: str | None = opt(
+        None,
+        "--pp's decoder layers per stage, e.g. 10,12,10 (default: balanced by the forecast's per-layer memory)",
+        metavar="N[,N]",
     )
 
     def __post_init__(self) -> None:
         check_zero_stage(self.zero_stage)
-        positive("tp", self.tp)
-        positive("dp_replicate", self.dp_replicate)
+        for name in ("tp", "dp_replicate", "pp", "pp_microbatches", "pp_stages_per_rank"):
+            positive(name, getattr(self, name))
+        check_values(self)
+        check_pipeline(self)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all: ``--pp`` × ``--pp-stages-per-rank``."""
+        return self.pp * self.pp_stages_per_rank
+
+
+def check_pipeline(opts: EngineConfig) -> None:
+    """``--pp``'s options agree: its flags only with it, interleaving with more than one stage a rank (and only
+    then), 1F1B with at least as many micro-batches as stages in flight."""
+    given = [f for f in ("pp_microbatches", "pp_split") if getattr(opts, f) is not None]
+    if opts.pp == 1 and (given or opts.pp_stages_per_rank != 1 or opts.pp_schedule != "1f1b"):
+        named = given[0] if given else "pp_stages_per_rank" if opts.pp_stages_per_rank != 1 else "pp_schedule"
+        raise UsageError(f"--{named.replace('_', '-')} is an option of --pp N (pipeline stages): add --pp 2 or more")
+    interleaved = opts.pp_schedule == "interleaved-1f1b"
+    if interleaved != (opts.pp_stages_per_rank > 1):
+        raise UsageError(
+            "--pp-schedule interleaved-1f1b runs --pp-stages-per-rank 2 or more stages a rank, and only it does:"
+            f" got {opts.pp_schedule} with {opts.pp_stages_per_rank} a rank"
+        )
+    if opts.pp_microbatches is not None:
+        check_microbatches(opts, opts.pp_microbatches)
+
+
+def check_microbatches(opts: EngineConfig, m: int) -> None:
+    """``m`` pipeline micro-batches a step suit ``opts``' schedule: 1F1B keeps ``--pp`` in flight, interleaving
+    takes a multiple of ``--pp``."""
+    if opts.pp_schedule != "gpipe" and m < opts.pp:
+        raise UsageError(
+            f"{m} micro-batches a step (--pp-microbatches, or --grad-accum) are fewer than the {opts.pp} stages"
+            f" {opts.pp_schedule} keeps in flight: give --pp-microbatches {opts.pp} or more, or --pp-schedule gpipe"
+        )
+    if opts.pp_schedule == "interleaved-1f1b" and m % opts.pp:
+        raise UsageError(f"--pp-schedule interleaved-1f1b takes a multiple of --pp {opts.pp} micro-batches (got {m})")
 
 
 @dataclass(kw_only=True)
@@ -362,10 +426,16 @@ def check_loss(loss: Loss, *, tp: int) -> None:
 
 
 def check_engine_flags(
-    engine: EngineName, *, zero_stage: int | None, reshard_after_forward: bool, tp: int = 1, dp_replicate: int = 1
+    engine: EngineName,
+    *,
+    zero_stage: int | None,
+    reshard_after_forward: bool,
+    tp: int = 1,
+    dp_replicate: int = 1,
+    pp: int = 1,
 ) -> None:
     """Another engine's flag would be ignored, and the run or plan would not be the one asked for."""
-    for flag, value in (("--tp", tp), ("--dp-replicate", dp_replicate)):
+    for flag, value in (("--tp", tp), ("--dp-replicate", dp_replicate), ("--pp", pp)):
         if value != 1 and engine != "fsdp":
             raise UsageError(f"{flag} builds a device mesh for the fsdp engine (FSDP2 on DTensor), not {engine}")
     if zero_stage is not None and engine != "deepspeed":

@@ -27,6 +27,7 @@ from ljperf.distributed.mesh import data_parallel_mesh, device_mesh
 from ljperf.engines import Engine, EngineRecord
 from ljperf.engines.common import adamw, decoder_blocks, parameter_names
 from ljperf.engines.parallelize import apply_optimizations
+from ljperf.engines.pipeline import Pipeline, apply_pp, pipeline_counts
 from ljperf.models.build import cast_parameters, init_value, parameter_slots
 from ljperf.models.step import accumulate
 from ljperf.run.context import RunContext
@@ -42,6 +43,8 @@ class FSDPRecord(EngineRecord):
     reshard_after_forward: bool
     mixed_precision: str | None
     """How bf16 is applied (None: fp32)."""
+    pipeline: dict[str, object] | None = None
+    """``--pp``: the schedule, micro-batches a step, stages a rank and in all, decoder layers per stage."""
 
 
 class FSDPEngine:
@@ -55,17 +58,43 @@ class FSDPEngine:
         ``setup``)."""
         self.model: torch.nn.Module
         self.optimizer: torch.optim.Optimizer
+        self.split: list[int] = []
+        """``--pp``: decoder layers per stage."""
 
     def setup(self, model: torch.nn.Module) -> None:
         run, shape = self.run, self.run.mesh
         device = run.device.torch_device
-        names = parameter_names(model)
         if self.mesh is None:
             self.mesh = (
                 device_mesh(device.type, shape) if shape.beyond_fsdp else init_device_mesh(device.type, (run.world,))
             )
-        model = apply_optimizations(model, run, tp_mesh=self.mesh["tp"] if shape.tp > 1 else None)
-        dp_mesh = data_parallel_mesh(self.mesh, shape) if shape.beyond_fsdp else self.mesh
+        if shape.pp > 1:  # first of the optimizations: each stage then as a whole model
+            self.split = pipeline_counts(run)
+            stages = apply_pp(model, run, counts=self.split)
+            for stage in stages:  # the stage is FSDP2's root: its forward is what the schedule calls
+                stage.module.tp_mesh = self.mesh["tp"] if shape.tp > 1 else None
+                self._shard(stage.module.model, stage.names, layers=stage.layers, root=stage.module)
+            self.model = torch.nn.ModuleList([stage.module for stage in stages])
+            self.pipeline = Pipeline.of(stages, run, group=self.mesh["pp"].get_group())
+        else:
+            self.model = self._shard(model, parameter_names(model), layers=None)
+        self.optimizer = adamw(self.model.parameters(), run=run)
+
+    def _shard(
+        self,
+        model: torch.nn.Module,
+        names: dict[tuple[int, str], str],
+        *,
+        layers: range | None,
+        root: torch.nn.Module | None = None,
+    ) -> torch.nn.Module:
+        """``model`` (a whole model, or a pipeline stage's, of decoder ``layers``, whose ``root`` module runs it)
+        optimized, sharded over the mesh's data-parallel ranks and materialized: this rank's shards of the torch
+        engine's initial values."""
+        run, shape, mesh = self.run, self.run.mesh, self.mesh
+        assert mesh is not None
+        model = apply_optimizations(model, run, tp_mesh=mesh["tp"] if shape.tp > 1 else None, layers=layers)
+        dp_mesh = data_parallel_mesh(mesh, shape) if shape.beyond_fsdp else mesh
         options: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": run.engine_opts.reshard_after_forward}
         if run.weight_dtype != torch.float32:  # bf16 weights: gathered, computed and reduced in bf16
             model = cast_parameters(model, run.weight_dtype)
@@ -74,10 +103,9 @@ class FSDPEngine:
         if not shape.tp_alone:
             for block in decoder_blocks(model):
                 fully_shard(block, **options)
-            fully_shard(model, **options)
-        _materialize_shards(model, names, device=device, seed=run.train.seed)
-        self.model = model
-        self.optimizer = adamw(model.parameters(), run=run)
+            fully_shard(model if root is None else root, **options)
+        _materialize_shards(model, names, device=run.device.torch_device, seed=run.train.seed)
+        return model
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """What a forward and backward run in: under tensor parallel, cross-entropy on the vocabulary's shards."""
@@ -85,8 +113,11 @@ class FSDPEngine:
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         shape = self.run.mesh
-        with self.loss_context():
-            loss = accumulate(self.model, micro_batches, autocast=self.run.autocast)
+        with self.loss_context(), self.run.autocast() if shape.pp > 1 else contextlib.nullcontext():
+            if shape.pp > 1:
+                loss = self.pipeline.step(micro_batches)
+            else:
+                loss = accumulate(self.model, micro_batches, autocast=self.run.autocast)
         if shape.tp_alone:
             _reduce_partial_grads(self.model)
         with phase("optimizer"):
@@ -114,7 +145,20 @@ class FSDPEngine:
             reshard_after_forward=self.run.engine_opts.reshard_after_forward,
             mixed_precision=_mixed_precision(self.run),
             optimizer="AdamW",
+            pipeline=self._pipeline_record(),
         )
+
+    def _pipeline_record(self) -> dict[str, object] | None:
+        opts = self.run.engine_opts
+        if opts.pp == 1:
+            return None
+        return {
+            "schedule": opts.pp_schedule,
+            "microbatches": self.run.train.grad_accum,
+            "stages_per_rank": opts.pp_stages_per_rank,
+            "stages": opts.stages,
+            "split": self.split,
+        }
 
 
 def _wrapper(shape: MeshShape) -> str:

@@ -19,12 +19,13 @@ from ljperf.run.context import RunContext
 
 
 def apply_optimizations(
-    model: torch.nn.Module, run: RunContext, *, tp_mesh: DeviceMesh | None = None
+    model: torch.nn.Module, run: RunContext, *, tp_mesh: DeviceMesh | None = None, layers: range | None = None
 ) -> torch.nn.Module:
     """Apply the run's optimizations in order; returns the model to wrap or shard. ``tp_mesh``: the mesh dimension
-    tensor parallel splits over (FSDP2 with ``--tp``)."""
+    tensor parallel splits over (FSDP2 with ``--tp``); ``layers``: the decoder layers of the whole model that
+    ``model`` holds (a pipeline stage's, split first by ``engines.pipeline.apply_pp``)."""
     apply_tp(model, tp_mesh)
-    apply_checkpoint(model, run)
+    apply_checkpoint(model, run, layers=layers)
     apply_loss(model, run)
     return apply_compile(model, run)
 
@@ -38,10 +39,11 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh | None) -> None:
         parallelize(model, tp_mesh)
 
 
-def apply_checkpoint(model: torch.nn.Module, run: RunContext) -> None:
-    """The run's recompute plan (``run.plan``, resolved before the engine is built) on the decoder layers."""
+def apply_checkpoint(model: torch.nn.Module, run: RunContext, *, layers: range | None = None) -> None:
+    """The run's recompute plan (``run.plan``, resolved before the engine is built) on the decoder layers (a
+    pipeline stage: its ``layers``' modes)."""
     if run.plan is not None:
-        PerLayerRecompute(run.plan).apply(model)
+        PerLayerRecompute(run.plan if layers is None else run.plan[layers.start : layers.stop]).apply(model)
 
 
 def apply_loss(model: torch.nn.Module, run: RunContext) -> None:

@@ -10,6 +10,7 @@ from ljperf.forecast import analytic, timeline
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.calibrate import overheads_for
 from ljperf.forecast.patterns import FAMILIES, Patterns
+from ljperf.forecast.pipeline import pipeline_split
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.forecast.segments import Segment, SegmentKey, TraceError
 from ljperf.forecast.sharding import engine_sharding
@@ -48,7 +49,10 @@ def all_patterns(spec: ModelSpec, recipe: Recipe) -> dict[tuple[str, int], Patte
 
 
 def forecast(spec: ModelSpec, recipe: Recipe, *, device_name: str | None = None) -> Forecast:
-    """Peak memory of one rank running ``recipe``; overheads: calibrated for ``device_name``, else defaults."""
+    """Peak memory of one rank running ``recipe``; overheads: calibrated for ``device_name``, else defaults. Under
+    ``--pp`` the highest pipeline rank's, each stage walked in its schedule (``pipeline_forecast``)."""
+    if recipe.pp > 1 and recipe.stage is None:
+        return pipeline_forecast(spec, recipe, device_name=device_name)
     try:
         raw = timeline.compose(spec, recipe, all_patterns(spec, recipe))
     except TraceError as exc:
@@ -86,6 +90,30 @@ def forecast(spec: ModelSpec, recipe: Recipe, *, device_name: str | None = None)
         context_bytes=terms.context,
         breakdown=breakdown,
         traced_peak_bytes=raw.peak_allocated_bytes,
+        notes=notes,
+    )
+
+
+def pipeline_forecast(spec: ModelSpec, recipe: Recipe, *, device_name: str | None) -> Forecast:
+    """The forecast of each pipeline rank of ``recipe`` (its stage's layers, the micro-batches its schedule holds
+    in flight, the hidden states it passes), the highest's returned with every rank's peak. A rank of
+    ``interleaved-1f1b`` holds several stages: their peaks are added (an upper bound: they do not all peak at once)."""
+    split = pipeline_split(spec, recipe)
+    each = [
+        forecast(spec, recipe.with_(pp_split=split, stage=i), device_name=device_name) for i in range(recipe.stages)
+    ]
+    per_rank = [sum(f.peak_allocated_bytes for f in each[r :: recipe.pp]) for r in range(recipe.pp)]
+    highest = max(range(recipe.pp), key=lambda r: per_rank[r])
+    worst = each[highest]
+    notes = list(worst.notes)
+    if recipe.pp_stages_per_rank > 1:
+        notes.append("interleaved-1f1b: a rank's stages' peaks are added, an upper bound of its peak")
+    return replace(
+        worst,
+        peak_allocated_bytes=per_rank[highest],
+        phase=f"pipeline rank {highest}, {worst.phase}",
+        stage_peaks=tuple(per_rank),
+        pp_split=split,
         notes=notes,
     )
 

@@ -6,7 +6,8 @@ Run: ``block_params(resolve(name="llama3-8b")).layer_sizes``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,6 +18,9 @@ from ljperf.forecast.cache_key import architecture_key, cache_dir
 from ljperf.models.layout import decoder_layers, weight
 from ljperf.models.spec import ModelSpec, build_meta
 from ljperf.models.tensor_parallel import parallelize
+
+if TYPE_CHECKING:
+    from ljperf.forecast.recipe import Recipe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +74,37 @@ def block_params(spec: ModelSpec, *, tp: int = 1) -> BlockParams:
         path = cache_dir() / f"{spec.architecture}-blocks-{key}.json"
         _BLOCKS[key] = cached(path, load=_load_blocks, make=lambda: _block_counts(spec, tp=tp), dump=asdict)
     return _BLOCKS[key]
+
+
+def recipe_blocks(spec: ModelSpec, recipe: Recipe) -> BlockParams:
+    """The blocks one rank of ``recipe`` holds: the whole model's (one tensor-parallel rank's), or under ``--pp``
+    the stage's (``recipe.stage``): its decoder layers, the embedding on the first, the norm and head on the last."""
+    blocks = block_params(spec, tp=recipe.tp)
+    if recipe.stage is None:
+        return blocks
+    return stage_blocks(blocks, layers=recipe.stage_layers, first=recipe.stage == 0, last=recipe.last_stage)
+
+
+def stage_blocks(blocks: BlockParams, *, layers: range, first: bool, last: bool) -> BlockParams:
+    """``blocks`` cut down to a pipeline stage of decoder ``layers`` (numbered from the stage's first)."""
+
+    def held(tag: str) -> str | None:
+        if tag in ("pre", "post"):
+            return tag if (first if tag == "pre" else last) else None
+        index = int(tag.split()[1])
+        return f"layer {index - layers.start}" if index in layers else None
+
+    order = tuple((mine, n) for tag, n in blocks.order if (mine := held(tag)) is not None)
+    return replace(
+        blocks,
+        pre=blocks.pre if first else 0,
+        layer_sizes=tuple(blocks.layer_sizes[i] for i in layers),
+        post=blocks.post if last else 0,
+        tensors=len(order),
+        largest=max(n for _, n in order),
+        layer_kinds=tuple(blocks.layer_kinds[i] for i in layers),
+        order=order,
+    )
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from ljperf.core.choices import (
     EngineName,
     Loss,
     OptimizerImpl,
+    PipelineSchedule,
     Precision,
     TracedAttention,
     check_choice,
@@ -33,6 +34,7 @@ from ljperf.core.options import (
     positive,
 )
 from ljperf.core.plans import MODES, Plan
+from ljperf.models.pipeline_split import parse_split
 
 if TYPE_CHECKING:
     from ljperf.run.config import RunConfig
@@ -141,6 +143,18 @@ class Recipe:
     """DeepSpeed's bucket, prefetch and release settings (deepspeed engine only)."""
     loss: Loss = "plain"
     """The next-token loss: plain (HF's, the whole logits) or chunked (``--loss chunked``, a chunk's logits)."""
+    pp: int = 1
+    """FSDP2: pipeline ranks (``--pp``), the outermost mesh dimension; ``grad_accum`` is the pipeline's
+    micro-batches a step."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """``--pp-schedule``: how many micro-batches' activations a stage holds at once (``pipeline.in_flight``)."""
+    pp_stages_per_rank: int = 1
+    """``--pp-stages-per-rank``."""
+    pp_split: tuple[int, ...] = ()
+    """Decoder layers per stage (empty: the forecast balances them, ``forecast.pipeline.pipeline_split``)."""
+    stage: int | None = None
+    """The pipeline stage this recipe's rank holds (None: all of them, or no pipeline); its layers are
+    ``stage_layers``."""
 
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, EngineName)
@@ -148,12 +162,17 @@ class Recipe:
         check_choice("--device", self.device, DeviceType)
         check_choice("--precision", self.precision, Precision)
         check_precision(self.precision, engine=self.engine)
-        for name in ("world", "micro_batch", "seq_len", "grad_accum", "tp", "dp_replicate"):
+        for name in ("world", "micro_batch", "seq_len", "grad_accum", "tp", "dp_replicate", "pp"):
             positive(name, getattr(self, name))
         check_engine_flags(
-            self.engine, zero_stage=None, reshard_after_forward=True, tp=self.tp, dp_replicate=self.dp_replicate
+            self.engine,
+            zero_stage=None,
+            reshard_after_forward=True,
+            tp=self.tp,
+            dp_replicate=self.dp_replicate,
+            pp=self.pp,
         )
-        MeshShape.of(world=self.world, tp=self.tp, dp_replicate=self.dp_replicate)  # refuses a mesh it cannot split
+        MeshShape.of(world=self.world, tp=self.tp, dp_replicate=self.dp_replicate, pp=self.pp)  # refuses a bad mesh
         traced_attention(self.attn_implementation)
         bad = sorted(set(self.recompute) - set(MODES))
         if bad:
@@ -176,8 +195,25 @@ class Recipe:
 
     @property
     def mesh(self) -> MeshShape:
-        """How the ``world`` ranks split: HSDP replicas × FSDP2 shards × tensor-parallel ranks."""
-        return MeshShape.of(world=self.world, tp=self.tp, dp_replicate=self.dp_replicate)
+        """How the ``world`` ranks split: pipeline stages × HSDP replicas × FSDP2 shards × tensor-parallel ranks."""
+        return MeshShape.of(world=self.world, tp=self.tp, dp_replicate=self.dp_replicate, pp=self.pp)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all (1 without ``--pp``)."""
+        return self.pp * self.pp_stages_per_rank
+
+    @property
+    def stage_layers(self) -> range:
+        """The decoder layers of ``stage`` (of the whole model without one)."""
+        if self.stage is None or not self.pp_split:
+            raise ValueError("a recipe of one pipeline stage has its stage and the split (forecast.pipeline)")
+        start = sum(self.pp_split[: self.stage])
+        return range(start, start + self.pp_split[self.stage])
+
+    @property
+    def last_stage(self) -> bool:
+        return self.stage == self.stages - 1
 
     @property
     def weight_bytes(self) -> int:
@@ -233,6 +269,12 @@ class Recipe:
             recompute=recompute,
             zero=_zero_settings(config.deepspeed_user) if deepspeed else ZeroSettings(),
             loss=config.optim.loss,
+            pp=engine_opts.pp,
+            pp_schedule=engine_opts.pp_schedule,
+            pp_stages_per_rank=engine_opts.pp_stages_per_rank,
+            pp_split=tuple(parse_split(engine_opts.pp_split, layers=config.model.layers, stages=engine_opts.stages))
+            if engine_opts.pp_split
+            else (),
             optimizer=optimizer
             or config.optim.optimizer_impl
             or (deepspeed_adamw(config.deepspeed_user) if deepspeed else None),
@@ -264,6 +306,10 @@ class Forecast:
     """Caveats, e.g. a fallback taken."""
     traced_peak_bytes: int | None = None
     """The allocated peak before device overheads (what calibration fits against)."""
+    stage_peaks: tuple[int, ...] = ()
+    """``--pp``: each pipeline rank's peak allocated bytes (this forecast is the highest's)."""
+    pp_split: tuple[int, ...] = ()
+    """``--pp``: the decoder layers of each stage the forecast walked."""
 
     @property
     def device_bytes(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ljperf.forecast.blocks import block_params
+from ljperf.forecast.blocks import block_params, recipe_blocks
 from ljperf.forecast.patterns import Patterns, peak_and_net
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.forecast.segments import SegmentKey, TraceError
@@ -53,16 +53,24 @@ def highest_walk(
     """The walk of the step of ``recipe``'s rank with the highest peak, over the traced patterns of each recompute
     mode and kind of layer (``(mode, kind)``; see ``trace.layer_picks``); ``record``: with every point visited."""
     modes = recipe.layer_modes(spec.layers)
+    if recipe.stage is not None:  # a pipeline stage walks its own layers
+        modes = modes[recipe.stage_layers.start : recipe.stage_layers.stop]
     b, s = recipe.micro_batch, recipe.seq_len
     values = {key: pats.evaluate(b, s) for key, pats in patterns.items()}
-    blocks = block_params(spec, tp=recipe.tp)
-    ref = reference_kind(blocks.layer_kinds)
+    blocks = recipe_blocks(spec, recipe)
+    ref = reference_kind(block_params(spec, tp=recipe.tp).layer_kinds)
     edges = edge_values({mode: pats for (mode, kind), pats in patterns.items() if kind == ref}, modes, b, s)
     # a middle layer walks its own kind's copy; the first and last are alike in every copy
     kinds = [ref, *blocks.layer_kinds[1:-1], ref][: blocks.layers]
     layers: tuple[Segments, ...] = tuple(values[mode, kind] for mode, kind in zip(modes, kinds, strict=True))
+    # a pipeline stage's hidden states, as one tensor-parallel rank holds them (its share of the sequence)
+    act_bytes = 2 if recipe.trace_precision == "bf16-params" else 4
+    boundary = b * s * spec.hidden * act_bytes // recipe.tp if recipe.stage is not None else 0
+    # the last stage's logits (the LM head's output dtype), the vocabulary's shard under --tp (loss parallel)
+    logits = b * s * spec.vocab * (4 if recipe.precision == "fp32" else 2) // recipe.tp
+    ends = {"boundary": boundary, "kept_output": logits}
     walks = [
-        walk_step(recipe, shard, blocks=blocks, layers=layers, edges=edges, record=record)
+        walk_step(recipe, shard, blocks=blocks, layers=layers, edges=edges, record=record, **ends)
         for shard in rank_shardings(spec, recipe)
     ]
     return max(walks, key=lambda w: w.peak)

@@ -15,12 +15,12 @@ sharded gradients or communication buffers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ljperf.forecast.blocks import BlockParams
 from ljperf.forecast.recipe import Recipe
 from ljperf.forecast.segments import Segment, SegmentKey
-from ljperf.forecast.sharding.base import FP32, FsdpReduce, Sharding
+from ljperf.forecast.sharding.base import FP32, FsdpReduce, PipelinedFsdp, Sharding
 
 TOKEN_BYTES = 8  # int64 token ids
 
@@ -190,6 +190,15 @@ class TrainingStep:
     grad_accum: int
     traced_grad_bytes: int
     """Bytes per gradient element in the trace (2 where the engine computes with bf16 parameters)."""
+    first: bool = True
+    """The step embeds the tokens (no pipeline, or its first stage)."""
+    last: bool = True
+    """The step runs the head and loss (no pipeline, or its last stage)."""
+    boundary: int = 0
+    """Bytes of the hidden states a pipeline stage receives or sends for one micro-batch (0: no pipeline)."""
+    kept_output: int = 0
+    """Bytes of the last pipeline stage's output (its logits) the schedule keeps from the stage's forward to the end
+    of its backward (``PipelineStage.fwd_cache``, then ``backward_one_chunk``'s ``stage_output``); 0: no pipeline."""
 
     def micro(self, number: int) -> MicroStep:
         replicated = self.shard.grad_keep == 1.0
@@ -214,9 +223,12 @@ def walk_step(
     blocks: BlockParams,
     layers: tuple[Segments, ...],
     edges: Segments,
+    boundary: int = 0,
+    kept_output: int = 0,
     record: bool = False,
 ) -> Walk:
-    """One rank's training step, as the walk of its running level; ``record``: keep every point visited
+    """One rank's training step, as the walk of its running level (a pipeline stage's, ``recipe.stage``, whose
+    hidden states in and out are ``boundary`` bytes a micro-batch); ``record``: keep every point visited
     (``Walk.history``)."""
     step = TrainingStep(
         blocks=blocks,
@@ -225,14 +237,87 @@ def walk_step(
         edges=edges,
         grad_accum=recipe.grad_accum,
         traced_grad_bytes=2 if recipe.trace_precision == "bf16-params" else FP32,
+        first=recipe.stage in (None, 0),
+        last=recipe.stage is None or recipe.last_stage,
+        boundary=boundary,
+        kept_output=kept_output if recipe.stage is not None and recipe.last_stage else 0,
     )
     batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * TOKEN_BYTES
     walk = Walk.start(shard, buffers=blocks.buffer_bytes, batch=batch)
     if record:
         walk.history = []
-    accumulate(walk, step)
+    if recipe.stage is None:
+        accumulate(walk, step)
+    else:
+        pipelined(walk, step, schedule_order(recipe))
     optimizer_step(walk, step, recipe)
     return walk
+
+
+def schedule_order(recipe: Recipe) -> list[tuple[str, int]]:
+    """The stage's forwards (``"F"``) and backwards (``"B"``) of micro-steps 1..M in the order its schedule runs
+    them: GPipe every forward first; 1F1B (torch's ``Schedule1F1B``) as many forwards as stages from this one to the
+    last, then one backward and one forward in turn, then the backwards left."""
+    m = recipe.grad_accum
+    if recipe.pp_schedule == "gpipe":
+        return [("F", n) for n in range(1, m + 1)] + [("B", n) for n in range(1, m + 1)]
+    assert recipe.stage is not None
+    warmup = min(m, recipe.stages - recipe.stage)
+    order = [("F", n) for n in range(1, warmup + 1)]
+    for n in range(1, m + 1):
+        order.append(("B", n))
+        if warmup + n <= m:
+            order.append(("F", warmup + n))
+    return order
+
+
+def pipelined(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> None:
+    """A pipeline stage's micro-steps in its schedule's ``order``: the activations of every forward not yet
+    backwarded stay, so a stage holds as many micro-batches as it has in flight. FSDP2 runs as the schedule drives
+    it (``PipelinedFsdp``), its gradients reduce-scattered after the last backward."""
+    fsdp = step.shard.pipelined
+    if fsdp is None:
+        in_flight = 0
+        for kind, number in order:
+            micro = step.micro(number)
+            if kind == "F":  # FSDP2's root stays gathered while any micro-batch is in flight
+                forward(walk, step, micro, gather_root=in_flight == 0)
+                in_flight += 1
+            else:
+                in_flight -= 1
+                backward(walk, step, micro, release_root=in_flight == 0)
+        return
+    last, backwarded = "", False
+    for index, (kind, number) in enumerate(order):
+        if kind == "F" and not backwarded:
+            current = step
+        elif kind == "F":  # after a backward the layers are gathered: each is resharded as it runs
+            current = replace(step, shard=replace(fsdp.no_sync, gathering=fsdp.reuse if last == "B" else fsdp.sync))
+        else:
+            current = replace(step, shard=replace(fsdp.no_sync, gathering=fsdp.stay if last == "B" else fsdp.keep))
+        if kind == "F":
+            forward(walk, current, current.micro(number), gather_root=index == 0)
+        else:
+            backward(walk, current, current.micro(number), release_root=False)
+        last, backwarded = kind, backwarded or kind == "B"
+    reduce_accumulated(walk, step, fsdp)
+
+
+def reduce_accumulated(walk: Walk, step: TrainingStep, fsdp: PipelinedFsdp) -> None:
+    """After a pipeline's last backward, FSDP2's gradients reduce-scattered group by group (the root first, then
+    each layer): each group's parameters resharded, its whole gradient copied into the reduce's input and freed
+    when the reduce is done (the previous group's input is let go first); gloo copies each input while it runs."""
+    shard, blocks = step.shard, step.blocks
+    assert shard.fsdp is not None
+    groups = [("root", blocks.pre + blocks.post, shard.gathering.resident)]
+    groups += [(f"layer {i}", size, fsdp.layer_bytes) for i, size in enumerate(blocks.layer_sizes)]
+    for name, size, gathered in groups:
+        reduce_input = size * shard.kept_grad_bytes
+        output = round(reduce_input * shard.grad_keep)
+        copy = reduce_input if shard.fsdp.copies_input else 0
+        walk.add("gathered_parameters", -gathered)  # resharded before its reduce (``FSDPParamGroup.post_backward``)
+        walk.visit(0, f"backward end, {name} reduce-scatter", comm_buffers=reduce_input + output + copy)
+        walk.add("gradients", output - size * step.traced_grad_bytes)
 
 
 def accumulate(walk: Walk, step: TrainingStep) -> None:
@@ -256,35 +341,55 @@ def micro_step(walk: Walk, step: TrainingStep, number: int) -> None:
     """Micro-step ``number``: its forward, then its backward block by block in reverse."""
     micro = step.micro(number)
     forward(walk, step, micro)
+    backward(walk, step, micro)
+
+
+def backward(walk: Walk, step: TrainingStep, micro: MicroStep, *, release_root: bool = True) -> None:
+    """A micro-step's backward, block by block in reverse; ``release_root``: FSDP2 releases its gathered root at
+    the end (a pipeline stage: when no other micro-batch is in flight)."""
     grads = _Grads(step.shard, first=micro.first, traced=step.traced_grad_bytes)
     head_backward(walk, step, micro, grads)
     for i in reversed(range(len(step.layers))):
         layer_backward(walk, step, micro, grads, i)
-    embedding_backward(walk, step, micro, grads)
+    embedding_backward(walk, step, micro, grads, release_root=release_root)
+    walk.add("logits_and_loss", -step.kept_output)
     backward_end(walk, step, micro)
 
 
-def forward(walk: Walk, step: TrainingStep, micro: MicroStep) -> None:
+def forward(walk: Walk, step: TrainingStep, micro: MicroStep, *, gather_root: bool = True) -> None:
     """The embedding, each decoder layer and the head and loss: what each keeps for its backward stays (the
     activations, the logits and loss); an engine that shards the parameters gathers each block's while it runs,
     and some it keeps."""
     gathering = step.shard.gathering
-    walk.add("gathered_parameters", gathering.resident)
-    embedding = step.edge(Segment.PRE_F, micro)
+    walk.add("gathered_parameters", gathering.resident if gather_root else 0)
     phase = f"forward, {micro.where}"
-    walk.step(embedding, f"{phase}, embedding", gathered=gathering.embedding_forward, activations=embedding[1])
+    if step.first:
+        embedding = step.edge(Segment.PRE_F, micro)
+        walk.step(embedding, f"{phase}, embedding", gathered=gathering.embedding_forward, activations=embedding[1])
+    else:  # the previous stage's hidden states, received: kept as the first layer's input for the backward
+        walk.add("activations", step.boundary)
+        walk.visit(0, f"{phase}, activations received")
     for i in range(len(step.layers)):
         seg = step.layer_forward(i, micro)
         gather = gathering.layer(i)
         walk.step(seg, f"{phase}, layer {i}", gathered=gather.forward, activations=seg[1])
         walk.add("gathered_parameters", gather.held)
-    head = step.edge(Segment.POST_F, micro)
-    walk.step(head, f"{phase}, LM head and loss", gathered=gathering.head_forward, logits_and_loss=head[1])
+    if step.last:
+        head = step.edge(Segment.POST_F, micro)
+        walk.step(head, f"{phase}, LM head and loss", gathered=gathering.head_forward, logits_and_loss=head[1])
+        walk.add("logits_and_loss", step.kept_output)
+    else:  # the stage's output, sent on and kept for the backward the next stage's gradient starts
+        walk.add("activations", step.boundary)
+        walk.visit(0, f"{phase}, activations sent")
 
 
 def head_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads) -> None:
     """The head and loss's backward frees the logits and loss; FSDP2 gathers its root again first."""
     shard, gathering, zero = step.shard, step.shard.gathering, step.shard.zero
+    if not step.last:  # the next stage's gradient of this stage's output, received; the output is let go
+        walk.visit(step.boundary, f"backward, {micro.where}, gradient received")
+        walk.add("activations", -step.boundary)
+        return
     phase = f"backward, {micro.where}, LM head and loss"
     if shard.fsdp is not None:
         walk.visit(0, f"{phase}, root all-gather", gathered_parameters=gathering.root_backward)
@@ -334,22 +439,28 @@ def _gloo_reduce_scatter(walk: Walk, step: TrainingStep, fsdp: FsdpReduce, grads
     walk.visit(0, f"{phase}, reduce-scatter", comm_buffers=during, gathered_parameters=fsdp.prefetched[i])
 
 
-def embedding_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads) -> None:
+def embedding_backward(
+    walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads, *, release_root: bool = True
+) -> None:
     """The embedding's backward frees what its forward kept; FSDP2 then releases its root and reduce-scatters the
     root's gradients, the head's with the embedding's."""
     shard, blocks = step.shard, step.blocks
     phase = f"backward, {micro.where}"
-    embedding = step.edge(Segment.PRE_F, micro)[1]
+    if not step.first:  # the gradient of the received input, sent back; the input is let go
+        walk.visit(step.boundary, f"{phase}, gradient sent")
+        walk.add("activations", -step.boundary)
+    embedding = step.edge(Segment.PRE_F, micro)[1] if step.first else 0
     beyond = blocks.pre * (shard.embedding_grad_shares - 1)
     walk.step(
-        step.edge(Segment.PRE_B, micro),
+        step.edge(Segment.PRE_B, micro) if step.first else (0, 0),
         f"{phase}, embedding",
         gathered=shard.gathering.embedding_backward,
         reducing=shard.fsdp.reduce_input if shard.fsdp else 0,
         activations=-embedding,
     )
     if shard.fsdp:
-        walk.add("gathered_parameters", -shard.gathering.resident)
+        walk.add("gathered_parameters", -shard.gathering.resident if release_root else 0)
+    if shard.fsdp and shard.fsdp.synced:
         root = grads.reduce_root(blocks.pre + blocks.post, embedding=blocks.pre + beyond)
         walk.visit(0, f"{phase}, root reduce-scatter", comm_buffers=root)
     grads.settle(walk, blocks.pre + (blocks.post if shard.fsdp else 0), beyond=beyond)

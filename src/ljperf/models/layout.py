@@ -60,12 +60,16 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return best
 
 
-def embeddings(model: PreTrainedModel) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """An HF causal LM's input embedding and its LM head (None: it has none), as transformers finds them."""
+def embeddings(model: PreTrainedModel) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """An HF causal LM's input embedding and its LM head (None: it has none, as a pipeline stage has neither or
+    one: ``models.stages``), as transformers finds them."""
     import torch
 
-    head = model.get_output_embeddings()  # transformers leaves it unannotated: the attribute, or None
-    return model.get_input_embeddings(), head if isinstance(head, torch.nn.Module) else None
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()  # unannotated: a module or None
+    known = [
+        m if isinstance(m, torch.nn.Module) and not isinstance(m, torch.nn.Identity) else None for m in (embed, head)
+    ]
+    return known[0], known[1]
 
 
 def weight(module: torch.nn.Module) -> torch.Tensor:

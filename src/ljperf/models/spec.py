@@ -296,6 +296,8 @@ class ModelSpec:
         model = build_meta(self, initialize=False)
         total = sum(p.numel() for p in model.parameters())
         embed, head = embeddings(model)
+        if embed is None:
+            raise ValueError(f"{type(model).__name__} has no input embedding")
         embedding = weight(embed).numel()
         tied_head = head is not None and weight(head) is weight(embed)
         # every lookup table, GPT-2's learned positions too, is a gather per token, not a matmul

@@ -35,16 +35,21 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def root_plan() -> dict[str, ParallelStyle]:
+def root_plan(model: torch.nn.Module | None = None) -> dict[str, ParallelStyle]:
     """The embedding (its output sharded over the sequence), the final norm and the LM head (logits sharded over
-    the vocabulary, for the loss)."""
-    return {
+    the vocabulary, for the loss); of ``model``'s, those it holds (a pipeline stage holds the embedding on the
+    first stage, the norm and head on the last: ``models.stages``)."""
+    plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
         ),
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
+    if model is None:
+        return plan
+    held = {name for name, module in model.named_modules() if not isinstance(module, torch.nn.Identity)}
+    return {name: style for name, style in plan.items() if name in held}
 
 
 def layer_plan(layer: torch.nn.Module) -> dict[str, ParallelStyle]:
@@ -77,12 +82,12 @@ def parallelize(model: PreTrainedModel, tp_mesh: DeviceMesh) -> PreTrainedModel:
     """Split ``model`` over ``tp_mesh`` in place: every parameter becomes a DTensor of it; a tied LM head is tied
     again to the embedding (both split over the vocabulary)."""
     embed, head = embeddings(model)
-    tied = head is not None and weight(head) is weight(embed)
-    parallelize_module(model, tp_mesh, root_plan())
+    tied = head is not None and embed is not None and weight(head) is weight(embed)
+    parallelize_module(model, tp_mesh, root_plan(model))
     for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, layer_plan(layer))
     embed, head = embeddings(model)
-    if tied and head is not None:
+    if tied and head is not None and embed is not None:
         head.weight = weight(embed)
     plain = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
     if plain:

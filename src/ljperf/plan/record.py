@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from rich.markup import escape
+from rich.table import Table
 
 from ljperf.core import deepspeed_config
 from ljperf.core.console import console, titled_table
@@ -21,6 +22,7 @@ from ljperf.forecast.advice import dominant_term
 from ljperf.forecast.api import forecast, max_micro_batch
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.over_step import LABELS
+from ljperf.forecast.pipeline import bubble_fraction
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.models.spec import ModelSpec
 from ljperf.plan.speed import speed_lines, speed_record
@@ -148,7 +150,36 @@ def plan_record(
         "max_micro_batch": max_micro_batch,
         "notes": result.notes,
         "warnings": [f"{f.message}; fix: {f.fix}" for f in warnings],
+    } | ({"pipeline": pipeline_record(recipe, result)} if recipe.pp > 1 else {})
+
+
+def pipeline_record(recipe: Recipe, result: Forecast) -> dict[str, Any]:
+    """``--pp``: the schedule, the split (decoder layers per stage), each pipeline rank's peak allocated bytes (the
+    highest is the plan's) and the bubble fraction (p − 1) / (V·m + p − 1)."""
+    return {
+        "schedule": recipe.pp_schedule,
+        "microbatches": recipe.grad_accum,
+        "stages_per_rank": recipe.pp_stages_per_rank,
+        "split": list(result.pp_split),
+        "peak_allocated_bytes_per_pp_rank": list(result.stage_peaks),
+        "bubble_fraction": bubble_fraction(
+            pp=recipe.pp, microbatches=recipe.grad_accum, stages_per_rank=recipe.pp_stages_per_rank
+        ),
     }
+
+
+def pipeline_table(pipeline: dict[str, Any]) -> Table:
+    """One row per pipeline rank: its stages' decoder layers and its peak."""
+    split, pp = pipeline["split"], len(pipeline["peak_allocated_bytes_per_pp_rank"])
+    starts = [sum(split[:i]) for i in range(len(split))]
+    table = titled_table(f"pipeline: {pipeline['schedule']}, {pipeline['microbatches']} micro-batches a step")
+    for column in ("pipeline rank", "stages", "decoder layers", "peak allocated"):
+        table.add_column(column, justify="left" if column == "decoder layers" else "right")
+    for rank, peak in enumerate(pipeline["peak_allocated_bytes_per_pp_rank"]):
+        stages = list(range(rank, len(split), pp))
+        layers = ", ".join(f"{starts[s]}-{starts[s] + split[s] - 1}" if split[s] else "none" for s in stages)
+        table.add_row(str(rank), ", ".join(map(str, stages)), layers, format_bytes(peak))
+    return table
 
 
 def print_plan(report: dict) -> None:
@@ -175,6 +206,11 @@ def print_plan(report: dict) -> None:
     table.add_row("peak allocated per rank", f"{peak / scale:.2f}", "100.0%")
     console.print(table)
     lines = [f"peak at: {report['phase']} ({report['source']})"]
+    if pipeline := report.get("pipeline"):
+        console.print(pipeline_table(pipeline))
+        lines.append(
+            f"pipeline bubble: {100 * pipeline['bubble_fraction']:.1f}% of the step (ranks idle filling and draining)"
+        )
     if "recompute" in report:
         r = report["recompute"]
         budget = f"budget {format_bytes(r['budget_bytes'])}: {r['budget_source']}"

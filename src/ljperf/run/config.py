@@ -31,6 +31,7 @@ from ljperf.distributed.launch import local_world_size, under_torchrun
 from ljperf.models.catalog import split_model_arg
 from ljperf.models.flags import engine_from_args, spec_from_args
 from ljperf.models.layout import TENSOR_PARALLEL
+from ljperf.models.pipeline_split import check_pipelined, parse_split
 from ljperf.models.spec import ModelSpec
 
 
@@ -64,6 +65,7 @@ class RunConfig:
         check_tensor_parallel(self.model, tp=self.engine_opts.tp, seq_len=self.train.seq_len)
         options.check_loss(self.optim.loss, tp=self.engine_opts.tp)
         check_chunked_loss(self.model, loss=self.optim.loss)
+        check_pipeline_model(self.model, self.engine_opts, self.optim)
         if (plan := parse_recompute(self.optim.recompute)) != "auto":
             fixed_plan(plan, self.model.layers)  # one that does not match the model fails here, not in every rank
 
@@ -101,6 +103,29 @@ def check_tensor_parallel(spec: ModelSpec, *, tp: int, seq_len: int | None) -> N
             raise UsageError(f"--tp {tp} must divide {spec.name}'s {what}, {n}: each rank takes an equal share")
     if seq_len is not None and seq_len % tp:
         raise UsageError(f"--tp {tp} must divide --seq-len {seq_len}: sequence parallel gives each rank equal tokens")
+
+
+def check_pipeline_model(spec: ModelSpec, opts: EngineConfig, optim: OptimizationConfig) -> None:
+    """A model ``--pp`` can split, into stages of one layer or more each, with the optimizations a stage runs:
+    its own LM head and loss (not the chunked loss's forward), each block compiled (not the whole model)."""
+    if opts.pp == 1:
+        return
+    check_pipelined(str(spec.fact("model_type")))
+    if spec.facts.config_dict.get("tie_word_embeddings"):
+        raise UsageError(
+            f"--pp puts the embedding on the first stage and the LM head on the last; {spec.name} ties them"
+            " (tie_word_embeddings): run it without --pp"
+        )
+    if spec.layers < opts.stages:
+        raise UsageError(
+            f"--pp {opts.pp} × --pp-stages-per-rank {opts.pp_stages_per_rank} = {opts.stages} stages for"
+            f" {spec.name}'s {spec.layers} layers: a stage would be empty; give fewer stages"
+        )
+    if opts.pp_split is not None:
+        parse_split(opts.pp_split, layers=spec.layers, stages=opts.stages)
+    if optim.loss == "chunked" or optim.compile_mode == "whole":
+        flag = "--loss chunked" if optim.loss == "chunked" else "--compile-mode whole"
+        raise UsageError(f"{flag} runs the whole model's forward; a --pp stage runs its own: use it without --pp")
 
 
 CHUNKED_LOSS_REFUSES = {
@@ -203,6 +228,7 @@ def check_flags(args: argparse.Namespace, *, world: int | None = None) -> Flags:
         reshard_after_forward=args.reshard_after_forward,
         tp=args.tp,
         dp_replicate=args.dp_replicate,
+        pp=getattr(args, "pp", 1),
     )
     user, taken = deepspeed_config.from_args(args, engine=engine)
     resolved = argparse.Namespace(**vars(args))
@@ -222,8 +248,25 @@ def check_flags(args: argparse.Namespace, *, world: int | None = None) -> Flags:
     check_together(engine, train, optim, model=model)
     options.check_loss(optim.loss, tp=engine_opts.tp)
     world = world if world is not None else launch_world(launch)
-    MeshShape.of(world=world, tp=engine_opts.tp, dp_replicate=engine_opts.dp_replicate)
+    MeshShape.of(world=world, tp=engine_opts.tp, dp_replicate=engine_opts.dp_replicate, pp=engine_opts.pp)
+    resolved.grad_accum = pipeline_accumulation(engine_opts, grad_accum=train.grad_accum)
     return Flags(engine=engine, deepspeed_user=user, args=resolved)
+
+
+def pipeline_accumulation(opts: EngineConfig, *, grad_accum: int) -> int:
+    """Under ``--pp`` the pipeline's micro-batches are the step's accumulation: ``--pp-microbatches``, else
+    ``--grad-accum`` when given, else ``--pp`` (refused when the two flags disagree); without it ``grad_accum``."""
+    if opts.pp == 1:
+        return grad_accum
+    m = opts.pp_microbatches
+    if m is not None and grad_accum not in (1, m):
+        raise UsageError(
+            f"--grad-accum {grad_accum} and --pp-microbatches {m}: under --pp the pipeline's micro-batches are the"
+            " accumulation; give one of them"
+        )
+    m = m or (grad_accum if grad_accum > 1 else opts.pp)
+    options.check_microbatches(opts, m)
+    return m
 
 
 def from_args(

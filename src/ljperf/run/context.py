@@ -82,9 +82,9 @@ class RunContext:
 
     @property
     def mesh(self) -> MeshShape:
-        """How this run's ranks split: HSDP replicas × FSDP shards × tensor-parallel ranks."""
+        """How this run's ranks split: pipeline stages × HSDP replicas × FSDP shards × tensor-parallel ranks."""
         opts = self.engine_opts
-        return MeshShape.of(world=self.world, tp=opts.tp, dp_replicate=opts.dp_replicate)
+        return MeshShape.of(world=self.world, tp=opts.tp, dp_replicate=opts.dp_replicate, pp=opts.pp)
 
     @property
     def dp_rank(self) -> int:

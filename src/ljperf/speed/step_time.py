@@ -13,17 +13,19 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ljperf.forecast.blocks import block_params
+from ljperf.forecast.pipeline import pipeline_split
 from ljperf.forecast.recipe import Recipe
 from ljperf.models.spec import ModelSpec
 from ljperf.speed.census import OP_CLASSES, SAVED, Entry, StepOps, step_ops
 from ljperf.speed.collectives import KINDS, Collective
 from ljperf.speed.overlap import StepTimes, exposed, totals
+from ljperf.speed.pipeline import LayerSeconds, PipelineWork, pipelined
 from ljperf.speed.rates import SpeedRates, cpu_rates, gpu_rates
 from ljperf.speed.traffic import EngineWork, Traffic, step_traffic
 
 BREAKDOWN = ("forward", "backward", "recompute", "optimizer", *KINDS, "exposed_comm", "bubble")
 """The record's ``speed.breakdown``: compute by phase, each collective kind's seconds (hidden or not), the
-communication left exposed, and the pipeline bubble (0 until pipelining)."""
+communication left exposed, and the pipeline bubble (``--pp``: ``speed.pipeline``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +73,8 @@ class StepWork:
     """Tokens this rank's step trains (a tensor-parallel group's shared tokens count once per group)."""
     model_flops: float
     """The step's model FLOPs on this rank (PaLM's definition, as the benchmark's MFU)."""
+    pipeline: PipelineWork | None = None
+    """``--pp``: the layers of each pipeline rank and a boundary's send (the rest is the whole model's)."""
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,6 +117,7 @@ def step_work(spec: ModelSpec, recipe: Recipe, rates: SpeedRates) -> StepWork:
     full = priced(ops.layer_forward)
     selective = priced(tuple(e for e in ops.layer_forward if e[0] not in SAVED))
     tokens = recipe.micro_batch * recipe.seq_len * recipe.grad_accum
+    ranks = recipe.tp * recipe.pp  # the ranks that share a micro-batch's tokens
     return StepWork(
         layer_forward=full,
         layer_backward=priced(ops.layer_backward),
@@ -123,8 +128,22 @@ def step_work(spec: ModelSpec, recipe: Recipe, rates: SpeedRates) -> StepWork:
         modes=recipe.layer_modes(spec.layers),
         micro_steps=recipe.grad_accum,
         traffic=step_traffic(spec, recipe),
-        tokens=tokens // recipe.tp,
-        model_flops=spec.flops_per_token(recipe.seq_len) * tokens / recipe.tp,
+        tokens=tokens // ranks,
+        model_flops=spec.flops_per_token(recipe.seq_len) * tokens / ranks,
+        pipeline=pipeline_work(spec, recipe) if recipe.pp > 1 else None,
+    )
+
+
+def pipeline_work(spec: ModelSpec, recipe: Recipe) -> PipelineWork:
+    """``recipe``'s pipeline: the split the fsdp engine runs, and one micro-batch's hidden states a boundary."""
+    split, act_bytes = pipeline_split(spec, recipe), 2 if recipe.precision != "fp32" else 4
+    hidden = recipe.micro_batch * recipe.seq_len * spec.hidden * act_bytes / recipe.tp
+    stride = recipe.world // recipe.pp  # pipeline ranks are the mesh's outermost dimension
+    return PipelineWork(
+        layers_per_rank=tuple(sum(split[r :: recipe.pp]) for r in range(recipe.pp)),
+        stages_per_rank=recipe.pp_stages_per_rank,
+        microbatches=recipe.grad_accum,
+        send=Collective(kind="broadcast", what="pp_send", size_bytes=hidden, ranks=2, stride=stride),
     )
 
 
@@ -174,6 +193,11 @@ def predict(work: StepWork, rates: SpeedRates, *, peak_mfu: bool = True) -> Spee
     parts |= dict.fromkeys(KINDS, 0.0) | totals(work.traffic, seconds=seconds, layers=len(work.modes), micro_steps=n)
     parts["exposed_comm"] = sum(waits.values())
     parts["bubble"] = 0.0
+    if work.pipeline is not None:
+        rest = times.rest_forward + times.rest_backward
+        per = LayerSeconds(layer=(parts["forward"] + parts["backward"] + parts["recompute"] - n * rest) / n
+                           / len(work.modes), rest=rest)  # fmt: skip
+        parts = pipelined(parts, work.pipeline, per=per, seconds=seconds)
     step = sum(parts[k] for k in ("forward", "backward", "recompute", "optimizer", "exposed_comm", "bubble"))
     phases = {
         "forward": parts["forward"] + waits["forward"],
@@ -239,6 +263,16 @@ def load_work(data: dict) -> StepWork:
         traffic=Traffic(**t),
         tokens=int(data["tokens"]),
         model_flops=float(data["model_flops"]),
+        pipeline=_load_pipeline(data["pipeline"]) if data.get("pipeline") else None,
+    )
+
+
+def _load_pipeline(d: dict) -> PipelineWork:
+    return PipelineWork(
+        layers_per_rank=tuple(d["layers_per_rank"]),
+        stages_per_rank=int(d["stages_per_rank"]),
+        microbatches=int(d["microbatches"]),
+        send=Collective(**d["send"]),
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ljperf.forecast.blocks import BlockParams, block_params
+from ljperf.forecast.blocks import BlockParams, recipe_blocks
 from ljperf.forecast.recipe import Recipe
 from ljperf.models.spec import ModelSpec
 
@@ -64,6 +64,8 @@ class FsdpReduce:
     """The process group copies a reduce-scatter's whole input while it runs: gloo (a CPU run) does, NCCL not."""
     prefetched: tuple[int, ...] = ()
     """By decoder layer, bytes of the next layer's all-gather alive while this one's gradients are reduced."""
+    synced: bool = True
+    """False: no reduce-scatter in backward, the gradients accumulated whole (``PipelinedFsdp``)."""
     holds_reduce_output: bool = False
     """HSDP: each group's reduce-scatter output, which it all-reduces over the replicas, is held until the backward
     ends (``FSDPParamGroup._all_reduce_state``); from micro-step 2 on it is a buffer beside the accumulated
@@ -112,6 +114,27 @@ class ZeroState:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelinedFsdp:
+    """FSDP2 inside torch's pipeline schedules (``PipelineStage.backward_maybe_with_nosync``): every micro-batch's
+    backward runs without gradient sync and without resharding after backward; the gradients accumulate whole,
+    and ``perform_reduce_grad`` reduce-scatters them group by group after the last backward, resharding each.
+
+    A backward after a forward gathers each layer again and keeps it (``keep``); a forward after a backward finds
+    the layers gathered and reshards each after it runs (``reuse``); a backward after a backward moves nothing
+    (``stay``). The root stays gathered from the first forward to the end."""
+
+    no_sync: Sharding
+    """The sharding from the first backward on: gradients kept whole, no reduce-scatter in backward."""
+    keep: Gathering
+    reuse: Gathering
+    stay: Gathering
+    sync: Gathering
+    """A forward after a forward: gathered and resharded, as outside a pipeline."""
+    layer_bytes: int
+    """One decoder layer's gathered parameters (compute dtype)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Sharding:
     """How one rank holds the model states (bytes), and what its engine gathers or buffers around each block."""
 
@@ -134,6 +157,8 @@ class Sharding:
     gathering: Gathering = field(default_factory=Gathering)
     fsdp: FsdpReduce | None = None
     zero: ZeroState | None = None
+    pipelined: PipelinedFsdp | None = None
+    """FSDP2 under ``--pp``: how its stages gather and reduce inside torch's pipeline schedules."""
 
     @property
     def grads_persistent(self) -> bool:
@@ -174,7 +199,7 @@ class Sizes:
 
     @classmethod
     def of(cls, spec: ModelSpec, recipe: Recipe) -> Sizes:
-        blocks = block_params(spec, tp=recipe.tp)
+        blocks = recipe_blocks(spec, recipe)
         return cls(
             blocks=blocks,
             world=recipe.mesh.dp_shard,

@@ -5,8 +5,10 @@ Use: ``fsdp_sharding(spec, recipe)`` (``sharding.engine_sharding`` picks it for 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ljperf.forecast.recipe import Recipe
-from ljperf.forecast.sharding.base import FsdpReduce, Gathering, LayerGather, Sharding, Sizes
+from ljperf.forecast.sharding.base import FsdpReduce, Gathering, LayerGather, PipelinedFsdp, Sharding, Sizes
 from ljperf.models.spec import ModelSpec
 
 
@@ -42,7 +44,7 @@ def fsdp_sharding(spec: ModelSpec, recipe: Recipe) -> Sharding:
     else:  # no re-gather
         layers = (LayerGather(forward=layer, backward=0, held=layer),) * n
         gathering = Gathering(resident=root, layers=layers, embedding_forward=root, head_forward=layer)
-    return Sharding(
+    shard = Sharding(
         params=size.shard,
         grads=size.shard,
         optimizer=size.moments,
@@ -57,3 +59,24 @@ def fsdp_sharding(spec: ModelSpec, recipe: Recipe) -> Sharding:
             holds_reduce_output=recipe.dp_replicate > 1,
         ),
     )
+    if recipe.pp > 1 and recipe.reshard_after_forward:
+        return replace(shard, pipelined=_pipelined(shard, layer=layer, root=root, layers=n))
+    return shard
+
+
+def _pipelined(shard: Sharding, *, layer: int, root: int, layers: int) -> PipelinedFsdp:
+    """``shard`` inside a pipeline schedule (``PipelinedFsdp``)."""
+    assert shard.fsdp is not None
+    fsdp = replace(shard.fsdp, reduce_input=0, copies_input=False, prefetched=(0,) * layers, synced=False)
+    backward = [2 * layer] * layers
+    if layers > 1:
+        backward[0] = layer
+    keep = Gathering(
+        resident=root,
+        layers=tuple(LayerGather(forward=0, backward=b, held=-layer) for b in backward),
+        head_backward=layer,
+    )
+    reuse = Gathering(resident=root, layers=(LayerGather(forward=0, backward=0, held=-layer),) * layers)
+    stay = Gathering(resident=root, layers=(LayerGather(forward=0, backward=0, held=0),) * layers)
+    no_sync = replace(shard, grad_keep=1.0, fsdp=fsdp, gathering=keep)
+    return PipelinedFsdp(no_sync=no_sync, keep=keep, reuse=reuse, stay=stay, sync=shard.gathering, layer_bytes=layer)
