@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from ljperf.core.choices import PipelineSchedule
+from ljperf.core.phases import phase
 from ljperf.engines.common import parameter_names
 from ljperf.forecast.pipeline import pipeline_split
 from ljperf.forecast.recipe import Recipe
@@ -46,6 +48,15 @@ class Stage:
     index: int
     layers: range
     names: dict[tuple[int, str], str]
+
+
+class TimedStage(PipelineStage):
+    """torch's stage, its backward marked as the step's backward phase (the schedule runs it, so no engine code
+    surrounds it; the stage's forward marks itself, ``DecoderStage.forward``)."""
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
+        with phase("backward"):
+            super().backward_one_chunk(*args, **kwargs)
 
 
 def stage_indices(run: RunContext) -> list[int]:
@@ -85,7 +96,7 @@ class Pipeline:
         step's accumulation), gradients averaged over them (``scale_grads``), the loss as every engine's."""
         opts, device = run.engine_opts, run.device.torch_device
         total = opts.stages
-        pipes: list[_PipelineStageBase] = [PipelineStage(s.module, s.index, total, device, group=group) for s in stages]
+        pipes: list[_PipelineStageBase] = [TimedStage(s.module, s.index, total, device, group=group) for s in stages]
         schedule = make_schedule(opts.pp_schedule, pipes, microbatches=run.train.grad_accum)
         indices = {s.index for s in stages}
         world = run.world // opts.pp  # the ranks of one pipeline stage
