@@ -23,6 +23,8 @@ from ljperf.models.spec import resolve
 
 from conftest import read_record, run_ljperf
 
+TOLERANCE = 0.005
+"""The forecast against a real step's measured peak: within 0.5% (issue 59)."""
 NEEDS_FSDP_TORCH = pytest.mark.skipif(
     fakestep.torch_version() < fakestep.FSDP_TORCH, reason="FSDP2's fake step counts DTensor's propagation before 2.13"
 )
@@ -67,16 +69,19 @@ def test_forecast_equals_memtracker_on_a_full_size_fake_step(model, world, recom
 
 
 @NEEDS_FSDP_TORCH
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-def test_fsdp2_root_regathered_in_backward_and_resharded_before_its_reduce(precision, tmp_path):
+def test_fsdp2_root_regathered_in_backward_and_resharded_before_its_reduce(precision, world, tmp_path):
     """A root (embedding, head) 16× a layer, as a 128k vocabulary makes it: FSDP2 reshards it after forward and
     gathers it again at the start of backward (fp32: the peak), then reshards it before its gradients are
     reduce-scattered, freeing the embedding's gradient before the output shard is made (bf16: the peak).
-    Rank 0 of 2 on the fake process group. Measured: exact (before: +23% and +7.3%, the root held throughout)."""
+    Rank 0 of 2 on the fake process group. Measured: exact (before: +23% and +7.3%, the root held throughout).
+    One shard (world 1) gathers without a flat all-gather buffer and copies its reduce input into the output
+    after every root gradient is freed: exact (before: +1.3% to +2.9%)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**read_config_dict(name="llama-tiny"), "vocab_size": 32768}))
     spec = resolve(path=config)
-    recipe = Recipe(engine="fsdp", world=2, device="cpu", precision=precision, micro_batch=1, seq_len=32)
+    recipe = Recipe(engine="fsdp", world=world, device="cpu", precision=precision, micro_batch=1, seq_len=32)
     assert forecast(spec, recipe).peak_allocated_bytes == pytest.approx(fake_step_peak(spec, recipe), rel=1e-3)
 
 
@@ -275,15 +280,15 @@ def test_forecast_of_two_processes_per_rank(distributed_runs, engine, tolerance)
 @pytest.mark.slow
 def test_fsdp2_on_one_process_is_forecast_without_a_collectives_copy(tmp_path):
     """One shard: FSDP2 runs no reduce-scatter (it copies the input to the output), so gloo copies nothing; the
-    forecast counted gloo's copy of the root's gradients, +10.4% at this shape. Left: +1.3%, not yet explained
-    (docs/forecast.md); never below."""
+    forecast counted gloo's copy of the root's gradients, +10.4% at this shape, then +1.3% with the flat all-gather
+    buffers that one shard does not make and the head's gradient it frees before its copy. Measured: -0.00%."""
     out = tmp_path / "one.json"
     argv = ["--model", "fsdp/llama-tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1", "--device", "cpu"]
     proc = run_ljperf("benchmark", *argv, "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = read_record(out)["results"]
     predicted, (measured,) = results["forecast"]["peak_allocated_bytes"], results["peak_allocated_bytes_per_rank"]
-    assert 0 <= (predicted - measured) / measured < 0.02, (predicted, measured, results["forecast"]["phase"])
+    assert abs(predicted - measured) / measured < TOLERANCE, (predicted, measured, results["forecast"]["phase"])
 
 
 @pytest.mark.slow
