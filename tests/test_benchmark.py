@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import threading
 import os
 import signal
 import subprocess
 import sys
+import threading
 from importlib import resources
 
 import jsonschema
