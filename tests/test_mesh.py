@@ -1,5 +1,5 @@
-"""Tensor parallel and HSDP on a device mesh (``--tp``, ``--dp-replicate``): bad meshes refused in-process, and
-the three meshes trained on CPU (gloo) against DDP.
+"""Tensor parallel, HSDP and pipeline parallel on a device mesh (``--tp``, ``--dp-replicate``, ``--pp``): bad meshes
+refused in-process, and the meshes trained on CPU (gloo) against DDP.
 
 Run: ``.venv/bin/python -m pytest tests/test_mesh.py`` (the slow part: one 4-process and one 2-process torchrun of
 tests/scripts/mesh_worker.py, started together).
@@ -7,7 +7,9 @@ tests/scripts/mesh_worker.py, started together).
 Every run trains on the same global batch of 8 sequences a step (``SyntheticTokens`` splits one global batch over
 the data-parallel ranks, and a tensor-parallel group shares its rank's): DDP on 4 ranks × 2 sequences is the
 reference for ``--tp 2`` on 2 ranks (8 sequences each), ``--tp 2`` × FSDP2 on 4 (2 data-parallel ranks × 4) and
-``--dp-replicate 2`` × 2 shards (4 data-parallel ranks × 2).
+``--dp-replicate 2`` × 2 shards (4 data-parallel ranks × 2) and the 3-D mesh, ``--dp-replicate 2`` × 1 shard ×
+``--tp 2`` (2 data-parallel ranks × 4); ``--pp 2`` on 2 ranks (4 micro-batches of 2), ``--pp 2`` × FSDP2 over 2 (2
+micro-batches of 2 each) and ``--pp 2 --tp 2`` (2 micro-batches of 4).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ FOUR = {
     "hsdp2x2": f"--model fsdp/llama-tiny --dp-replicate 2 --micro-batch 2 {COMMON}",
     "pp2-fsdp2": f"--model fsdp/llama-tiny --pp 2 --pp-microbatches 2 --micro-batch 2 {COMMON}",
     "pp2-tp2": f"--model fsdp/llama-tiny --pp 2 --tp 2 --pp-microbatches 2 --micro-batch 4 {COMMON}",
+    # the 3-D mesh: 2 replicas × 1 shard × tp 2 (one shard: no all-gather buffers, issue 59)
+    "hsdp2x1-tp2": f"--model fsdp/llama-tiny --dp-replicate 2 --tp 2 --micro-batch 4 {COMMON}",
 }
 TWO = {
     "tp2": f"--model fsdp/llama-tiny --tp 2 --micro-batch 8 {COMMON}",
@@ -41,6 +45,7 @@ MESHES = {
     "tp2": (1, 1, 1, 2),
     "tp2-fsdp2": (1, 1, 2, 2),
     "hsdp2x2": (1, 2, 2, 1),
+    "hsdp2x1-tp2": (1, 2, 1, 2),
     "pp2": (2, 1, 1, 1),
     "pp2-fsdp2": (2, 1, 2, 1),
     "pp2-tp2": (2, 1, 1, 2),
@@ -75,7 +80,7 @@ def test_a_bad_mesh_exits_2_with_one_line(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1, err
 
 
-# --- the three meshes, trained: one 4-process and one 2-process launch ---
+# --- the meshes, trained: one 4-process and one 2-process launch ---
 
 
 def _launch(processes: int, out: Path, runs: dict[str, str]) -> subprocess.Popen:

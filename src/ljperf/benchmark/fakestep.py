@@ -83,7 +83,7 @@ def fake_step_peak(spec: ModelSpec, recipe: Recipe) -> int:
     # FSDP2 shards the parameters while they are still on the meta device: those inputs are not fake.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=recipe.engine == "fsdp")
     with contextlib.ExitStack() as stack:
-        mesh = stack.enter_context(_fake_world(recipe.world))
+        mesh = stack.enter_context(_fake_world(recipe.world if recipe.engine == "fsdp" else 0))
         stack.enter_context(real_code_paths())
         engine: Engine
         if recipe.engine == "fsdp":
@@ -138,8 +138,9 @@ def _peak_tracker() -> MemTracker:
 
 @contextlib.contextmanager
 def _fake_world(world: int) -> Generator[DeviceMesh | None]:
-    """``world`` ranks on torch's fake process group, this process rank 0 (and their device mesh); none for 1."""
-    if world == 1:
+    """``world`` ranks on torch's fake process group, this process rank 0 (and their device mesh); none for 0 (the
+    torch engine's one process)."""
+    if world == 0:
         yield None
         return
     import torch.distributed as dist

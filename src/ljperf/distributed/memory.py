@@ -9,6 +9,7 @@ compiled code runs eager while it measures (the figure is the eager step's).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,13 @@ class LiveTensorBytes(TorchDispatchMode):
     through ``UntypedStorage.resize_`` while active), and storages that existed before the step but were not
     listed as alive (DDP's gradient buckets, which its reducer first writes mid-backward with an ``out=`` op):
     they were alive all along, so when first written they count from the start (baseline and peak both rise).
+
+    And gloo copies a collective's input (FSDP2's reduce-scatter, ZeRO-3's all-gathers and reduce-scatters) where
+    the dispatcher does not see it; it is seen when the calling thread views it. Holding it in Python (this
+    count's storage object) makes gloo's thread take the GIL to free it after the collective, up to tens of
+    milliseconds late on a busy CPU, whereas unwatched it frees it as the collective ends: such a storage freed
+    on another thread is taken back from every moment after it was seen, so that the count does not depend on
+    when gloo's thread got the GIL (``_late``).
     """
 
     def __init__(self, alive: Iterable[torch.Tensor] = ()):
@@ -62,6 +70,13 @@ class LiveTensorBytes(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self._seen: dict[int, int] = {}
+        self._late: dict[int, int] = {}
+        """Storages first seen as a view of a tensor made unseen (gloo's copies), by key: where in ``_trail``."""
+        self._trail: list[int] = []
+        """``current`` after each change since the oldest of ``_late`` was seen (the first entry: as it was)."""
+        self._settled = 0
+        """The peak before that."""
+        self._thread = threading.get_ident()
         for tensor in alive:
             self._track(tensor)
         self.baseline = self.current
@@ -74,12 +89,12 @@ class LiveTensorBytes(TorchDispatchMode):
             peak_allocated=self.peak, peak_reserved=None, num_alloc_retries=None, num_ooms=None, method=CPU_METHOD
         )
 
-    def _track(self, tensor: torch.Tensor, *, existed: bool = False) -> None:
+    def _track(self, tensor: torch.Tensor, *, existed: bool = False, unseen_view: bool = False) -> None:
         storage = _storage(tensor)
         if storage is not None:
-            self._add(storage, existed=existed)
+            self._add(storage, existed=existed, unseen_view=unseen_view)
 
-    def _add(self, storage: torch.UntypedStorage, *, existed: bool) -> None:
+    def _add(self, storage: torch.UntypedStorage, *, existed: bool, unseen_view: bool = False) -> None:
         key = storage._cdata
         if key in self._seen or storage.nbytes() == 0:
             return
@@ -89,11 +104,33 @@ class LiveTensorBytes(TorchDispatchMode):
         if existed:
             self.baseline += nbytes
             self.peak += nbytes
-        self.peak = max(self.peak, self.current)
+            self._settled += nbytes
+            self._trail = [level + nbytes for level in self._trail]
+        if unseen_view:
+            if not self._late:
+                self._settled, self._trail = self.peak, []
+            self._late[key] = len(self._trail)
+        self._moved()
         weakref.finalize(storage, self._release, key)
 
+    def _moved(self) -> None:
+        """``current`` changed: the peak, and the trail a late release is taken back from."""
+        if self._late:
+            self._trail.append(self.current)
+        self.peak = max(self.peak, self.current)
+
     def _release(self, key: int) -> None:
-        self.current -= self._seen.pop(key, 0)
+        nbytes = self._seen.pop(key, 0)
+        self.current -= nbytes
+        seen_at = self._late.pop(key, None)
+        if seen_at is not None and threading.get_ident() != self._thread:
+            for i in range(seen_at + 1, len(self._trail)):
+                self._trail[i] -= nbytes
+            self.peak = max(self._settled, *self._trail)
+        if self._late:
+            self._trail.append(self.current)
+        else:
+            self._trail = []
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -102,7 +139,7 @@ class LiveTensorBytes(TorchDispatchMode):
             return
         self.current += storage.nbytes() - self._seen[key]
         self._seen[key] = storage.nbytes()
-        self.peak = max(self.peak, self.current)
+        self._moved()
 
     def __enter__(self):
         resize = torch.UntypedStorage.resize_
@@ -131,17 +168,18 @@ class LiveTensorBytes(TorchDispatchMode):
         self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ):
         out = func(*args, **(kwargs or {}))
-        written = None
+        inputs = None
         for leaf in tree_leaves(out):
             storage = _storage(leaf)
             if storage is None or storage._cdata in self._seen:
                 continue
-            if written is None:
-                # An untracked storage an op writes into (``out=``, in-place) existed before the step. (A view
-                # of one does not tell: gloo makes temporaries on its own threads, unseen until viewed here.)
-                inputs = tree_leaves((args, kwargs)) if func._schema.is_mutable else []
-                written = {s._cdata for s in map(_storage, inputs) if s is not None}
-            self._track(leaf, existed=storage._cdata in written)
+            if inputs is None:
+                inputs = {s._cdata for s in map(_storage, tree_leaves((args, kwargs))) if s is not None}
+            # An untracked storage an op writes into (``out=``, in-place) existed before the step; one an op views
+            # was made unseen (gloo makes its copies where the dispatcher does not see them).
+            written = storage._cdata in inputs
+            mutable = func._schema.is_mutable
+            self._track(leaf, existed=written and mutable, unseen_view=written and not mutable)
         return out
 
 

@@ -131,11 +131,10 @@ class _Grads:
         """Bytes above the level while FSDP2 reduce-scatters the root's gradients: the input is filled from
         them; the embedding's gradient is freed before the output shard is made, the head's and norm's after; gloo
         copies the input while the reduce-scatter runs."""
-        reduce_input = params * self.shard.kept_grad_bytes
-        copy = reduce_input if self.shard.fsdp and self.shard.fsdp.copies_input else 0
-        return max(
-            reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - self.made(embedding) + copy
-        )
+        reduce_input, fsdp = params * self.shard.kept_grad_bytes, self.shard.fsdp
+        copy = reduce_input if fsdp and fsdp.copies_input else 0
+        freed = self.made(params if fsdp and fsdp.frees_root_grads else embedding)
+        return max(reduce_input, reduce_input + round(reduce_input * self.shard.grad_keep) - freed + copy)
 
     def settle(self, walk: Walk, params: int, *, beyond: int = 0) -> None:
         """After a block's backward over ``params``; ``beyond``: gradient elements its backward made beyond this

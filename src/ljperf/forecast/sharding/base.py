@@ -66,6 +66,9 @@ class FsdpReduce:
     """By decoder layer, bytes of the next layer's all-gather alive while this one's gradients are reduced."""
     synced: bool = True
     """False: no reduce-scatter in backward, the gradients accumulated whole (``PipelinedFsdp``)."""
+    frees_root_grads: bool = False
+    """One shard: the root's reduce copies its input into the output after every root gradient is freed (with
+    several shards the head's and norm's are still alive as the output is made)."""
     holds_reduce_output: bool = False
     """HSDP: each group's reduce-scatter output, which it all-reduces over the replicas, is held until the backward
     ends (``FSDPParamGroup._all_reduce_state``); from micro-step 2 on it is a buffer beside the accumulated

@@ -26,24 +26,8 @@ def fsdp_sharding(spec: ModelSpec, recipe: Recipe) -> Sharding:
     size = Sizes.of(spec, recipe)
     blocks, master = size.blocks, recipe.weight_bytes
     layer = blocks.layer * size.compute
-    root = (blocks.pre + blocks.post) * size.compute
     n = blocks.layers
-    if recipe.reshard_after_forward:
-        backward = [2 * layer] * n
-        if n > 1:  # the first layer's backward (the last to run) prefetches nothing; a lone layer is walked as last
-            backward[0] = layer
-        layers = tuple(LayerGather(forward=2 * layer, backward=b, held=0) for b in backward)
-        gathering = Gathering(
-            resident=root,
-            layers=layers,
-            embedding_forward=root,
-            head_forward=layer,
-            head_backward=layer,
-            root_backward=root,
-        )
-    else:  # no re-gather
-        layers = (LayerGather(forward=layer, backward=0, held=layer),) * n
-        gathering = Gathering(resident=root, layers=layers, embedding_forward=root, head_forward=layer)
+    gathering = _gathering(size, reshard_after_forward=recipe.reshard_after_forward)
     shard = Sharding(
         params=size.shard,
         grads=size.shard,
@@ -55,28 +39,59 @@ def fsdp_sharding(spec: ModelSpec, recipe: Recipe) -> Sharding:
         fsdp=FsdpReduce(
             reduce_input=blocks.layer * master,
             copies_input=recipe.device == "cpu" and size.world > 1,  # one shard: no collective runs
-            prefetched=tuple(layer if recipe.reshard_after_forward and i > 0 else 0 for i in range(n)),
+            prefetched=tuple(
+                layer if recipe.reshard_after_forward and i > 0 and size.world > 1 else 0 for i in range(n)
+            ),
+            frees_root_grads=size.world == 1,
             holds_reduce_output=recipe.dp_replicate > 1,
         ),
     )
     if recipe.pp > 1 and recipe.reshard_after_forward:
-        return replace(shard, pipelined=_pipelined(shard, layer=layer, root=root, layers=n))
+        flat = layer if size.world > 1 else 0
+        return replace(shard, pipelined=_pipelined(shard, layer=layer, flat=flat, root=gathering.resident, layers=n))
     return shard
 
 
-def _pipelined(shard: Sharding, *, layer: int, root: int, layers: int) -> PipelinedFsdp:
-    """``shard`` inside a pipeline schedule (``PipelinedFsdp``)."""
+def _pipelined(shard: Sharding, *, layer: int, flat: int, root: int, layers: int) -> PipelinedFsdp:
+    """``shard`` inside a pipeline schedule (``PipelinedFsdp``); ``flat``: a layer's all-gather buffer (none with
+    one shard)."""
     assert shard.fsdp is not None
     fsdp = replace(shard.fsdp, reduce_input=0, copies_input=False, prefetched=(0,) * layers, synced=False)
-    backward = [2 * layer] * layers
+    backward = [layer + flat] * layers
     if layers > 1:
         backward[0] = layer
     keep = Gathering(
         resident=root,
         layers=tuple(LayerGather(forward=0, backward=b, held=-layer) for b in backward),
-        head_backward=layer,
+        head_backward=flat,
     )
     reuse = Gathering(resident=root, layers=(LayerGather(forward=0, backward=0, held=-layer),) * layers)
     stay = Gathering(resident=root, layers=(LayerGather(forward=0, backward=0, held=0),) * layers)
     no_sync = replace(shard, grad_keep=1.0, fsdp=fsdp, gathering=keep)
     return PipelinedFsdp(no_sync=no_sync, keep=keep, reuse=reuse, stay=stay, sync=shard.gathering, layer_bytes=layer)
+
+
+def _gathering(size: Sizes, *, reshard_after_forward: bool) -> Gathering:
+    """What FSDP2 gathers around each block (``fsdp_sharding``). With one shard there is no all-gather: a group's
+    unsharded parameters are copied from its shards when it is waited for (``FSDPParamGroup.wait_for_unshard``),
+    so no flat buffer exists and a prefetch allocates nothing until the layer runs."""
+    blocks = size.blocks
+    layer = blocks.layer * size.compute
+    root = (blocks.pre + blocks.post) * size.compute
+    n = blocks.layers
+    flat_layer, flat_root = (layer, root) if size.world > 1 else (0, 0)
+    if reshard_after_forward:
+        backward = [layer + flat_layer] * n
+        if n > 1:  # the first layer's backward (the last to run) prefetches nothing; a lone layer is walked as last
+            backward[0] = layer
+        return Gathering(
+            resident=root,
+            layers=tuple(LayerGather(forward=layer + flat_layer, backward=b, held=0) for b in backward),
+            embedding_forward=flat_root,
+            head_forward=flat_layer,
+            head_backward=flat_layer,
+            root_backward=flat_root,
+        )
+    # no re-gather
+    layers = (LayerGather(forward=layer, backward=0, held=layer),) * n
+    return Gathering(resident=root, layers=layers, embedding_forward=flat_root, head_forward=flat_layer)
