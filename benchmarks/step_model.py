@@ -1,16 +1,19 @@
 """The step-time model against measured CPU steps: calibrate on half of a grid of recipes, predict the other half.
 
-Run: ``.venv/bin/python benchmarks/step_model.py [--repeats 2] [--records DIR] [--markdown FILE]`` (about an hour
-on the 2-core machine). The grid: engines torch (one process), DDP, FSDP2 (one and two processes), ZeRO-1/2/3
-(two processes) × two architectures (llama-tiny, qwen-tiny) × two shapes × recompute none/full, each recipe one
-``ljperf benchmark`` process (fp32, ``--threads 1``, ``OMP_NUM_THREADS=1``), the recipes shuffled anew in each
-repeat so machine drift hits them alike. A run's measured step is the median of its timed steps in device
-seconds (a process's CPU time per thread: on the shared machine the wall time holds the waits for a core, see
-``speed.calibrate.device_seconds``); a recipe's, the median over its repeats. Every other recipe of each engine
-(in a fixed order) calibrates (``ljperf plan --calibrate`` on its records, into a fresh cache), the rest is
-predicted as ``ljperf plan`` predicts (its ``speed_for``); the table shows both, the footer the held-out median
-and worst |error| and the Spearman rank correlation of predicted and measured step times. ``--records DIR`` keeps
-the records (a rerun measures only the recipes missing there).
+Run: ``.venv/bin/python benchmarks/step_model.py [--repeats 2] [--records DIR] [--markdown FILE] [--measured]``
+(about a minute a benchmark process on the shared 2-core machine: one repeat took an hour at a load of 5-14).
+The grid: engines torch (one process), DDP, FSDP2 (one and two processes), ZeRO-1/2/3 (two processes) × two
+architectures (llama-tiny, qwen-tiny) × two shapes × recompute none/full, each recipe one ``ljperf benchmark``
+process (fp32, ``--threads 1``, ``OMP_NUM_THREADS=1``), the recipes shuffled anew in each repeat so machine drift
+hits them alike. A run's measured step is the median of its timed steps in device seconds (a process's CPU time per
+thread: on the shared machine the wall time holds the waits for a core, see ``speed.calibrate.device_seconds``); a
+recipe's, the median over its repeats. Every other recipe of each engine (in a fixed order) calibrates (``ljperf
+plan --calibrate`` on its records, into a fresh cache), the rest is predicted as ``ljperf plan`` predicts (its
+``speed_for``); the table shows both, the footer the held-out median and worst |error| and the Spearman rank
+correlation of predicted and measured step times. ``--records DIR`` keeps the records (a rerun measures only the
+recipes missing there; ``--measured`` measures none). Each record's ``results.speed`` is derived again by the
+current model before the fit (copies in ``DIR/repriced``), so a change to the model is checked against the steps
+already measured.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ENGINES: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "torch": ("torch", 1, ()),
@@ -127,16 +131,14 @@ def measured_steps(recipe: Recipe, records: Path, repeats: int) -> tuple[float, 
     return measured, statistics.median(r["speed"]["predicted_step_time_s"] for r in ok)
 
 
-def predicted(recipe: Recipe) -> float:
-    """The step time ``ljperf plan`` predicts for ``recipe`` with the saved calibration (its ``speed_for``)."""
+def planned(recipe: Recipe) -> tuple[Any, Any]:
+    """(spec, the forecast's ``Recipe``) of ``recipe``: what ``ljperf plan`` and the benchmark price."""
     from ljperf.forecast.recipe import Recipe as Planned
     from ljperf.models.spec import resolve
-    from ljperf.speed.api import speed_for
-    from ljperf.speed.rates import Cluster
 
     prefix, processes, extra = ENGINES[recipe.engine]
     spec = resolve(name=recipe.model)
-    planned = Planned(
+    return spec, Planned(
         engine=prefix,
         zero_stage=int(extra[1]) if extra else 3,
         world=processes,
@@ -147,9 +149,40 @@ def predicted(recipe: Recipe) -> float:
         attn_implementation=spec.attention(None),
         recompute=(recipe.recompute,) * spec.layers,
     )
-    speed = speed_for(spec, planned, device_name="cpu", cluster=Cluster(), threads=1)
+
+
+def predicted(recipe: Recipe) -> float:
+    """The step time ``ljperf plan`` predicts for ``recipe`` with the saved calibration (its ``speed_for``)."""
+    from ljperf.speed.api import speed_for
+    from ljperf.speed.rates import Cluster
+
+    spec, plan = planned(recipe)
+    speed = speed_for(spec, plan, device_name="cpu", cluster=Cluster(), threads=1)
     assert speed is not None
     return speed.step_time_s
+
+
+def reprice(recipes: list[Recipe], records: Path, repeats: int) -> Path:
+    """Copies of the records whose ``results.speed`` the current model derives again from their measured steps
+    (``speed.api.benchmark_speed``, uncalibrated), in ``records/repriced``: a change to the model is checked
+    against the steps already measured, without measuring them again."""
+    import json
+
+    from ljperf.speed.api import benchmark_speed
+
+    out = records / "repriced"
+    out.mkdir(exist_ok=True)
+    for recipe in recipes:
+        spec, plan = planned(recipe)
+        for i in range(repeats):
+            if not (path := records / recipe.file(i)).exists():
+                continue
+            record = json.loads(path.read_text())
+            results = record["results"]
+            if results["status"] == "ok" and results.get("speed"):
+                results["speed"] = benchmark_speed(spec, plan, device_name="cpu", threads=1, results=results)
+            (out / recipe.file(i)).write_text(json.dumps(record))
+    return out
 
 
 def report(recipes: list[Recipe], records: Path, halves: tuple[list[Recipe], list[Recipe]], *, repeats: int,
@@ -157,9 +190,10 @@ def report(recipes: list[Recipe], records: Path, halves: tuple[list[Recipe], lis
     from ljperf.core.records import versions
 
     calibrate, held_out = halves
+    (Path(env["LJPERF_CACHE_DIR"]) / "speed-calibration.json").unlink(missing_ok=True)
+    records = reprice(recipes, records, repeats)
     found = {r: m for r in recipes if (m := measured_steps(r, records, repeats)) is not None}
     files = [str(p) for r in calibrate if r in found for i in range(repeats) if (p := records / r.file(i)).exists()]
-    (Path(env["LJPERF_CACHE_DIR"]) / "speed-calibration.json").unlink(missing_ok=True)
     fitted = subprocess.run([sys.executable, "-m", "ljperf", "plan", "--calibrate", *files], env=env, check=True,
                             capture_output=True, text=True).stdout  # fmt: skip
     rows = [
@@ -210,6 +244,9 @@ def main() -> int:
     )
     parser.add_argument("--only", default=None, help="only the recipes whose name holds this (a quick look)")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table and summary here")
+    parser.add_argument(
+        "--measured", action="store_true", help="measure nothing: report on the records already in --records"
+    )
     args = parser.parse_args()
     records = args.records or Path(tempfile.mkdtemp(prefix="step-model-"))
     records.mkdir(parents=True, exist_ok=True)
@@ -217,7 +254,8 @@ def main() -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LJPERF_CACHE_DIR": str(cache)}
     os.environ.update(env)
     recipes = [r for r in grid() if args.only is None or args.only in r.name]
-    measure(recipes, records, repeats=args.repeats, steps=args.steps, env=env)
+    if not args.measured:
+        measure(recipes, records, repeats=args.repeats, steps=args.steps, env=env)
     text = report(recipes, records, split(recipes), repeats=args.repeats, env=env)
     print(text)
     if args.markdown:

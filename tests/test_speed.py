@@ -266,3 +266,23 @@ def test_a_traced_recipe_is_priced_in_under_5_ms(tiny):
         predict(deep, RATES)
     assert (time.process_time() - start) / 100 < 5e-3
     assert load_work(json.loads(json.dumps(deep.record()))) == deep
+
+
+def test_the_report_shows_the_predicted_step_beside_the_measured_step_it_is_compared_with():
+    from ljperf.ablation.report import rows
+    from ljperf.ablation.stats import summarize
+
+    def cell(measured: str) -> str:
+        record = json.loads(RECORD.read_text())
+        record["results"]["speed"] = {
+            "predicted_step_time_s": 0.09,
+            "measured_step_time_s": 0.1,
+            "error_pct": -10.0,
+            "measured": measured,
+        }
+        header, body = rows(summarize([record]))
+        return body[0][header.index("predicted ms")]
+
+    # on a CPU the step ms column is the wall's: the cell names the CPU step the error is against
+    assert cell("process CPU time per thread") == "90.0 of 100.0 CPU (-10%)"
+    assert cell("wall") == "90.0 (-10%)"

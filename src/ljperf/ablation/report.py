@@ -136,11 +136,13 @@ def rows(stats: list[VariantStats], *, marked: Collection[str] = ()) -> tuple[li
 
 
 def _predicted(s: VariantStats) -> str:
-    """The step-time model's step beside the measured one: its ms and its error (docs/speed.md)."""
+    """The step-time model's step beside the measured one: its ms and its error (docs/speed.md); on a CPU also the
+    step it is compared with, the process's CPU ms per thread (the step ms column is the wall's)."""
     if s.predicted_step_s is None:
         return "-"
     error = f" ({s.predicted_error_pct:+.0f}%)" if s.predicted_error_pct is not None else ""
-    return f"{1e3 * s.predicted_step_s:.1f}{error}"
+    against = f" of {1e3 * s.predicted_against_s:.1f} CPU" if s.predicted_against_s is not None else ""
+    return f"{1e3 * s.predicted_step_s:.1f}{against}{error}"
 
 
 def title(records: list[dict]) -> str:

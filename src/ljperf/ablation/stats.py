@@ -45,6 +45,9 @@ class VariantStats:
     """The step-time model's step (``results.speed``), the median over the runs; None where none predicted."""
     predicted_error_pct: float | None = None
     """Its error against the measured step (``results.speed.error_pct``), the median over the runs."""
+    predicted_against_s: float | None = None
+    """The measured step the model is compared with where it is not the wall time of ``step_time_s``: a CPU's
+    process time per thread (``results.speed.measured_step_time_s``), the median over the runs; else None."""
 
     @property
     def label(self) -> str:
@@ -86,9 +89,12 @@ def _one(runs: list[dict]) -> VariantStats:
     speeds = [res["speed"] for res in ok if isinstance(res.get("speed"), dict)]
     predicted = [x["predicted_step_time_s"] for x in speeds]
     errors = [x["error_pct"] for x in speeds if x.get("error_pct") is not None]
+    cpu = [x for x in speeds if x.get("measured") != "wall" and x.get("measured_step_time_s")]
+    against = [x["measured_step_time_s"] for x in cpu]
     return VariantStats(
         predicted_step_s=statistics.median(predicted) if predicted else None,
         predicted_error_pct=statistics.median(errors) if errors else None,
+        predicted_against_s=statistics.median(against) if against else None,
         environment=meta["environment"]["name"],
         variant=meta["variant"],
         flags=meta["flags"],

@@ -2,8 +2,8 @@
 class against them, the cost of one op, the links, and how much communication can hide behind compute.
 
 Run: ``gpu_rates("H100")`` (the datasheet's peaks, the uncalibrated efficiencies below), or
-``cpu_rates(threads=1, processes=2)`` (this CPU's rates, measured once and cached); an unknown GPU gets None: no
-speed rather than a guessed one; ``with_cluster`` sets the links of ``--gpus-per-node`` and
+``cpu_rates(threads=1, processes=2)`` (this CPU's peaks, measured once in process time and cached); an unknown
+GPU gets None: no speed rather than a guessed one; ``with_cluster`` sets the links of ``--gpus-per-node`` and
 ``--link-bandwidth``. ``speed.calibrate`` replaces the efficiencies and links with those fitted from benchmark
 records of the device.
 """
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from ljperf.core import hardware
 from ljperf.core.cache import cache_root, cached
-from ljperf.recompute.cost import Rates
 from ljperf.speed.census import OP_CLASSES
 from ljperf.speed.collectives import Links
 from ljperf.speed.traffic import STYLES
@@ -134,12 +135,12 @@ def cpu_key(threads: int) -> str:
 
 
 def cpu_rates(*, threads: int, processes: int) -> SpeedRates:
-    """This CPU's rates at ``threads`` per process (``recompute.cost.Rates.measure``, and one op's dispatch),
-    measured once per CPU, thread count and torch version and cached; gloo's links uncalibrated."""
+    """This CPU's rates at ``threads`` per process (``cpu_peaks``, and one op's dispatch), measured once per CPU,
+    thread count and torch version and cached; gloo's links uncalibrated."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        measured = Rates.measure(torch.device("cpu"))
+        flops_per_s, bytes_per_s = cpu_peaks(threads)
         overhead = op_overhead(threads)
     finally:
         torch.set_num_threads(before)
@@ -147,8 +148,8 @@ def cpu_rates(*, threads: int, processes: int) -> SpeedRates:
     bandwidth, latency = CPU_LINK
     return SpeedRates(
         device=cpu_key(threads),
-        flops_per_s=measured.flops_per_s,
-        bytes_per_s=measured.bytes_per_s,
+        flops_per_s=flops_per_s,
+        bytes_per_s=bytes_per_s,
         efficiency=efficiency,
         op_overhead_s=overhead,
         hook_s=dict.fromkeys(STYLES, CPU_HOOK_OPS * overhead),
@@ -161,12 +162,50 @@ def cpu_rates(*, threads: int, processes: int) -> SpeedRates:
     )
 
 
+def _cache_path(key: str) -> Path:
+    return cache_root() / "rates" / f"{re.sub(r'[^A-Za-z0-9.+-]+', '_', key)}.json"
+
+
+def cpu_peaks(threads: int) -> tuple[float, float]:
+    """(matmul FLOP/s, memory bytes/s) of this CPU at ``threads``: the roofline's two peaks, measured in process
+    time per thread (as a CPU step is measured: ``calibrate.device_seconds``), so a busy machine's waits for a core
+    do not lower them; the bandwidth is a large copy's bytes read and written (what an op's bytes count), not a
+    pointwise op's throughput, whose transcendentals would make small matmuls look memory-bound. Cached per CPU,
+    threads and torch version."""
+    key = f"{hardware.cpu_name()} {threads} threads torch {torch.__version__} speed peaks v{PEAKS_VERSION}"
+    return cached(_cache_path(key), load=lambda d: (float(d[0]), float(d[1])), make=_timed_peaks, dump=list)
+
+
+PEAKS_VERSION = 1
+
+
+def _timed_peaks() -> tuple[float, float]:
+    n, elements = 512, 2**23  # a 512³ matmul; a 32 MiB copy, beyond the caches
+    rng = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=rng)
+    x, y = torch.randn(elements, generator=rng), torch.empty(elements)
+    threads = torch.get_num_threads()
+
+    def seconds(fn: Callable[[], object], calls: int) -> float:
+        fn()
+        rounds = []
+        for _ in range(5):
+            start = time.process_time()
+            for _ in range(calls):
+                fn()
+            rounds.append((time.process_time() - start) / calls / threads)
+        return sorted(rounds)[2]
+
+    matmul = seconds(lambda: a @ a, 8)
+    copy = seconds(lambda: y.copy_(x), 8)
+    return 2 * n**3 / matmul, 2 * elements * x.element_size() / copy
+
+
 def op_overhead(threads: int) -> float:
     """Seconds one small op costs this CPU from Python with autograd recording (the median of 5 rounds of 200
     adds of 64-element tensors that require gradients), cached per CPU, threads and torch version."""
     key = f"{hardware.cpu_name()} {threads} threads torch {torch.__version__} op overhead"
-    path = cache_root() / "rates" / f"{re.sub(r'[^A-Za-z0-9.+-]+', '_', key)}.json"
-    return cached(path, load=float, make=_timed_op, dump=float)
+    return cached(_cache_path(key), load=float, make=_timed_op, dump=float)
 
 
 def _timed_op() -> float:
