@@ -177,8 +177,8 @@ def search(setting: Setting, *, progress: Callable[[int, int], None] = lambda do
 
     configs = configurations(setting)
     for done, config in enumerate(configs, 1):
-        first = config.candidate(*config.splits[0])
-        bound = states_bound(setting, first.recipe(setting.base, setting.spec).with_(recompute=()))
+        first = replace(config.candidate(*config.splits[0]), recompute="none")  # the states do not depend on it
+        bound = states_bound(setting, first.recipe(setting.base, setting.spec))
         if bound > setting.budget:
             outcome.pruned["states"] += len(config.splits)
             if outcome.smallest_bound is None or bound < outcome.smallest_bound[0]:
@@ -235,7 +235,7 @@ def solve_auto(setting: Setting, candidate: Candidate, forecast_of: Callable[[Re
     """``candidate`` with ``auto`` solved to a per-layer plan; None where no recompute fits (auto is that, a
     recipe of its own). Where full recompute does not fit either, auto is full recompute (which does not fit)."""
     spec, base = setting.spec, setting.base
-    none = candidate.recipe(base, spec).with_(recompute=())
+    none = replace(candidate, recompute="none").recipe(base, spec)
     if forecast_of(none).device_bytes <= setting.budget:
         return None
     full = none.with_(recompute=("full",) * spec.layers)

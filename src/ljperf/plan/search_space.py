@@ -200,8 +200,8 @@ def fsdp_layouts(axes: Axes, *, spec: ModelSpec, world: int, seq_len: int, per_n
             for r in replicas:
                 if dp % r:
                     continue
-                sharded = dp // r > 1
-                for reshard in axes.reshard_after_forward if sharded else (True,):
+                open_ = dp // r > 1 or len(axes.reshard_after_forward) == 1  # nothing sharded: nothing to free
+                for reshard in axes.reshard_after_forward if open_ else (True,):
                     yield Layout(engine="fsdp", tp=tp, pp=pp, dp_replicate=r, reshard_after_forward=reshard)
 
 
