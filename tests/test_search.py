@@ -137,6 +137,13 @@ def test_an_engine_in_the_model_name_fixes_the_engine_and_zero_stages_are_search
     assert all("--zero-stage" in e["argv"] for e in record["evaluated"])
 
 
+def test_bf16_weights_leave_deepspeed_out_of_the_engines_searched(capsys):
+    """ZeRO keeps fp32 master weights: under --precision bf16 the search tries DDP and FSDP2 only."""
+    argv = ["--precision", "bf16", "--micro-batch", "2", "--recompute", "none", "--loss", "plain"]
+    record = searched(capsys, *CPU, *argv, "--gpu-memory", "200MiB")
+    assert {e["candidate"]["layout"]["engine"] for e in record["evaluated"]} == {"torch", "fsdp"}
+
+
 def test_a_gpu_cluster_search_prices_mfu_and_gives_each_node_its_command(capsys):
     argv = ["plan", "--model", "llama-tiny", "--gpus", "16", "--gpu", "H100", "--seq-len", "256", "--search"]
     extra = ["--micro-batch", "4", "--recompute", "none", "--loss", "plain", "--optimizer-impl", "fused"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 
 from rich.console import Console
@@ -32,14 +32,15 @@ DEEPSPEED_FLAGS = ("zero_stage", "deepspeed_config")
 
 def engines_of(args: argparse.Namespace, given: set[str]) -> tuple[EngineName, ...]:
     """The engines searched: the one ``--model ENGINE/NAME`` or ``--engine`` names, else those the flags given
-    allow (``--tp`` is FSDP2's, ``--zero-stage`` DeepSpeed's, ``--optimizer-impl`` not DeepSpeed's)."""
+    allow (``--tp`` is FSDP2's, ``--zero-stage`` DeepSpeed's; ``--optimizer-impl`` and ``--precision bf16`` are not
+    DeepSpeed's)."""
     if args.model and "/" in args.model:
         return (engine_from_args(args),)
     if args.model_config and args.engine:
         return (args.engine,)
     engines = [e for e in ENGINES if not (given & set(FSDP_FLAGS)) or e == "fsdp"]
     engines = [e for e in engines if not (given & set(DEEPSPEED_FLAGS)) or e == "deepspeed"]
-    engines = [e for e in engines if "optimizer_impl" not in given or e != "deepspeed"]
+    engines = [e for e in engines if e != "deepspeed" or not ("optimizer_impl" in given or args.precision == "bf16")]
     if not engines:
         raise UsageError(
             "--search: the flags given are of different engines (FSDP2's --tp, --dp-replicate,"
@@ -141,7 +142,7 @@ def passed_through(args: argparse.Namespace, given: set[str]) -> list[str]:
 
 
 @contextmanager
-def progress_bar() -> Iterator[Callable[[int, int], None]]:
+def progress_bar() -> Generator[Callable[[int, int], None]]:
     """A bar on a terminal's standard error: configurations searched of all (nothing in a pipe)."""
     if not sys.stderr.isatty():
         yield lambda done, total: None

@@ -82,8 +82,8 @@ class Outcome:
 
     def ranked(self) -> list[Evaluated]:
         """The candidates that fit, fastest first (ties: the smaller peak first)."""
-        fitting = [e for e in self.evaluated if e.fits and e.speed is not None]
-        return sorted(fitting, key=lambda e: (-e.speed.tokens_per_s_per_device, e.forecast.device_bytes))
+        fitting = [(e.speed.tokens_per_s_per_device, e) for e in self.evaluated if e.fits and e.speed is not None]
+        return [e for _, e in sorted(fitting, key=lambda f: (-f[0], f[1].forecast.device_bytes))]
 
 
 @dataclass(frozen=True, kw_only=True)
