@@ -6,7 +6,8 @@ states alone exceed the budget is not traced, and within one configuration a mic
 the larger ones (its activations only grow). Every other recipe is forecast exactly (``forecast.api.forecast``,
 traced once per shape family and cached) and, if it fits the budget, priced by the step-time model
 (``speed.api.speed_for``). ``auto`` recompute is solved (``recompute.solver``) only where no recompute does not fit
-and full recompute does: elsewhere it is no recompute, or nothing.
+and full recompute does: elsewhere it is no recompute, or nothing; a plan of one mode for every layer is that mode's
+recipe where the axes have it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from ljperf.speed.step_time import Speed
 PRUNED = {
     "states": "parameters, gradients and AdamW states alone over the budget",
     "micro_batch": "a smaller micro batch of the same recipe did not fit",
-    "auto_is_none": "recompute auto is no recompute (that fits)",
+    "auto_is_fixed": "recompute auto is a choice of its own (no recompute that fits, or every layer one mode)",
+    "cannot_win": "recompute auto not solved: slower than the table's last recipe even without recompute",
 }
 """Why a candidate was not forecast, by the key ``Outcome.pruned`` counts it under."""
 
@@ -57,6 +59,8 @@ class Setting:
     threads: int | None
     per_node: int
     """Ranks per node: tensor parallel stays within one."""
+    top: int = 5
+    """Recipes the table shows: ``auto`` is solved only where it could be one of them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +83,11 @@ class Outcome:
     smallest_bound: tuple[int, Candidate] | None = None
     """The lowest states bound of a layout pruned by it, and a candidate of that layout: what nothing-fits says
     when no candidate was forecast at all."""
+
+    def floor(self, top: int) -> float | None:
+        """The ``top``-th best tokens/s per device of the recipes that fit so far (None: fewer fit)."""
+        rates = sorted((e.speed.tokens_per_s_per_device for e in self.evaluated if e.speed is not None), reverse=True)
+        return rates[top - 1] if len(rates) >= top else None
 
     def ranked(self) -> list[Evaluated]:
         """The candidates that fit, fastest first (ties: the smaller peak first)."""
@@ -211,9 +220,9 @@ def evaluate_group(
     for i, (micro_batch, accum) in enumerate(group):
         candidate = config.candidate(micro_batch, accum)
         if config.recompute == "auto":
-            solved = solve_auto(setting, candidate, forecast_of)
-            if solved is None:
-                outcome.pruned["auto_is_none"] += 1
+            solved = solve_auto(setting, candidate, forecast_of, floor=outcome.floor(setting.top))
+            if isinstance(solved, str):
+                outcome.pruned[solved] += 1
                 continue
             candidate = solved
         recipe = candidate.recipe(setting.base, setting.spec)
@@ -231,19 +240,30 @@ def evaluate_group(
             return
 
 
-def solve_auto(setting: Setting, candidate: Candidate, forecast_of: Callable[[Recipe], Forecast]) -> Candidate | None:
-    """``candidate`` with ``auto`` solved to a per-layer plan; None where no recompute fits (auto is that, a
-    recipe of its own). Where full recompute does not fit either, auto is full recompute (which does not fit)."""
+def solve_auto(
+    setting: Setting, candidate: Candidate, forecast_of: Callable[[Recipe], Forecast], *, floor: float | None
+) -> Candidate | str:
+    """``candidate`` with ``auto`` solved to a per-layer plan, or the ``PRUNED`` key of why it is not a recipe of
+    its own: no recompute fits, or the plan is one mode the axes have; or it cannot beat ``floor`` tokens/s per
+    device (the table's last so far) even without recompute. Where full recompute does not fit either, auto is
+    full recompute (which does not fit)."""
     spec, base = setting.spec, setting.base
     none = replace(candidate, recompute="none").recipe(base, spec)
     if forecast_of(none).device_bytes <= setting.budget:
-        return None
+        return "auto_is_fixed"
     full = none.with_(recompute=("full",) * spec.layers)
     if forecast_of(full).device_bytes > setting.budget:
         return replace(candidate, plan=full.recompute)
+    if floor is not None:
+        cluster, threads = setting.cluster, setting.threads
+        fastest = speed_for(spec, none, device_name=setting.device_name, cluster=cluster, threads=threads)
+        if fastest is not None and fastest.tokens_per_s_per_device <= floor:
+            return "cannot_win"
     decision, _ = solve_for_plan(
         spec, none, memory=setting.memory, device_name=setting.device_name, given=setting.memory_budget
     )
+    if len(set(decision.plan)) == 1 and decision.plan[0] in setting.axes.recompute:
+        return "auto_is_fixed"
     return replace(candidate, plan=decision.plan)
 
 

@@ -87,8 +87,28 @@ def _seconds(value: float) -> str:
     return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
 
 
+def distinct(ranked: list[dict[str, Any]], top: int) -> tuple[list[dict[str, Any]], int]:
+    """The first ``top`` ranked recipes that are not ties of one shown before (the same predicted speed, to 0.1%,
+    and peak: AdamW kinds the model prices alike), and the ties left out on the way."""
+    shown: list[dict[str, Any]] = []
+    ties = 0
+    for r in ranked:
+        if len(shown) == top:
+            break
+        rate = r["speed"]["tokens_per_s_per_device"]
+        same = any(
+            s["peak_bytes"] == r["peak_bytes"] and abs(s["speed"]["tokens_per_s_per_device"] - rate) <= 1e-3 * rate
+            for s in shown
+        )
+        ties += same
+        if not same:
+            shown.append(r)
+    return shown, ties
+
+
 def print_search(record: dict[str, Any], *, top: int) -> None:
-    """The top ``top`` recipes as a table, their commands, why the first beats the second, and the counts."""
+    """The top ``top`` recipes (ties left out) as a table, their commands, why the first beats the second, and the
+    counts."""
     where = f"{record['world']} × {record['device_name'] or record['device']}"
     title = f"plan --search · {record['model']['name']} · {where} · seq {record['seq_len']}"
     if record["global_batch"] is not None:
@@ -96,7 +116,7 @@ def print_search(record: dict[str, Any], *, top: int) -> None:
     table = titled_table(title)
     for name in ("#", "recipe", "tokens/s/device", "step", "MFU", "peak", "headroom"):
         table.add_column(name, justify="left" if name == "recipe" else "right")
-    ranked = record["ranked"][:top]
+    ranked, ties = distinct(record["ranked"], top)
     for r in ranked:
         speed = r["speed"]
         mfu = f"{100 * speed['mfu']:.1f}%" if speed["mfu"] is not None else "-"
@@ -111,6 +131,8 @@ def print_search(record: dict[str, Any], *, top: int) -> None:
         )
     console.print(table)
     lines = [f"{r['rank']}: {r['command']}" for r in ranked]
+    if ties:
+        lines.append(f"{ties} ties of a recipe above left out (the same predicted speed and peak; --json lists them)")
     if len(ranked) > 1:
         lines.append(why_line(ranked[0], ranked[1]))
     lines.append(counts_line(record))
@@ -129,7 +151,9 @@ def why_line(first: dict[str, Any], second: dict[str, Any]) -> str:
 
     saved = {part: per_token(b, part) - per_token(a, part) for part in STEP_PARTS}
     part = max(saved, key=lambda p: saved[p])
-    faster = f"{100 * (ratio - 1):.1f}% more tokens/s per device" if ratio > 1 else "as fast, and a smaller peak"
+    faster = f"{100 * (ratio - 1):.1f}% more tokens/s per device" if ratio > 1 else "as fast"
+    if ratio <= 1 and first["peak_bytes"] < second["peak_bytes"]:
+        faster += ", and a smaller peak"
     why = ""
     if saved[part] > 0:
         before, after = per_token(b, part), per_token(a, part)
@@ -137,7 +161,7 @@ def why_line(first: dict[str, Any], second: dict[str, Any]) -> str:
         why = f": {PART_LABELS.get(part, part)} {share} per token ({_seconds(after)} vs {_seconds(before)}"
         why += " per 1,000 tokens a device)"
     differ = [f"{x} vs {y}" for x, y in zip(first["choices"], second["choices"], strict=True) if x != y]
-    return f"why 1 over 2 ({'; '.join(differ)}): {faster}{why}"
+    return f"why {first['rank']} over {second['rank']} ({'; '.join(differ)}): {faster}{why}"
 
 
 def counts_line(record: dict[str, Any]) -> str:

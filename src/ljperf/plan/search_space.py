@@ -130,7 +130,7 @@ class Candidate:
             out += ["--dp-replicate", str(layout.dp_replicate)]
         if not layout.reshard_after_forward:
             out.append("--no-reshard-after-forward")
-        recompute = ",".join(self.plan) if self.plan else self.recompute
+        recompute = recompute_flag(self.plan) if self.plan else self.recompute
         if recompute != "none":
             out += ["--recompute", recompute]
         if self.loss != "plain":
@@ -140,6 +140,16 @@ class Candidate:
         if base.attn_implementation != "sdpa":
             out += ["--attn-implementation", base.attn_implementation]
         return out + extra
+
+
+def recompute_flag(plan: Plan) -> str:
+    """``--recompute`` of a per-layer plan, shortest first: one mode, K (the first K layers full), or each mode."""
+    if len(set(plan)) == 1:
+        return plan[0]
+    full = plan.count("full")
+    if plan == ("full",) * full + ("none",) * (len(plan) - full):
+        return str(full)
+    return ",".join(plan)
 
 
 def model_flags(model: list[str], engine: EngineName) -> list[str]:
