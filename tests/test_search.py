@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
 from ljperf.core.choices import EngineName
 from ljperf.forecast import Recipe, forecast
 from ljperf.models.spec import resolve
-from ljperf.plan.search import Setting, states_bound
+from ljperf.plan.search import Setting, solve_auto, states_bound
 from ljperf.plan.search_space import Axes, Candidate, Layout
 from ljperf.speed.api import speed_for
 from ljperf.speed.rates import Cluster
@@ -92,15 +93,27 @@ def test_the_search_covers_every_engine_and_recompute_choice(cpu_search):
     assert all(set(e["candidate"]["plan"]) != {"none"} for e in solved)  # auto where no recompute does not fit
 
 
-def test_auto_unsolved_where_it_cannot_win_leaves_the_top_as_it_is(cpu_search, capsys):
-    """With the table's 5, auto is solved only where no recompute at all would enter them: the top 5 are the same."""
-    record = searched(capsys, *CPU, *ONE_LOSS, "--gpu-memory", "48MiB")
-    assert record["counts"]["pruned_by"]["cannot_win"] > 0
-    top = [(e["recipe"], e["peak_bytes"], e["speed"]["tokens_per_s_per_device"]) for e in record["ranked"][:5]]
-    assert top == [
-        (e["recipe"], e["peak_bytes"], e["speed"]["tokens_per_s_per_device"]) for e in cpu_search["ranked"][:5]
-    ]
-    assert cpu_search["counts"]["pruned_by"]["cannot_win"] == 0
+def test_auto_is_not_solved_where_even_no_recompute_cannot_beat_the_tables_last(cpu_search):
+    """Where no recompute does not fit and full does, auto is solved unless the recipe without any recompute (no
+    plan is faster) predicts no more than the table's last so far: then it is pruned as one that cannot win."""
+    spec, budget = resolve(name="llama-tiny"), 48 * 2**20
+    base = Recipe(world=2, device="cpu", precision="fp32", seq_len=64)
+    setting = Setting(
+        spec=spec, base=base, axes=Axes(engines=("fsdp",)), budget=budget, memory=budget, memory_budget=None,
+        device_name="cpu", cluster=Cluster(), threads=None, per_node=2,
+    )  # fmt: skip
+    auto = Candidate(layout=Layout(engine="fsdp"), micro_batch=16, grad_accum=1, recompute="auto", loss="plain",
+                     optimizer="single")  # fmt: skip
+
+    def forecast_of(recipe: Recipe):
+        return forecast(spec, recipe, device_name="cpu")
+
+    assert forecast_of(replace(auto, recompute="none").recipe(base, spec)).device_bytes > budget
+    solved = solve_auto(setting, auto, forecast_of, floor=None)
+    assert isinstance(solved, Candidate) and "full" in solved.plan
+    assert forecast_of(solved.recipe(base, spec)).device_bytes <= budget
+    assert solve_auto(setting, auto, forecast_of, floor=1e12) == "cannot_win"
+    assert cpu_search["counts"]["pruned_by"]["cannot_win"] == 0  # a table as large as the search: none pruned so
 
 
 def test_pruned_micro_batches_would_not_have_fit(capsys):
