@@ -14,11 +14,21 @@ import json
 import sys
 from dataclasses import asdict
 
+from ljperf.commands.plan_search import search_command
 from ljperf.core import hardware, options
 from ljperf.core.choices import DeviceType, TracedAttention, values_of
 from ljperf.core.console import say
 from ljperf.core.errors import EXIT_DOES_NOT_FIT, EXIT_OK, UsageError
-from ljperf.core.options import ClusterConfig, EngineConfig, ExplainConfig, OptimizationConfig, TrainConfig, positive
+from ljperf.core.options import (
+    ClusterConfig,
+    EngineConfig,
+    ExplainConfig,
+    OptimizationConfig,
+    SearchConfig,
+    TrainConfig,
+    positive,
+)
+from ljperf.core.parser import Parser
 from ljperf.core.records import check_writable
 from ljperf.core.units import format_bytes
 from ljperf.forecast.calibrate import calibration_path, fit, save, valid_records
@@ -70,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " ljperf comm records",
     )
     options.add_arguments(out, ExplainConfig, only=("plot",))
+    options.add_arguments(parser, SearchConfig)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -81,6 +92,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             raise UsageError("--plot draws the memory of a plan: it takes a --model, not --calibrate")
         return calibrate_command(args)
     positive("gpus", args.gpus)
+    if options.from_args(SearchConfig, args).search:
+        return search_command(args, argv, given=given_flags(argv))
     flags = run_config.check_flags(args, world=args.gpus)  # a bad value is refused before torch is imported
     cluster_flags = options.from_args(ClusterConfig, args)
     if args.plot is not None:
@@ -104,6 +117,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if decision is not None and not decision.fits:
         print(f"ljperf plan: {decision.line()}", file=sys.stderr)
     return EXIT_OK if report["fits"] else EXIT_DOES_NOT_FIT
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The ``dest`` of every flag ``argv`` gives (a default is no choice: the search's axes stay open)."""
+    parser = Parser(prog="ljperf plan")
+    add_arguments(parser)
+    unset = object()
+    marked = argparse.Namespace(**{a.dest: unset for a in parser._actions})
+    own = argv[argv.index("plan") + 1 :] if "plan" in argv else argv
+    parser.parse_known_args(own, namespace=marked)  # argparse sets no default where the namespace has a value
+    return {name for name, value in vars(marked).items() if value is not unset}
 
 
 def calibrate_command(args: argparse.Namespace) -> int:

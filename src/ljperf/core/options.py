@@ -606,3 +606,30 @@ class ClusterConfig:
                 " nodes, e.g. 450,50"
             )
         return values[0], values[1] if len(values) == 2 else None
+
+
+@dataclass(kw_only=True)
+class SearchConfig:
+    """Every recipe that fits, ranked by predicted speed, without trials (``ljperf plan --search``)."""
+
+    TITLE: ClassVar[str] = "search"
+
+    search: bool = opt(
+        False,
+        "rank every recipe that fits by its predicted tokens/s per device: engine (DDP, FSDP2 with and without"
+        " resharding, HSDP, ZeRO-1/2/3) × mesh × micro batch × accumulation × recompute × loss × AdamW"
+        " implementation; a recipe flag given fixes its axis, and --model NAME without an engine searches the"
+        " engines",
+    )
+    global_batch: int | None = opt(
+        None,
+        "--search: sequences per optimizer step over all data-parallel ranks, held fixed: micro batch ×"
+        " accumulation × data-parallel ranks (default: accumulation as --grad-accum, any micro batch)",
+    )
+    top: int = opt(5, "--search: recipes the table shows (--json holds every one evaluated)")
+
+    def __post_init__(self) -> None:
+        positive("global_batch", self.global_batch)
+        positive("top", self.top)
+        if not self.search and (self.global_batch is not None or self.top != SearchConfig.top):
+            raise UsageError("--global-batch and --top are options of --search: add --search or drop them")
