@@ -129,8 +129,9 @@ class _Grads:
 
     def reduce_root(self, params: int, *, embedding: int) -> int:
         """Bytes above the level while FSDP2 reduce-scatters the root's gradients: the input is filled from
-        them; the embedding's gradient is freed before the output shard is made, the head's and norm's after; gloo
-        copies the input while the reduce-scatter runs."""
+        them; the embedding's gradient is freed before the output shard is made, the head's and norm's after (with
+        one shard, before too: ``FsdpReduce.frees_root_grads``); gloo copies the input while the reduce-scatter
+        runs."""
         reduce_input, fsdp = params * self.shard.kept_grad_bytes, self.shard.fsdp
         copy = reduce_input if fsdp and fsdp.copies_input else 0
         freed = self.made(params if fsdp and fsdp.frees_root_grads else embedding)
