@@ -288,7 +288,6 @@ class EngineConfig:
         for name in ("tp", "dp_replicate", "pp", "pp_microbatches", "pp_stages_per_rank"):
             positive(name, getattr(self, name))
         check_values(self)
-        check_pipeline(self)
 
     @property
     def stages(self) -> int:

@@ -247,6 +247,7 @@ def check_flags(args: argparse.Namespace, *, world: int | None = None) -> Flags:
     model = split_model_arg(args.model)[1] if args.model else "MODEL"
     check_together(engine, train, optim, model=model)
     options.check_loss(optim.loss, tp=engine_opts.tp)
+    options.check_pipeline(engine_opts)  # --pp's flags together (each alone is a valid value)
     world = world if world is not None else launch_world(launch)
     MeshShape.of(world=world, tp=engine_opts.tp, dp_replicate=engine_opts.dp_replicate, pp=engine_opts.pp)
     resolved.grad_accum = pipeline_accumulation(engine_opts, grad_accum=train.grad_accum)
