@@ -9,9 +9,10 @@ from typing import Any
 
 from ljperf.core.options import ClusterConfig
 from ljperf.forecast.recipe import Recipe
+from ljperf.forecast.segments import TraceError
 from ljperf.models.spec import ModelSpec
 from ljperf.speed.api import speed_for
-from ljperf.speed.rates import Cluster
+from ljperf.speed.rates import Cluster, gpu_rates
 
 LABELS = {"exposed_comm": "exposed communication", "tp": "tensor parallel", "pp_send": "pipeline sends"}
 
@@ -24,8 +25,12 @@ def cluster_of(config: ClusterConfig) -> Cluster:
 def speed_record(
     spec: ModelSpec, recipe: Recipe, *, device_name: str | None, cluster: Cluster, threads: int | None
 ) -> dict[str, Any] | None:
-    """The plan record's ``speed`` (None: the device has no known rates, and the model gives no guess)."""
-    speed = speed_for(spec, recipe, device_name=device_name, cluster=cluster, threads=threads)
+    """The plan record's ``speed`` (None: the device has no known rates, or the step does not run on fake tensors
+    to be counted, and the model gives no guess)."""
+    try:
+        speed = speed_for(spec, recipe, device_name=device_name, cluster=cluster, threads=threads)
+    except TraceError:  # the memory forecast falls back to its analytic formula and says why; speed has none
+        return None
     return None if speed is None else speed.record()
 
 
@@ -36,8 +41,13 @@ def _seconds(value: float) -> str:
 def speed_lines(speed: dict[str, Any] | None, *, device: str | None) -> list[str]:
     """The plan's lines on its speed: the step, tokens/s per device and MFU; where the time goes; the rates."""
     if speed is None:
+        if device and gpu_rates(device) is not None:
+            return ["speed: none predicted: the training step does not run on fake tensors, so its ops are not counted"]
         named = f"the device {device!r}" if device else "a device named by --gpu-memory alone"
-        return [f"speed: none predicted: no rates are known for {named} (name a known one with --gpu)"]
+        return [
+            f"speed: none predicted: no rates are known for {named} (name a known one with --gpu), or the training"
+            " step does not run on fake tensors"
+        ]
     mfu = f", MFU {100 * speed['mfu']:.1f}%" if speed["mfu"] is not None else ""
     rates = speed["rates"]
     how = "calibrated" if speed["calibrated"] else "uncalibrated: run ljperf plan --calibrate on benchmark records"

@@ -21,8 +21,10 @@ import torch
 
 from ljperf.checkpoint.policies import GROUPED_MM_OPS
 from ljperf.core.cache import cached
+from ljperf.core.errors import one_line
 from ljperf.forecast.cache_key import architecture_key, cache_dir
 from ljperf.forecast.patches import real_code_paths
+from ljperf.forecast.segments import TraceError
 from ljperf.forecast.trace import fake_model
 from ljperf.models.loss import use_chunked_loss
 from ljperf.models.spec import ModelSpec, with_layers
@@ -174,13 +176,16 @@ def _traced(spec: ModelSpec, *, layers: int, micro_batch: int, seq_len: int, pre
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
     with real_code_paths(), fake_mode, census:
         tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-        with autocast:
-            value = causal_lm_loss(model, tokens)
-        census.phase = "backward"
-        value.backward()
-        census.phase = "optimizer"
-        foreach, fused = optimizer == "foreach", optimizer == "fused"
-        torch.optim.AdamW(params, lr=1e-4, foreach=foreach, fused=fused or None).step()
+        try:
+            with autocast:
+                value = causal_lm_loss(model, tokens)
+            census.phase = "backward"
+            value.backward()
+            census.phase = "optimizer"
+            foreach, fused = optimizer == "foreach", optimizer == "fused"
+            torch.optim.AdamW(params, lr=1e-4, foreach=foreach, fused=fused or None).step()
+        except RuntimeError as exc:  # e.g. experts that loop over nonzero(): no shape on fake tensors
+            raise TraceError(f"its training step does not run on fake tensors: {one_line(exc)}") from exc
     return phases, sum(p.numel() * p.element_size() for p in params), len(params)
 
 
