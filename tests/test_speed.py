@@ -206,6 +206,21 @@ def test_an_unknown_device_gets_no_speed_and_the_plan_says_why(tiny, capsys):
         assert report["speed"] is None
 
 
+def test_a_step_that_does_not_run_on_fake_tensors_gets_no_speed_and_the_plan_still_answers(tmp_path, capsys):
+    from ljperf.models.catalog import read_config_dict
+
+    # experts that loop over nonzero()'s tokens: no shape on fake tensors (the plan was a traceback, exit 1)
+    mixtral = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4}
+    tiny = {k: v for k, v in read_config_dict(name="llama-tiny").items() if k not in mixtral}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(tiny | mixtral | {"num_experts_per_tok": 2, "experts_implementation": "eager"}))
+    args = ["plan", "--model-config", str(config), "--device", "cpu", "--precision", "fp32", "--seq-len", "64"]
+    assert main([*args, "--json"]) == 0
+    assert "does not run on fake tensors" in json.loads(capsys.readouterr().out)["speed"]["unavailable"]
+    assert main(args) == 0
+    assert "speed: none predicted: its training step does not run on fake tensors" in capsys.readouterr().out
+
+
 def test_the_plan_prints_and_records_the_speed_of_a_known_gpu(capsys):
     args = ["plan", "--model", "fsdp/llama-tiny", "--gpus", "16", "--gpu", "H100", "--seq-len", "64"]
     assert main([*args, "--gpus-per-node", "4", "--link-bandwidth", "300,25", "--json"]) == 0

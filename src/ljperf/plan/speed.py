@@ -12,7 +12,7 @@ from ljperf.forecast.recipe import Recipe
 from ljperf.forecast.segments import TraceError
 from ljperf.models.spec import ModelSpec
 from ljperf.speed.api import speed_for
-from ljperf.speed.rates import Cluster
+from ljperf.speed.rates import Cluster, gpu_rates
 
 LABELS = {"exposed_comm": "exposed communication", "tp": "tensor parallel", "pp_send": "pipeline sends"}
 
@@ -41,6 +41,8 @@ def _seconds(value: float) -> str:
 def speed_lines(speed: dict[str, Any] | None, *, device: str | None) -> list[str]:
     """The plan's lines on its speed: the step, tokens/s per device and MFU; where the time goes; the rates."""
     if speed is None:
+        if device and gpu_rates(device) is not None:
+            return ["speed: none predicted: the training step does not run on fake tensors, so its ops are not counted"]
         named = f"the device {device!r}" if device else "a device named by --gpu-memory alone"
         return [f"speed: none predicted: no rates are known for {named} (name a known one with --gpu)"]
     if "unavailable" in speed:
