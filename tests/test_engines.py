@@ -141,7 +141,7 @@ def test_every_engine_reports_its_memory_and_its_record_through_the_protocol(pro
         assert json.loads(json.dumps(record)) == record, name
         assert isinstance(run["model"], torch.nn.Module), name
     assert protocol_runs["torch"]["record"]["wrapper"] == "none"
-    assert protocol_runs["fsdp"]["record"]["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert protocol_runs["fsdp"]["record"]["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
     assert protocol_runs["deepspeed"]["record"]["zero_stage"] == 3
 
 

@@ -39,6 +39,7 @@ def recipe_of(entry: dict, record: dict) -> Recipe:
         zero_stage=layout["zero_stage"] or 3,
         world=record["world"],
         tp=layout["tp"],
+        pp=layout["pp"],
         dp_replicate=layout["dp_replicate"],
         reshard_after_forward=layout["reshard_after_forward"],
         device=record["device"],
@@ -73,6 +74,17 @@ def test_every_ranked_recipe_fits_its_budget_by_its_own_forecast(cpu_search):
     assert all(not e["fits"] for e in record["evaluated"] if e["rank"] is None)
     assert record["counts"]["evaluated"] == len(record["evaluated"])
     assert record["counts"]["fit"] == len(record["ranked"])
+
+
+def test_pipeline_stages_are_searched_with_as_many_micro_batches_as_stages(cpu_search):
+    """llama-tiny splits (untied Llama): on 2 ranks, ``--pp 2`` layouts are forecast per stage and ranked with the
+    rest; 1F1B keeps 2 micro-batches in flight, so each has an accumulation of 2 or more, and no chunked loss."""
+    piped = [e for e in cpu_search["evaluated"] if e["candidate"]["layout"]["pp"] == 2]
+    assert piped and all(e["candidate"]["grad_accum"] >= 2 for e in piped)
+    assert all(e["candidate"]["loss"] == "plain" for e in piped)
+    ranked = [e for e in cpu_search["ranked"] if e["candidate"]["layout"]["pp"] == 2]
+    assert ranked and all("--pp 2" in " ".join(e["argv"]) for e in ranked)
+    assert all(e["speed"]["breakdown"]["bubble"] > 0 for e in ranked)
 
 
 def test_the_ranking_is_by_predicted_tokens_per_second_per_device(cpu_search):
@@ -138,7 +150,7 @@ def test_a_held_global_batch_is_micro_batch_times_accumulation_times_data_parall
     assert record["global_batch"] == 8
     for entry in record["evaluated"]:
         c = entry["candidate"]
-        assert c["micro_batch"] * c["grad_accum"] * record["world"] // c["layout"]["tp"] == 8
+        assert c["micro_batch"] * c["grad_accum"] * record["world"] // (c["layout"]["tp"] * c["layout"]["pp"]) == 8
     splits = {(e["candidate"]["micro_batch"], e["candidate"]["grad_accum"]) for e in record["evaluated"]}
     assert {(1, 4), (2, 2), (4, 1), (1, 8), (8, 1)} <= splits  # DDP's and tensor parallel's (one data rank)
 

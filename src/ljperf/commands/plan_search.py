@@ -26,7 +26,7 @@ from ljperf.plan.device import device_memory
 from ljperf.plan.search_space import RECOMPUTE_CHOICES, Axes
 from ljperf.run import config as run_config
 
-FSDP_FLAGS = ("tp", "dp_replicate", "reshard_after_forward")
+FSDP_FLAGS = ("tp", "dp_replicate", "pp", "reshard_after_forward")
 DEEPSPEED_FLAGS = ("zero_stage", "deepspeed_config")
 
 
@@ -43,7 +43,7 @@ def engines_of(args: argparse.Namespace, given: set[str]) -> tuple[EngineName, .
     engines = [e for e in engines if e != "deepspeed" or not ("optimizer_impl" in given or args.precision == "bf16")]
     if not engines:
         raise UsageError(
-            "--search: the flags given are of different engines (FSDP2's --tp, --dp-replicate,"
+            "--search: the flags given are of different engines (FSDP2's --tp, --dp-replicate, --pp,"
             " --no-reshard-after-forward; DeepSpeed's --zero-stage, --deepspeed-config): drop some"
         )
     return tuple(engines)
@@ -52,12 +52,13 @@ def engines_of(args: argparse.Namespace, given: set[str]) -> tuple[EngineName, .
 def axes_of(args: argparse.Namespace, given: set[str], *, engines: tuple[EngineName, ...]) -> Axes:
     """The search's axes: each flag given (``args`` as ``check_flags`` resolved them) fixes its own."""
     search = options.from_args(SearchConfig, args)
-    fixed = {name: name in given for name in ("micro_batch", "grad_accum", "zero_stage", "tp", "dp_replicate")}
+    fixed = {name: name in given for name in ("micro_batch", "grad_accum", "zero_stage", "tp", "dp_replicate", "pp")}
     return Axes(
         engines=engines,
         zero_stages=(args.zero_stage,) if fixed["zero_stage"] or args.deepspeed_config else (1, 2, 3),
         tp=args.tp if fixed["tp"] else None,
         dp_replicate=args.dp_replicate if fixed["dp_replicate"] else None,
+        pp=args.pp if fixed["pp"] else None,
         reshard_after_forward=(args.reshard_after_forward,) if "reshard_after_forward" in given else (True, False),
         micro_batch=args.micro_batch if fixed["micro_batch"] or args.deepspeed_config else None,
         grad_accum=args.grad_accum if fixed["grad_accum"] or args.deepspeed_config else None,

@@ -274,9 +274,9 @@ class EngineConfig:
         None,
         "--pp's micro-batches a step, each --micro-batch sequences (they are the step's gradient accumulation)"
         " (default: --grad-accum when given, else --pp)",
-        metavar="M",
+        metavar="N",
     )
-    pp_stages_per_rank: int = opt(1, "--pp's stages a rank holds (interleaved-1f1b: 2 or more)", metavar="V")
+    pp_stages_per_rank: int = opt(1, "--pp's stages a rank holds (interleaved-1f1b: 2 or more)")
     pp_split: str | None = opt(
         None,
         "--pp's decoder layers per stage, e.g. 10,12,10 (default: balanced by the forecast's per-layer memory)",

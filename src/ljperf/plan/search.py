@@ -21,6 +21,7 @@ from ljperf.core.errors import UsageError
 from ljperf.core.units import format_bytes
 from ljperf.forecast.api import forecast
 from ljperf.forecast.calibrate import overheads_for
+from ljperf.forecast.pipeline import pipeline_split
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.forecast.sharding import engine_sharding
 from ljperf.models.spec import ModelSpec
@@ -123,6 +124,10 @@ def configurations(setting: Setting) -> list[Configuration]:
     for layout in layouts(axes, spec=spec, world=base.world, seq_len=base.seq_len, per_node=setting.per_node):
         splits = batch_splits(axes, dp=layout.dp(base.world))
         sizes.add(layout.dp(base.world))
+        if splits and layout.pp > 1:  # 1F1B keeps --pp micro-batches in flight: a step needs as many
+            if axes.global_batch is None and axes.grad_accum is None:  # --pp's default: one a stage
+                splits = [(b, layout.pp) for b, _ in splits]
+            splits = [(b, a) for b, a in splits if a >= layout.pp]
         if not splits:
             continue
         for loss in losses(axes, spec, layout):
@@ -158,7 +163,7 @@ def losses(axes: Axes, spec: ModelSpec, layout: Layout) -> list[Loss]:
                 check_chunked_loss(spec, loss=loss)
             except UsageError:
                 continue
-            if layout.tp > 1:
+            if layout.tp > 1 or layout.pp > 1:  # a pipeline stage runs its own LM head and loss
                 continue
         out.append(loss)
     return out
@@ -167,9 +172,16 @@ def losses(axes: Axes, spec: ModelSpec, layout: Layout) -> list[Loss]:
 def states_bound(setting: Setting, recipe: Recipe) -> int:
     """A lower bound of ``recipe``'s device bytes: its parameters, gradients and AdamW states, all alive at the
     optimizer step, with the device's overheads (no trace: the engine's sharding is arithmetic)."""
-    shard = engine_sharding(setting.spec, recipe)
     terms = overheads_for(recipe.device, setting.device_name)
-    allocated, reserved = terms.apply(shard.params + shard.grads + shard.optimizer)
+    stages = [recipe]
+    if recipe.pp > 1:  # each pipeline rank holds its stage's states: the largest bounds the plan's peak
+        split = pipeline_split(setting.spec, recipe)
+        stages = [recipe.with_(pp_split=split, stage=i) for i in range(recipe.stages)]
+    held = []
+    for stage in stages:
+        shard = engine_sharding(setting.spec, stage)
+        held.append(shard.params + shard.grads + shard.optimizer)
+    allocated, reserved = terms.apply(max(held))
     return (reserved or allocated) + terms.context
 
 

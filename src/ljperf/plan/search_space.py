@@ -16,6 +16,7 @@ from ljperf.core.errors import UsageError
 from ljperf.core.options import LARGEST
 from ljperf.core.plans import Plan, fixed_plan, parse_recompute
 from ljperf.forecast.recipe import Recipe
+from ljperf.models.pipeline_split import check_pipelined
 from ljperf.models.spec import ModelSpec
 from ljperf.run.config import check_tensor_parallel
 
@@ -32,6 +33,8 @@ class Axes:
     tp: int | None = None
     """Tensor-parallel degree (None: every one the model and a node allow)."""
     dp_replicate: int | None = None
+    pp: int | None = None
+    """Pipeline stages (None: 1 and each divisor of the world up to ``MOST_STAGES`` a splittable model allows)."""
     reshard_after_forward: tuple[bool, ...] = (True, False)
     micro_batch: int | None = None
     grad_accum: int | None = None
@@ -52,7 +55,7 @@ class Layout:
     """DeepSpeed's ZeRO stage (deepspeed only)."""
     tp: int = 1
     pp: int = 1
-    """Pipeline stages: 1 until pipeline parallel lands (``pipeline_degrees`` is where more enter)."""
+    """Pipeline stages (``--pp``): each forecast per stage, the slowest priced with its bubble."""
     dp_replicate: int = 1
     reshard_after_forward: bool = True
 
@@ -101,6 +104,7 @@ class Candidate:
             engine=layout.engine,
             zero_stage=layout.zero_stage or 3,
             tp=layout.tp,
+            pp=layout.pp,
             dp_replicate=layout.dp_replicate,
             reshard_after_forward=layout.reshard_after_forward,
             micro_batch=self.micro_batch,
@@ -126,6 +130,8 @@ class Candidate:
             out += ["--zero-stage", str(layout.zero_stage)]
         if layout.tp > 1:
             out += ["--tp", str(layout.tp)]
+        if layout.pp > 1:  # its micro-batches are the accumulation given
+            out += ["--pp", str(layout.pp)]
         if layout.dp_replicate > 1:
             out += ["--dp-replicate", str(layout.dp_replicate)]
         if not layout.reshard_after_forward:
@@ -165,10 +171,22 @@ def divisors(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)})
 
 
-def pipeline_degrees(world: int) -> tuple[int, ...]:
-    """Pipeline stages a layout may have: 1 until pipeline parallel lands; its stages then enter here (each
-    forecast per stage, the slowest stage priced with its bubble)."""
-    return (1,)
+MOST_STAGES = 16
+"""Pipeline stages the search tries at most (torchtitan's 405B recipe runs 8)."""
+
+
+def pipeline_degrees(axes: Axes, *, spec: ModelSpec, world: int) -> list[int]:
+    """Pipeline stages a layout may have: ``--pp``, else 1 and, for a decoder ``--pp`` splits (untied), each
+    divisor of ``world`` up to ``MOST_STAGES`` and the model's layers."""
+    if axes.pp is not None:
+        return [axes.pp]
+    try:
+        check_pipelined(str(spec.fact("model_type")))
+    except UsageError:
+        return [1]
+    if spec.facts.config_dict.get("tie_word_embeddings"):
+        return [1]
+    return [p for p in divisors(world) if p <= min(MOST_STAGES, spec.layers)]
 
 
 def tensor_degrees(axes: Axes, *, spec: ModelSpec, world: int, seq_len: int, per_node: int) -> list[int]:
@@ -200,7 +218,7 @@ def layouts(axes: Axes, *, spec: ModelSpec, world: int, seq_len: int, per_node: 
 
 
 def fsdp_layouts(axes: Axes, *, spec: ModelSpec, world: int, seq_len: int, per_node: int) -> Iterator[Layout]:
-    for pp in pipeline_degrees(world):
+    for pp in pipeline_degrees(axes, spec=spec, world=world):
         for tp in tensor_degrees(axes, spec=spec, world=world // pp, seq_len=seq_len, per_node=per_node):
             if (world // pp) % tp:
                 continue
