@@ -9,7 +9,8 @@ the data-parallel ranks, and a tensor-parallel group shares its rank's): DDP on 
 reference for ``--tp 2`` on 2 ranks (8 sequences each), ``--tp 2`` × FSDP2 on 4 (2 data-parallel ranks × 4) and
 ``--dp-replicate 2`` × 2 shards (4 data-parallel ranks × 2) and the 3-D mesh, ``--dp-replicate 2`` × 1 shard ×
 ``--tp 2`` (2 data-parallel ranks × 4); ``--pp 2`` on 2 ranks (4 micro-batches of 2), ``--pp 2`` × FSDP2 over 2 (2
-micro-batches of 2 each) and ``--pp 2 --tp 2`` (2 micro-batches of 4).
+micro-batches of 2 each) and ``--pp 2 --tp 2`` (2 micro-batches of 4); ``--pp 2 --loss chunked`` (its last stage
+runs the chunked loss in its forward).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ FOUR = {
 TWO = {
     "tp2": f"--model fsdp/llama-tiny --tp 2 --micro-batch 8 {COMMON}",
     "pp2": f"--model fsdp/llama-tiny --pp 2 --pp-microbatches 4 --micro-batch 2 {COMMON}",
+    "pp2-chunked": f"--model fsdp/llama-tiny --pp 2 --pp-microbatches 4 --micro-batch 2 --loss chunked {COMMON}",
 }
 MESHES = {
     "tp2": (1, 1, 1, 2),
@@ -47,6 +49,7 @@ MESHES = {
     "hsdp2x2": (1, 2, 2, 1),
     "hsdp2x1-tp2": (1, 2, 1, 2),
     "pp2": (2, 1, 1, 1),
+    "pp2-chunked": (2, 1, 1, 1),
     "pp2-fsdp2": (2, 1, 2, 1),
     "pp2-tp2": (2, 1, 1, 2),
 }

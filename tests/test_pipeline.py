@@ -28,7 +28,6 @@ BAD = [
     ),
     (["--gpus", "2", "--pp-microbatches", "2"], "--pp-microbatches is an option of --pp N"),
     (["--gpus", "2", "--pp", "2", "--pp-schedule", "interleaved-1f1b"], "--pp-stages-per-rank 2 or more"),
-    (["--gpus", "2", "--pp", "2", "--loss", "chunked"], "--loss chunked runs the whole model's forward"),
 ]
 
 
@@ -45,6 +44,7 @@ def test_a_bad_pipeline_exits_2_with_one_line(argv, message, capsys):
         (["--model", "deepspeed/llama-tiny"], "--pp builds a device mesh for the fsdp engine"),
         (["--model", "torch/llama-tiny"], "--pp builds a device mesh for the fsdp engine"),
         (["--model", "fsdp/mixtral-tiny"], "model_type 'mixtral' is not one: run it without --pp"),
+        (["--model", "fsdp/llama-tiny", "--compile-mode", "whole"], "--compile-mode whole runs the whole model's"),
     ],
 )
 def test_pipelining_another_engine_or_an_unknown_decoder_exits_2(argv, message, capsys):

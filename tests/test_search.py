@@ -13,7 +13,7 @@ import pytest
 from ljperf.core.choices import EngineName
 from ljperf.forecast import Recipe, forecast
 from ljperf.models.spec import resolve
-from ljperf.plan.search import Setting, solve_auto, states_bound
+from ljperf.plan.search import Setting, losses, solve_auto, states_bound
 from ljperf.plan.search_space import Axes, Candidate, Layout
 from ljperf.speed.api import speed_for
 from ljperf.speed.rates import Cluster
@@ -78,10 +78,9 @@ def test_every_ranked_recipe_fits_its_budget_by_its_own_forecast(cpu_search):
 
 def test_pipeline_stages_are_searched_with_as_many_micro_batches_as_stages(cpu_search):
     """llama-tiny splits (untied Llama): on 2 ranks, ``--pp 2`` layouts are forecast per stage and ranked with the
-    rest; 1F1B keeps 2 micro-batches in flight, so each has an accumulation of 2 or more, and no chunked loss."""
+    rest; 1F1B keeps 2 micro-batches in flight, so each has an accumulation of 2 or more."""
     piped = [e for e in cpu_search["evaluated"] if e["candidate"]["layout"]["pp"] == 2]
     assert piped and all(e["candidate"]["grad_accum"] >= 2 for e in piped)
-    assert all(e["candidate"]["loss"] == "plain" for e in piped)
     ranked = [e for e in cpu_search["ranked"] if e["candidate"]["layout"]["pp"] == 2]
     assert ranked and all("--pp 2" in " ".join(e["argv"]) for e in ranked)
     assert all(e["speed"]["breakdown"]["bubble"] > 0 for e in ranked)
@@ -300,3 +299,10 @@ def test_benchmark_recipe_bad_input_exits_2_with_one_line(content, extra, messag
     assert code == 2
     (line,) = err.strip().splitlines()
     assert message in line
+
+
+def test_a_pipeline_runs_either_loss_and_tensor_parallel_the_plain_one():
+    """The chunked loss runs in a pipeline's last stage (on its whole LM head); tensor parallel splits the head."""
+    spec, axes = resolve(name="llama-tiny"), Axes(engines=("fsdp",))
+    assert losses(axes, spec, Layout(engine="fsdp", pp=2)) == ["plain", "chunked"]
+    assert losses(axes, spec, Layout(engine="fsdp", tp=2)) == ["plain"]

@@ -20,7 +20,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from ljperf.core.choices import PipelineSchedule
+from ljperf.core.choices import Loss, PipelineSchedule
 from ljperf.core.phases import phase
 from ljperf.engines.common import parameter_names
 from ljperf.forecast.pipeline import pipeline_split
@@ -30,13 +30,21 @@ from ljperf.models.stages import DecoderStage, next_token_loss, split_stage
 from ljperf.run.context import RunContext
 
 
-def make_schedule(kind: PipelineSchedule, pipes: list[_PipelineStageBase], *, microbatches: int) -> _PipelineSchedule:
+def make_schedule(
+    kind: PipelineSchedule, pipes: list[_PipelineStageBase], *, microbatches: int, loss: Loss
+) -> _PipelineSchedule:
     """``--pp-schedule`` as torch's schedule (one stage a rank for GPipe and 1F1B; several for interleaving),
-    gradients averaged over the micro-batches (``scale_grads``), the loss as every engine's."""
-    options = {"loss_fn": next_token_loss, "scale_grads": True}
+    gradients averaged over the micro-batches (``scale_grads``), the loss as every engine's (``chunked``: the last
+    stage's output is already its loss)."""
+    options = {"loss_fn": next_token_loss if loss == "plain" else given_loss, "scale_grads": True}
     if kind == "interleaved-1f1b":
         return ScheduleInterleaved1F1B(pipes, microbatches, **options)
     return (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(pipes[0], microbatches, **options)
+
+
+def given_loss(loss: torch.Tensor, _tokens: torch.Tensor) -> torch.Tensor:
+    """The loss a last stage computed itself (``--loss chunked``: ``DecoderStage.forward`` given the labels)."""
+    return loss
 
 
 @dataclass(kw_only=True)
@@ -85,10 +93,17 @@ class Pipeline:
     """The schedule over this rank's stages; ``step`` trains one step's micro-batches through it."""
 
     def __init__(
-        self, schedule: _PipelineSchedule, *, first: bool, last: bool, last_rank: int, group: dist.ProcessGroup
+        self,
+        schedule: _PipelineSchedule,
+        *,
+        first: bool,
+        last: bool,
+        last_rank: int,
+        group: dist.ProcessGroup,
+        chunked: bool = False,
     ):
         self.schedule, self.first, self.last = schedule, first, last
-        self.last_rank, self.group = last_rank, group
+        self.last_rank, self.group, self.chunked = last_rank, group, chunked
 
     @classmethod
     def of(cls, stages: list[Stage], run: RunContext, *, group: dist.ProcessGroup) -> Pipeline:
@@ -97,21 +112,25 @@ class Pipeline:
         opts, device = run.engine_opts, run.device.torch_device
         total = opts.stages
         pipes: list[_PipelineStageBase] = [TimedStage(s.module, s.index, total, device, group=group) for s in stages]
-        schedule = make_schedule(opts.pp_schedule, pipes, microbatches=run.train.grad_accum)
+        loss = run.optim.loss
+        schedule = make_schedule(opts.pp_schedule, pipes, microbatches=run.train.grad_accum, loss=loss)
         indices = {s.index for s in stages}
         world = run.world // opts.pp  # the ranks of one pipeline stage
         last_rank = (opts.pp - 1) * world + run.rank % world  # this rank's peer on the last pipeline rank
-        return cls(schedule, first=0 in indices, last=total - 1 in indices, last_rank=last_rank, group=group)
+        first, last = 0 in indices, total - 1 in indices
+        return cls(schedule, first=first, last=last, last_rank=last_rank, group=group, chunked=loss == "chunked")
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of the micro-batches through the pipeline; the mean loss, on every pipeline rank
         (the last stage's, broadcast over this rank's pipeline group)."""
         tokens = torch.cat(micro_batches)  # the schedule splits it again, in order, into as many micro-batches
         losses: list[torch.Tensor] = []
-        if self.first:  # the outputs are not merged: the last stage's logits of every micro-batch at once
-            self.schedule.step(tokens, target=tokens if self.last else None, losses=losses, return_outputs=False)
-        else:
-            self.schedule.step(target=tokens if self.last else None, losses=losses, return_outputs=False)
+        target = tokens if self.last else None
+        # the schedule splits keywords as it splits inputs, and gives them to each of this rank's stages
+        labels: dict[str, Any] = {"labels": tokens} if self.last and self.chunked else {}
+        inputs = (tokens,) if self.first else ()
+        # the outputs are not merged: the last stage's logits of every micro-batch at once
+        self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **labels)
         local = [x.to_local() if isinstance(x, DTensor) else x for x in losses]  # tensor parallel: replicated
         loss = torch.stack(local).mean().detach() if local else torch.zeros((), device=tokens.device)
         dist.broadcast(loss, src=self.last_rank, group=self.group)

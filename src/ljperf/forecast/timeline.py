@@ -66,8 +66,11 @@ def highest_walk(
     # a pipeline stage's hidden states, as one tensor-parallel rank holds them (its share of the sequence)
     act_bytes = 2 if recipe.trace_precision == "bf16-params" else 4
     boundary = b * s * spec.hidden * act_bytes // recipe.tp if recipe.stage is not None else 0
-    # the last stage's logits (the LM head's output dtype), the vocabulary's shard under --tp (loss parallel)
+    # the last stage's logits (the LM head's output dtype), the vocabulary's shard under --tp (loss parallel);
+    # the chunked loss's stage gives its loss, and its head's input is kept in the traced loss already
     logits = b * s * spec.vocab * (4 if recipe.precision == "fp32" else 2) // recipe.tp
+    if recipe.loss == "chunked":
+        logits = 0
     ends = {"boundary": boundary, "kept_output": logits}
     walks = [
         walk_step(recipe, shard, blocks=blocks, layers=layers, edges=edges, record=record, **ends)

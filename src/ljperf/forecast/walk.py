@@ -198,7 +198,8 @@ class TrainingStep:
     """Bytes of the hidden states a pipeline stage receives or sends for one micro-batch (0: no pipeline)."""
     kept_output: int = 0
     """Bytes of the last pipeline stage's output (its logits) the schedule keeps from the stage's forward to the end
-    of its backward (``PipelineStage.fwd_cache``, then ``backward_one_chunk``'s ``stage_output``); 0: no pipeline."""
+    of its backward (``PipelineStage.fwd_cache``, then ``backward_one_chunk``'s ``stage_output``); 0: no pipeline,
+    or the chunked loss (the stage's output is its loss)."""
 
     def micro(self, number: int) -> MicroStep:
         replicated = self.shard.grad_keep == 1.0

@@ -3,7 +3,8 @@ norm, LM head and loss in the last, each stage the same HF code on a slice of th
 
 Run: ``stage = split_stage(model, layers=range(0, 2), first=True, last=False)`` on the whole model (meta or
 materialized); ``stage(tokens)`` gives the hidden states the next stage takes (the last stage gives logits, which
-``next_token_loss`` scores against the tokens). ``models.pipeline_split`` says which layers a stage holds.
+``next_token_loss`` scores against the tokens; given ``labels``, ``--loss chunked``'s loss itself).
+``models.pipeline_split`` says which layers a stage holds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers import PreTrainedModel
 
 from ljperf.core.phases import phase
+from ljperf.models.loss import chunked_loss
 
 
 class DecoderStage(torch.nn.Module):
@@ -30,13 +32,17 @@ class DecoderStage(torch.nn.Module):
     """The tensor-parallel mesh the stage's layers are split over (``--tp``): the hidden states a stage passes are
     its rank's shard of the sequence, a DTensor again in the next stage."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """``labels`` (the last stage, ``--loss chunked``): the chunked loss of the micro-batch, run inside the
+        stage's forward, where FSDP2 holds the head gathered, instead of the whole logits."""
         decoder = self.model.get_decoder()
         if not self.first and self.tp_mesh is not None:
             x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
         with phase("forward"):  # the schedule interleaves the stages' forwards with backwards and transfers
             hidden = decoder(**given, use_cache=False).last_hidden_state
+            if self.last and labels is not None:
+                return chunked_loss(self.model, hidden, labels)
             if self.last:
                 head = self.model.get_output_embeddings()
                 assert head is not None  # check_pipeline_model refused a model without an LM head

@@ -154,8 +154,8 @@ def impossible_batch(axes: Axes, sizes: list[int]) -> str:
 
 
 def losses(axes: Axes, spec: ModelSpec, layout: Layout) -> list[Loss]:
-    """The losses a layout can run: the chunked one runs the LM head whole (not with tensor parallel), on models
-    whose forward it reproduces."""
+    """The losses a layout can run: the chunked one runs the LM head whole (not with tensor parallel; a pipeline's
+    last stage runs it), on models whose forward it reproduces."""
     out: list[Loss] = []
     for loss in axes.losses:
         if loss == "chunked":
@@ -163,7 +163,7 @@ def losses(axes: Axes, spec: ModelSpec, layout: Layout) -> list[Loss]:
                 check_chunked_loss(spec, loss=loss)
             except UsageError:
                 continue
-            if layout.tp > 1 or layout.pp > 1:  # a pipeline stage runs its own LM head and loss
+            if layout.tp > 1:
                 continue
         out.append(loss)
     return out

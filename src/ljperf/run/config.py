@@ -107,7 +107,7 @@ def check_tensor_parallel(spec: ModelSpec, *, tp: int, seq_len: int | None) -> N
 
 def check_pipeline_model(spec: ModelSpec, opts: EngineConfig, optim: OptimizationConfig) -> None:
     """A model ``--pp`` can split, into stages of one layer or more each, with the optimizations a stage runs:
-    its own LM head and loss (not the chunked loss's forward), each block compiled (not the whole model)."""
+    its own LM head and loss (the chunked one on its whole head), each block compiled (not the whole model)."""
     if opts.pp == 1:
         return
     check_pipelined(str(spec.fact("model_type")))
@@ -123,9 +123,10 @@ def check_pipeline_model(spec: ModelSpec, opts: EngineConfig, optim: Optimizatio
         )
     if opts.pp_split is not None:
         parse_split(opts.pp_split, layers=spec.layers, stages=opts.stages)
-    if optim.loss == "chunked" or optim.compile_mode == "whole":
-        flag = "--loss chunked" if optim.loss == "chunked" else "--compile-mode whole"
-        raise UsageError(f"{flag} runs the whole model's forward; a --pp stage runs its own: use it without --pp")
+    if optim.compile_mode == "whole":
+        raise UsageError(
+            "--compile-mode whole runs the whole model's forward; a --pp stage runs its own: use it without --pp"
+        )
 
 
 CHUNKED_LOSS_REFUSES = {
