@@ -140,9 +140,10 @@ def test_tokens_count_a_tensor_parallel_group_once(runs):
 
 
 @pytest.mark.slow
-def test_forecast_within_5_percent_of_each_ranks_peak(runs):
+def test_forecast_within_1_percent_of_each_ranks_peak(runs):
     """The forecast each mesh's record holds (``ljperf plan --tp/--dp-replicate/--pp`` on the same recipe) against
-    the peak every rank measured; under ``--pp``, each pipeline rank's own forecast."""
+    the peak every rank measured; under ``--pp``, each pipeline rank's own forecast (measured: within 0.3%, but
+    ``--pp 2 --tp 2``'s first stage +0.67%)."""
     for name, (pp, *_) in MESHES.items():
         results = runs[name][0]["results"]
         forecast = results["forecast"]
@@ -151,7 +152,7 @@ def test_forecast_within_5_percent_of_each_ranks_peak(runs):
         per_rank = results["peak_allocated_bytes_per_rank"]
         for rank, measured in enumerate(per_rank):
             expected = predicted[rank // (len(per_rank) // pp)]
-            assert abs(expected - measured) / measured < 0.05, (name, predicted, per_rank)
+            assert abs(expected - measured) / measured < 0.01, (name, predicted, per_rank)
 
 
 @pytest.mark.slow

@@ -106,8 +106,9 @@ def test_gpipe_holds_every_micro_batch_so_its_first_stage_peaks_higher(capsys):
     gpipe = _plan(capsys, *common, "--pp-schedule", "gpipe")["pipeline"]["peak_allocated_bytes_per_pp_rank"]
     assert gpipe[0] > one_f_one_b[0]
     four = _plan(capsys, *common[:5], "4", *common[6:])["pipeline"]["peak_allocated_bytes_per_pp_rank"]
-    # 1F1B: more micro-batches than stages add none in flight (only their token ids, a few KiB)
-    assert four[0] == pytest.approx(one_f_one_b[0], abs=8 * 2 * 32 * 8)
+    # 1F1B: more micro-batches than stages add none in flight, only their token ids (a few KiB) and the first
+    # stage's receive buffers for their gradients (one micro-batch's hidden states each: 2 × 32 × 128 fp32)
+    assert four[0] + 4 * 2 * 32 * 128 * 4 == pytest.approx(one_f_one_b[0], abs=8 * 2 * 32 * 8)
 
 
 def test_the_plan_table_names_each_pipeline_rank(capsys):

@@ -250,6 +250,7 @@ def walk_step(
     if recipe.stage is None:
         accumulate(walk, step)
     else:
+        walk.add("comm_buffers", receive_buffers(step))
         pipelined(walk, step, schedule_order(recipe))
     optimizer_step(walk, step, recipe)
     return walk
@@ -272,6 +273,13 @@ def schedule_order(recipe: Recipe) -> list[tuple[str, int]]:
     return order
 
 
+def receive_buffers(step: TrainingStep) -> int:
+    """A pipeline stage's receive buffers, one a micro-batch made when the schedule first runs and kept: the
+    hidden states from the previous stage (``args_recv_info``) and the gradients from the next
+    (``grad_recv_info``); each received tensor is the buffer itself."""
+    return step.grad_accum * step.boundary * ((not step.first) + (not step.last))
+
+
 def pipelined(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> None:
     """A pipeline stage's micro-steps in its schedule's ``order``: the activations of every forward not yet
     backwarded stay, so a stage holds as many micro-batches as it has in flight. FSDP2 runs as the schedule drives
@@ -287,6 +295,7 @@ def pipelined(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> N
             else:
                 in_flight -= 1
                 backward(walk, step, micro, release_root=in_flight == 0)
+        sent_gradient_released(walk, step)
         return
     last, backwarded = "", False
     for index, (kind, number) in enumerate(order):
@@ -301,7 +310,15 @@ def pipelined(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> N
         else:
             backward(walk, current, current.micro(number), release_root=False)
         last, backwarded = kind, backwarded or kind == "B"
+    sent_gradient_released(walk, step)
     reduce_accumulated(walk, step, fsdp)
+
+
+def sent_gradient_released(walk: Walk, step: TrainingStep) -> None:
+    """The last micro-batch's input gradient, sent to the previous stage, let go when the schedule has waited for
+    its send (``embedding_backward``)."""
+    if not step.first:
+        walk.add("activations", -step.boundary)
 
 
 def reduce_accumulated(walk: Walk, step: TrainingStep, fsdp: PipelinedFsdp) -> None:
@@ -367,8 +384,7 @@ def forward(walk: Walk, step: TrainingStep, micro: MicroStep, *, gather_root: bo
     if step.first:
         embedding = step.edge(Segment.PRE_F, micro)
         walk.step(embedding, f"{phase}, embedding", gathered=gathering.embedding_forward, activations=embedding[1])
-    else:  # the previous stage's hidden states, received: kept as the first layer's input for the backward
-        walk.add("activations", step.boundary)
+    else:  # the previous stage's hidden states, received into their buffer: the first layer's input
         walk.visit(0, f"{phase}, activations received")
     for i in range(len(step.layers)):
         seg = step.layer_forward(i, micro)
@@ -387,8 +403,8 @@ def forward(walk: Walk, step: TrainingStep, micro: MicroStep, *, gather_root: bo
 def head_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads) -> None:
     """The head and loss's backward frees the logits and loss; FSDP2 gathers its root again first."""
     shard, gathering, zero = step.shard, step.shard.gathering, step.shard.zero
-    if not step.last:  # the next stage's gradient of this stage's output, received; the output is let go
-        walk.visit(step.boundary, f"backward, {micro.where}, gradient received")
+    if not step.last:  # the next stage's gradient of this stage's output, received into its buffer; the output
+        walk.visit(0, f"backward, {micro.where}, gradient received")  # is let go
         walk.add("activations", -step.boundary)
         return
     phase = f"backward, {micro.where}, LM head and loss"
@@ -447,9 +463,10 @@ def embedding_backward(
     root's gradients, the head's with the embedding's."""
     shard, blocks = step.shard, step.blocks
     phase = f"backward, {micro.where}"
-    if not step.first:  # the gradient of the received input, sent back; the input is let go
-        walk.visit(step.boundary, f"{phase}, gradient sent")
-        walk.add("activations", -step.boundary)
+    if not step.first:  # the received input's gradient, sent back: the send holds it until the next one's is made
+        walk.visit(step.boundary, f"{phase}, gradient sent")  # (``stage_backward``'s note), the input buffer stays
+        if micro.first:
+            walk.add("activations", step.boundary)
     embedding = step.edge(Segment.PRE_F, micro)[1] if step.first else 0
     beyond = blocks.pre * (shard.embedding_grad_shares - 1)
     walk.step(
