@@ -21,10 +21,9 @@ from ljperf.forecast.recipe import ZeroSettings
 from ljperf.models.catalog import read_config_dict, split_model_arg
 from ljperf.models.spec import resolve
 
-from conftest import read_record, run_ljperf
+from conftest import FORECAST_TOLERANCE, read_record, run_ljperf
 
-TOLERANCE = 0.005
-"""The forecast against a real step's measured peak: within 0.5% (issue 59)."""
+TOLERANCE = FORECAST_TOLERANCE
 NEEDS_FSDP_TORCH = pytest.mark.skipif(
     fakestep.torch_version() < fakestep.FSDP_TORCH, reason="FSDP2's fake step counts DTensor's propagation before 2.13"
 )

@@ -18,6 +18,8 @@ import pytest
 
 from ljperf.models.catalog import read_config_dict
 
+from conftest import FORECAST_TOLERANCE
+
 WORKER = os.path.join(os.path.dirname(__file__), "scripts", "engines_worker.py")
 
 FAMILIES = {
@@ -52,8 +54,7 @@ SHAPES = {"state": "--micro-batch 1 --seq-len 32", "activations": "--micro-batch
 COMMON = "--steps 1 --warmup 0 --device cpu --precision fp32"
 """Two steps a run: memory is measured on step 2 (the first after the optimizer states exist), as with
 ``--warmup 2``; the timed step 1 is not read."""
-TOLERANCE = 0.005
-"""The issue's bound for every engine: ±0.5% of the measured peak."""
+TOLERANCE = FORECAST_TOLERANCE
 
 ISSUE_CONFIG = read_config_dict(name="mistral-tiny") | {
     "hidden_size": 512,
