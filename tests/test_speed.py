@@ -156,6 +156,25 @@ def test_calibration_recovers_known_efficiencies_overhead_and_link_from_syntheti
     assert links["synthetic"].latency_s == pytest.approx(2e-4, rel=0.05)
 
 
+def test_calibration_on_records_that_cannot_tell_its_terms_apart_keeps_them_near_their_defaults():
+    """Three records of one shape on one rank, each step 1.5x the default prediction: any mix of slower classes
+    and dearer ops explains them, so the prior spreads the slowdown (the larger a term's share, the more it moves:
+    none past 2x) and keeps what they say nothing of (links, hooks, overlap) at the defaults."""
+    base = replace(RATES, op_overhead_s=1e-4)
+    truth = replace(base, efficiency={c: e / 1.5 for c, e in base.efficiency.items()}, op_overhead_s=1.5e-4)
+    layer = Work(roofline_s={c: 0.01 * (i + 1) for i, c in enumerate(OP_CLASSES)}, ops=400)
+    one = work(layer=layer, optimizer=Work(roofline_s=dict.fromkeys(OP_CLASSES, 0.0) | {"optimizer": 0.02}, ops=50))
+    terms, links = calibrate.fit([_record(one, base, truth)] * 3)
+    fitted = terms["synthetic"]
+    for cls, eff in base.efficiency.items():
+        assert eff / 2 <= fitted.efficiency[cls] <= eff, (cls, fitted.efficiency)
+    assert base.op_overhead_s <= fitted.op_overhead_s <= 2 * base.op_overhead_s
+    assert fitted.overlap == pytest.approx(base.overlap) and not links  # one rank: no link fitted
+    assert fitted.hook_s == pytest.approx(base.hook_s | dict.fromkeys(base.hook_s, 1e-6))  # a GPU's 0 starts at 1 µs
+    rates = replace(base, efficiency=fitted.efficiency, op_overhead_s=fitted.op_overhead_s)
+    assert predict(one, rates).step_time_s == pytest.approx(predict(one, truth).step_time_s, rel=0.05)
+
+
 def test_calibration_reads_the_links_of_a_comm_record():
     rows = [
         {"op": op, "size_bytes": size, "time_us": 1e6 * (3e-5 + size * factor / 5e9)}
