@@ -26,7 +26,7 @@ from ljperf.speed.collectives import Collective, Links
 from ljperf.speed.overlap import StepTimes, exposed
 from ljperf.speed.rates import Cluster, SpeedRates, gpu_rates
 from ljperf.speed.step_time import StepWork, Work, load_work, predict, price
-from ljperf.speed.traffic import Traffic
+from ljperf.speed.traffic import Traffic, ipg_calls, step_traffic
 
 RECORD = Path(__file__).resolve().parents[1] / "benchmarks/ablation-llama-tiny-cpu-quiet/runs/local/base.r1.json"
 LINKS = Links(intra_bytes_per_s=100e9, inter_bytes_per_s=10e9, latency_s=1e-5, gpus_per_node=8)
@@ -114,6 +114,19 @@ def test_fsdp_hides_prefetched_gathers_and_reduce_scatters_behind_the_layers():
     assert b["exposed_comm"] == pytest.approx(g + g + r)
     idle = predict(work(traffic=traffic), RATES).breakdown  # no compute: every collective waits
     assert idle["exposed_comm"] == pytest.approx(6 * g + 3 * r)
+
+
+def test_zero_1_and_2_all_reduce_each_ipg_bucket_as_deepspeed_fills_them(tiny):
+    # a gradient that would overflow the bucket flushes it first; one larger than the bucket goes alone
+    assert ipg_calls([10, 3, 3, 20, 5, 5, 6], bucket=10) == 5
+    assert ipg_calls([], bucket=10) == 0
+    for stage in (1, 2):
+        recipe = Recipe(engine="deepspeed", zero_stage=stage, world=2, device="cpu", precision="fp32")
+        (bucket,) = step_traffic(tiny, recipe).bucketed
+        # DeepSpeed's profile of llama-tiny (reduce_bucket_size hidden² = 16,384) shows 31 gloo all-reduces a
+        # step: these 30 and the gradient norm's
+        assert (bucket.kind, bucket.calls) == ("all_reduce", 30)
+        assert bucket.calls * bucket.size_bytes == pytest.approx(4 * 1_262_720)  # fp32: every parameter once
 
 
 def _record(step_work: StepWork, base: SpeedRates, truth: SpeedRates) -> dict:
