@@ -26,7 +26,7 @@ from ljperf.speed.collectives import Collective, Links
 from ljperf.speed.overlap import StepTimes, exposed
 from ljperf.speed.rates import Cluster, SpeedRates, gpu_rates
 from ljperf.speed.step_time import StepWork, Work, load_work, predict, price
-from ljperf.speed.traffic import Traffic
+from ljperf.speed.traffic import Traffic, ipg_calls, step_traffic
 
 RECORD = Path(__file__).resolve().parents[1] / "benchmarks/ablation-llama-tiny-cpu-quiet/runs/local/base.r1.json"
 LINKS = Links(intra_bytes_per_s=100e9, inter_bytes_per_s=10e9, latency_s=1e-5, gpus_per_node=8)
@@ -116,6 +116,19 @@ def test_fsdp_hides_prefetched_gathers_and_reduce_scatters_behind_the_layers():
     assert idle["exposed_comm"] == pytest.approx(6 * g + 3 * r)
 
 
+def test_zero_1_and_2_all_reduce_each_ipg_bucket_as_deepspeed_fills_them(tiny):
+    # a gradient that would overflow the bucket flushes it first; one larger than the bucket goes alone
+    assert ipg_calls([10, 3, 3, 20, 5, 5, 6], bucket=10) == 5
+    assert ipg_calls([], bucket=10) == 0
+    for stage in (1, 2):
+        recipe = Recipe(engine="deepspeed", zero_stage=stage, world=2, device="cpu", precision="fp32")
+        (bucket,) = step_traffic(tiny, recipe).bucketed
+        # DeepSpeed's profile of llama-tiny (reduce_bucket_size hidden² = 16,384) shows 31 gloo all-reduces a
+        # step: these 30 and the gradient norm's
+        assert (bucket.kind, bucket.calls) == ("all_reduce", 30)
+        assert bucket.calls * bucket.size_bytes == pytest.approx(4 * 1_262_720)  # fp32: every parameter once
+
+
 def _record(step_work: StepWork, base: SpeedRates, truth: SpeedRates) -> dict:
     speed = predict(step_work, truth, peak_mfu=False)
     return {
@@ -154,6 +167,25 @@ def test_calibration_recovers_known_efficiencies_overhead_and_link_from_syntheti
     assert fitted.op_overhead_s == pytest.approx(4e-4, rel=0.05) and fitted.samples == 16
     assert links["synthetic"].intra_bytes_per_s == pytest.approx(30e9, rel=0.05)
     assert links["synthetic"].latency_s == pytest.approx(2e-4, rel=0.05)
+
+
+def test_calibration_on_records_that_cannot_tell_its_terms_apart_keeps_them_near_their_defaults():
+    """Three records of one shape on one rank, each step 1.5x the default prediction: any mix of slower classes
+    and dearer ops explains them, so the prior spreads the slowdown (the larger a term's share, the more it moves:
+    none past 2x) and keeps what they say nothing of (links, hooks, overlap) at the defaults."""
+    base = replace(RATES, op_overhead_s=1e-4)
+    truth = replace(base, efficiency={c: e / 1.5 for c, e in base.efficiency.items()}, op_overhead_s=1.5e-4)
+    layer = Work(roofline_s={c: 0.01 * (i + 1) for i, c in enumerate(OP_CLASSES)}, ops=400)
+    one = work(layer=layer, optimizer=Work(roofline_s=dict.fromkeys(OP_CLASSES, 0.0) | {"optimizer": 0.02}, ops=50))
+    terms, links = calibrate.fit([_record(one, base, truth)] * 3)
+    fitted = terms["synthetic"]
+    for cls, eff in base.efficiency.items():
+        assert eff / 2 <= fitted.efficiency[cls] <= eff, (cls, fitted.efficiency)
+    assert base.op_overhead_s <= fitted.op_overhead_s <= 2 * base.op_overhead_s
+    assert fitted.overlap == pytest.approx(base.overlap) and not links  # one rank: no link fitted
+    assert fitted.hook_s == pytest.approx(base.hook_s | dict.fromkeys(base.hook_s, 1e-6))  # a GPU's 0 starts at 1 µs
+    rates = replace(base, efficiency=fitted.efficiency, op_overhead_s=fitted.op_overhead_s)
+    assert predict(one, rates).step_time_s == pytest.approx(predict(one, truth).step_time_s, rel=0.05)
 
 
 def test_calibration_reads_the_links_of_a_comm_record():

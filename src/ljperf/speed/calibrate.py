@@ -4,7 +4,8 @@ A benchmark record holds the work the model saw in its step (``results.speed.wor
 times and phase timers; per device (``results.speed.rates.device``: a GPU's name, ``cpu N threads``) the fit finds
 the efficiency of each op class, the cost of one op, the share of compute communication can hide behind, and the
 link (bandwidth, latency) that make the predicted step and phases closest to the measured ones (least squares of
-their logarithms, a weak pull toward the defaults for terms the records do not tell apart). An ``ljperf comm``
+their logarithms, and a ridge prior: each term's log distance from its default, weighted by ``PRIOR``, so terms the
+records do not tell apart stay near their defaults rather than trade against each other). An ``ljperf comm``
 record fits the links alone: time = latency + bus bytes / bandwidth over its rows. The terms are saved in the
 cache folder (``speed-calibration.json``) and used by every later plan and benchmark on that device.
 """
@@ -29,10 +30,12 @@ from ljperf.speed.step_time import Speed, StepWork, load_work, predict
 from ljperf.speed.traffic import STYLES
 
 VERSION = 1
-PRIOR = 1e-4
-"""Weight of the pull of each term's logarithm toward its default (none for the cost of an op, whose default on a
-GPU is 0): small beside one record's squared log error, it settles only what the records leave open (the links
-without a record on several ranks)."""
+PRIOR = 0.1
+"""Weight of each term's log distance from its default (ridge regression in log space, toward the uncalibrated
+rates): a term fitted 2x from its default costs as much as one record predicted 7% off, 17x as much as one 28% off.
+The weight does not grow with the records, so enough of them move any term as far as they need; a few records, or
+many of one shape whose terms all grow together, leave the terms they cannot tell apart at their defaults. Chosen
+a priori (not tuned on the held-out half of ``benchmarks/step_model.py``)."""
 PHASE_WEIGHT = 0.5
 """Weight of the phase timers' (forward, backward, optimizer) errors beside the step's."""
 
@@ -156,19 +159,9 @@ def rates_from_record(data: dict) -> SpeedRates:
     )
 
 
-PARAMETERS = (
-    *(f"efficiency.{c}" for c in OP_CLASSES),
-    "op_overhead_s",
-    "overlap",
-    "intra",
-    "latency",
-    *(f"hook_s.{style}" for style in STYLES),
-)
-FREE = frozenset({"op_overhead_s", *(f"hook_s.{style}" for style in STYLES)})
-"""Terms with no pull toward their start: a GPU's default of 0 says nothing of what they are."""
-
-
 def _vector(rates: SpeedRates) -> list[float]:
+    """The fitted terms in order: the efficiencies by class, the cost of an op, overlap, the link's bandwidth and
+    latency, the hooks by engine."""
     links = rates.links
     return [
         *(rates.efficiency[c] for c in OP_CLASSES),
@@ -195,7 +188,8 @@ def _rates(base: SpeedRates, x: list[float]) -> SpeedRates:
 
 def residuals(samples: list[Sample], x: list[float], x0: list[float]) -> list[float]:
     """Log errors of each step (and, weighted, of its phases), then each term's log distance from ``x0`` weighted
-    by ``PRIOR``: their squares' sum is what the fit makes least."""
+    by ``PRIOR`` (a GPU's op and hook costs from their start of 1 µs: a host that runs ahead): their squares' sum
+    is what the fit makes least."""
     out = []
     for s in samples:
         predicted: Speed = predict(s.work, _rates(s.rates, x), peak_mfu=False)
@@ -203,9 +197,7 @@ def residuals(samples: list[Sample], x: list[float], x0: list[float]) -> list[fl
         for phase, measured in sorted(s.phases.items()):
             if measured > 0 and predicted.phases[phase] > 0:
                 out.append(math.sqrt(PHASE_WEIGHT) * math.log(predicted.phases[phase] / measured))
-    pull = math.sqrt(PRIOR * len(samples))
-    free = {PARAMETERS.index(name) for name in FREE}
-    return out + [pull * math.log(a / b) for i, (a, b) in enumerate(zip(x, x0, strict=True)) if i not in free]
+    return out + [PRIOR * math.log(a / b) for a, b in zip(x, x0, strict=True)]
 
 
 def minimize(residuals: Callable[[list[float]], list[float]], x0: list[float], *, iterations: int = 100) -> list[float]:

@@ -38,14 +38,17 @@ GPU on DGX H100/H200/B200, one 200 Gb/s HDR NIC per GPU on DGX A100."""
 
 GPU_EFFICIENCY: dict[str, float] = {
     "matmul": 0.70,
-    "attention": 0.55,
+    "attention": 0.52,
     "elementwise": 0.70,
     "norm": 0.60,
     "optimizer": 0.70,
 }
-"""Uncalibrated shares of the peak a GPU sustains per op class (docs/speed.md, where they come from): large bf16
-GEMMs reach about 70% of the dense peak; attention FLOPs are counted as torch's counter counts them (no causal
-halving); memory-bound kernels reach 60–80% of the HBM bandwidth."""
+"""Uncalibrated shares of the peak a GPU sustains per op class (docs/speed.md, where each comes from): large bf16
+GEMMs reach about 70% of the dense peak (cuBLAS on an H100 SXM: a quoted 600-750 of 989 TFLOP/s); attention is
+FlashAttention-2 on an H100 as the FlashAttention-3 paper measured it (head dim 128, 8k tokens: causal forward 333
+TFLOP/s; backward 318 non-causal, taken causal at the forward's 333/370; both counted with the causal half and a
+backward of 2.5 forwards) over the FLOPs torch's counter counts (no causal half, a backward of 2 forwards): 0.52;
+memory-bound kernels reach 60–80% of the HBM bandwidth."""
 
 GPU_LINK_EFFICIENCY = 0.80
 """nccl-tests' bus bandwidth of large all-reduces and all-gathers over the peak link rate (about 360 of 450 GB/s

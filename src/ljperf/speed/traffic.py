@@ -54,7 +54,7 @@ class Traffic:
     root_tp: tuple[Collective, ...] = ()
     """Tensor parallel's around the embedding and head, forward and backward together."""
     bucketed: tuple[Collective, ...] = ()
-    """Gradient buckets reduced while backward runs: DDP's all-reduce, ZeRO-1/2's reduce-scatter."""
+    """Gradient buckets reduced while backward runs: DDP's all-reduce, ZeRO-1/2's (an all-reduce too)."""
     bucketed_every_micro_step: bool = False
     """ZeRO-2 reduces every micro-step; DDP (``no_sync``) and ZeRO-1 only in the last."""
     overlapped_buckets: bool = True
@@ -185,8 +185,10 @@ def _fsdp(spec: ModelSpec, recipe: Recipe, blocks: BlockParams) -> Traffic:
 
 def _zero(spec: ModelSpec, recipe: Recipe, blocks: BlockParams) -> Traffic:
     """ZeRO over every rank: stage 3 gathers each layer forward and backward (its prefetch bucket ahead) and
-    reduce-scatters its gradients in buckets; stages 1/2 reduce the gradients in buckets (2: every micro-step, 1: at
-    the accumulation boundary) and gather the updated parameters after the step."""
+    reduce-scatters its gradients in buckets; stages 1/2 all-reduce the gradient buckets (2: every micro-step, 1: at
+    the accumulation boundary; each rank then keeps its partition: DeepSpeed's ``use_multi_rank_bucket_allreduce``,
+    on by default, reduces a bucket whole, twice a reduce-scatter's bus bytes) and gather the updated parameters
+    after the step."""
     world, compute, zero = recipe.world, _compute_bytes(recipe), recipe.zero
     bucket = zero.reduce_bucket_elements(spec.hidden)
 
@@ -209,13 +211,34 @@ def _zero(spec: ModelSpec, recipe: Recipe, blocks: BlockParams) -> Traffic:
             root_reduce=(buckets(root, "reduce_scatter", "reduce_scatter", bucket),),
             prefetch=min(1.0, zero.prefetch_bucket_size / max(blocks.layer, 1)),
         )
+    calls = ipg_calls([n for _, n in reversed(blocks.order)], bucket=bucket)
     return Traffic(
         style="zero12",
         engine_backward=EngineWork(hooks=blocks.tensors),
         engine_reduce=EngineWork(copy_bytes=2 * blocks.total * compute),  # into the IPG bucket
         engine_step=EngineWork(copy_bytes=2 * blocks.total * recipe.weight_bytes / world),
-        bucketed=(buckets(blocks.total, "reduce_scatter", "reduce_scatter", bucket),),
+        bucketed=(
+            Collective(
+                kind="all_reduce",
+                what="all_reduce",
+                size_bytes=blocks.total * compute / calls,
+                ranks=world,
+                calls=calls,
+            ),
+        ),
         bucketed_every_micro_step=recipe.zero_stage == 2,
         overlapped_buckets=zero.overlap_comm,
         after_step=(buckets(blocks.total, "all_gather", "all_gather", ZERO_ALLGATHER_BUCKET),),
     )
+
+
+def ipg_calls(sizes: list[int], *, bucket: int) -> int:
+    """Reductions of ZeRO-1/2's IPG bucket over gradients of ``sizes`` elements in the order they are ready: a
+    gradient that would overflow the bucket first reduces what it holds, so one larger than the bucket goes alone
+    (DeepSpeed's ``reduce_independent_p_g_buckets_and_remove_grads``), and the last bucket after backward."""
+    calls, held = 0, 0
+    for n in sizes:
+        if held and held + n > bucket:
+            calls, held = calls + 1, 0
+        held += n
+    return calls + (held > 0)
