@@ -461,6 +461,13 @@ def with_layers(spec: ModelSpec, layers: int, *, pick: Sequence[int] | None = No
     return ModelSpec.of(config, name=f"{spec.name}[{layers} layers]")
 
 
+def with_window(spec: ModelSpec, window: int) -> ModelSpec:
+    """The same model with a sliding window of ``window`` tokens (``forecast.trace.windowed``)."""
+    config = copy.deepcopy(spec.config)
+    config.sliding_window = window
+    return ModelSpec.of(config, name=spec.name)
+
+
 LARGEST_REAL = 2**24
 """Elements of a ``torch.ones``/``zeros``/``full`` a meta build may still make for real: buffers (RoPE frequencies,
 masks) are far smaller; a norm weight of a 10^9 hidden size (4 GB) is not."""
