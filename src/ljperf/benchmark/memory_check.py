@@ -40,6 +40,7 @@ def benchmark_forecast(run: RunContext, results: dict[str, Any], plan: Plan | No
         "breakdown": result.breakdown,
         "phase": result.phase,
         "source": result.source,
+        "analytic_reason": result.analytic_reason,
         "calibration_name": run.device.calibration_name,
         "error_pct": None,
     }

@@ -154,6 +154,8 @@ def forecast_line(results: dict[str, Any]) -> str | None:
     text = f"memory forecast {format_bytes(fc['peak_allocated_bytes'])} (peak at {fc['phase']})"
     if fc["error_pct"] is not None:
         text += f" vs measured {format_bytes(results['peak_allocated_bytes'])} ({fc['error_pct']:+.1f}%)"
+    if reason := fc.get("analytic_reason"):
+        text += f"; by the analytic formula, not traced: {reason}"
     return text
 
 

@@ -36,7 +36,7 @@ def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
     # bf16 parameters (FSDP2, DeepSpeed): each RMSNorm keeps its fp32 upcast of the input and the rsqrt instead
     per_token = 2 * (4 * h + 4) if recipe.trace_precision == "bf16-params" else 2 * (2 * 4 * h + 4)
     per_token += 2 * a * (heads * qk + kv * (qk + v)) + a * heads * v + 4 * heads
-    per_token += 4 * a * ffn
+    per_token += expert_bytes(spec, a=a, ffn=ffn) if _experts(spec) > 1 else 4 * a * ffn
     weights = 0
     if a == 2:
         per_token += 2 * a * h
@@ -48,6 +48,21 @@ def layer_bytes(spec: ModelSpec, recipe: Recipe, mode: str) -> int:
         probs = 4 + (a if a < 4 else 0)  # the fp32 softmax, and its cast when the matmuls run narrower
         per_token += heads * recipe.seq_len * probs + a * heads * v - 4 * heads
     return per_token * tokens + weights
+
+
+def _experts(spec: ModelSpec) -> int:
+    return spec.fact("num_local_experts") or spec.fact("num_experts") or 1
+
+
+def expert_bytes(spec: ModelSpec, *, a: int, ffn: int) -> int:
+    """Per token, what a mixture of experts keeps in place of the SwiGLU MLP, as transformers' experts loop keeps
+    it (counted with saved-tensor hooks on mixtral-tiny): the router's fp32 softmax (E·4), its top-k indices and
+    normalised values (k·(8 + 4)) and their sum; and for each of the k experts a token goes to, three hidden-wide
+    tensors (the gathered input, the down projection's output and its product with the routing weight), the
+    gate-up output, SiLU(gate) and its product with up (a·(3h + 4·ffn)), the token's index and its weight (8 + 4)."""
+    k = getattr(spec.config, "num_experts_per_tok", 1)
+    router = 4 * _experts(spec) + k * (8 + 4) + 4
+    return router + k * (a * (3 * spec.hidden + 4 * ffn) + 12)
 
 
 def head_bytes(spec: ModelSpec, recipe: Recipe) -> int:

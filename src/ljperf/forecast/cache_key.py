@@ -44,6 +44,8 @@ class FamilyKey:
     """Every traced layer's recompute mode: none, full or selective."""
     shapes: str
     """The family of shapes traced (``patterns.FAMILIES``): b1 (micro batch 1) or bn."""
+    seq_offset: int
+    """Tokens added to each traced shape's sequence length (``trace.windowed``: a sliding window's)."""
     as_cuda: bool
     """Traced as CUDA runs it (``trace.trace_shape``)."""
     tp: int
@@ -72,6 +74,7 @@ class FamilyKey:
         attn: str,
         mode: str,
         shapes: str,
+        seq_offset: int = 0,
         as_cuda: bool = False,
         tp: int = 1,
         loss: str = "plain",
@@ -86,6 +89,7 @@ class FamilyKey:
             attn=attn,
             mode=mode,
             shapes=shapes,
+            seq_offset=seq_offset,
             as_cuda=as_cuda,
             tp=tp,
             loss=loss,

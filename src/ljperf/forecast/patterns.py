@@ -32,6 +32,11 @@ def family(micro_batch: int) -> str:
     return "b1" if micro_batch == 1 else "bn"
 
 
+def family_shapes(name: str, *, seq_offset: int = 0) -> tuple[tuple[int, int], ...]:
+    """The shapes of family ``name``, their sequence lengths ``seq_offset`` longer (``trace.windowed``)."""
+    return tuple((b, s + seq_offset) for b, s in FAMILIES[name])
+
+
 def monomials(b: int, s: int) -> tuple[int, ...]:
     """The terms tensor sizes are made of; at b=1 the b-terms coincide, so that family keeps (1, s, s²)."""
     return (1, s, s * s) if b == 1 else (1, b, s, b * s, s * s, b * s * s)
@@ -52,6 +57,9 @@ class Patterns:
     """The coefficients are of ``divisor`` × bytes (``--loss chunked``: × ``LOSS_CHUNKS``, a chunk's tokens are
     a fraction of b·s; ``--tp``: a rank's share of a sequence-parallel tensor has
     bytes per token that are fractions of tp, such as 4 / 8 for one fp32 value a token at ``--tp 8``)."""
+    seq_offset: int = 0
+    """The polynomials are in the sequence length minus ``seq_offset``, the shapes' shift (``family_shapes``): so
+    fitted, shapes thousands of tokens long are as well conditioned as the usual ones."""
 
     def segment_keys(self) -> list[SegmentKey]:
         return [SegmentKey.parse(name) for name in self.segments]
@@ -63,7 +71,7 @@ class Patterns:
     def points(self, key: SegmentKey, b: int, s: int, *, per_layer: bool = False) -> list[int]:
         """The points of segment ``key`` at micro batch ``b`` and sequence ``s`` (of its per-layer share)."""
         rows = self.per_layer[key.cache_name] if per_layer else self.segments[key.cache_name]
-        m = monomials(b, s)
+        m = monomials(b, s - self.seq_offset)
         return [sum(c * x for c, x in zip(row, m, strict=True)) // self.divisor for row in rows]
 
     def evaluate(self, b: int, s: int) -> dict[SegmentKey, tuple[int, int]]:
@@ -77,13 +85,13 @@ def peak_and_net(values: list[int]) -> tuple[int, int]:
 
 
 def fit_patterns(
-    traces: dict[tuple[int, int], RawTrace], *, layers: int, divisor: int = 1
+    traces: dict[tuple[int, int], RawTrace], *, layers: int, divisor: int = 1, seq_offset: int = 0
 ) -> dict[str, list[list[int]]]:
-    """Fit every point of every segment, times ``divisor``, exactly over the traced shapes; raises TraceError when
-    not exact."""
+    """Fit every point of every segment, times ``divisor``, exactly over the traced shapes, as polynomials in the
+    sequence length minus ``seq_offset``; raises TraceError when not exact."""
     shapes = list(traces)
     split = {shape: split_segments(raw, layers=layers) for shape, raw in traces.items()}
-    x = torch.tensor([monomials(b, s) for b, s in shapes], dtype=torch.float64)
+    x = torch.tensor([monomials(b, s - seq_offset) for b, s in shapes], dtype=torch.float64)
     fitted: dict[str, list[list[int]]] = {}
     for name in split[shapes[0]]:
         lengths = {len(split[shape][name]) for shape in shapes}
@@ -100,6 +108,7 @@ def with_per_layer(
     *,
     cuda_differs: bool = False,
     divisor: int = 1,
+    seq_offset: int = 0,
 ) -> Patterns:
     """Patterns from the fits of the ``trace.TRACE_LAYERS``- and ``trace.SLOPE_LAYERS``-deep copies: the layers'
     segments must agree (the composition repeats them), and an edge segment's difference is its per-layer share."""
@@ -114,7 +123,9 @@ def with_per_layer(
         if not SegmentKey.parse(name).segment.edge:
             raise TraceError(f"decoder layer segment {name} depends on the model's depth")
         per_layer[name] = slope
-    return Patterns(segments=reference, per_layer=per_layer, cuda_differs=cuda_differs, divisor=divisor)
+    return Patterns(
+        segments=reference, per_layer=per_layer, cuda_differs=cuda_differs, divisor=divisor, seq_offset=seq_offset
+    )
 
 
 def _exact_fit(x: torch.Tensor, y: torch.Tensor, name: str) -> list[list[int]]:

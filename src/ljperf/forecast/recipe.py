@@ -304,6 +304,8 @@ class Forecast:
     """traced (real model code on fake tensors) or analytic (the formula fallback)."""
     notes: list[str] = field(default_factory=list)
     """Caveats, e.g. a fallback taken."""
+    analytic_reason: str | None = None
+    """Why the forecast is the analytic formula (``source`` analytic): the trace's error; None when traced."""
     traced_peak_bytes: int | None = None
     """The allocated peak before device overheads (what calibration fits against)."""
     stage_peaks: tuple[int, ...] = ()

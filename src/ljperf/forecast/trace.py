@@ -49,11 +49,11 @@ from ljperf.distributed.mesh import fake_tp_mesh
 from ljperf.forecast.cache_key import FamilyKey, cache_dir
 from ljperf.forecast.live_bytes import LiveBytesTimeline
 from ljperf.forecast.patches import real_code_paths, swapped
-from ljperf.forecast.patterns import FAMILIES, Patterns, family, fit_patterns, with_per_layer
+from ljperf.forecast.patterns import FAMILIES, Patterns, family, family_shapes, fit_patterns, with_per_layer
 from ljperf.forecast.segments import MICRO_STEPS, RawTrace, SecondMicroStep, TraceError, install_marks, split_segments
 from ljperf.models.build import build_picked, replace_parameters
 from ljperf.models.loss import use_chunked_loss
-from ljperf.models.spec import ModelSpec, build_meta, with_layers
+from ljperf.models.spec import ModelSpec, build_meta, with_layers, with_window
 from ljperf.models.step import accumulate
 from ljperf.models.tensor_parallel import parallelize
 
@@ -339,6 +339,25 @@ _ONE_STEP: dict[FamilyKey, FamilyKey] = {}
 else the first micro-step's alone."""
 
 
+SHORTEST, LONGEST = (f(s for shapes in FAMILIES.values() for _, s in shapes) for f in (min, max))
+"""The shortest and the longest sequence a family traces, shifted by none."""
+
+
+def windowed(spec: ModelSpec, seq_len: int) -> tuple[ModelSpec, int]:
+    """The model to trace for a recipe of ``seq_len`` tokens, and how many tokens longer its shapes are than the
+    families': every traced shape on the same side of a sliding window as ``seq_len``. Under SDPA transformers makes
+    the window's mask (b·s² booleans, and SDPA's path with a mask) only from the window's length up, so a family
+    straddling it traces two op sequences, which no fit joins, and one wholly below it misses the mask. From the
+    window up the shapes start at it; below it the traced copy's window is put past the longest shape, which
+    changes nothing the model does under the window (eager attention builds its mask at every length)."""
+    window = spec.fact("sliding_window")
+    if not window:
+        return spec, 0
+    if seq_len >= window:
+        return spec, max(0, window - SHORTEST)
+    return (with_window(spec, LONGEST + 1) if window <= LONGEST else spec), 0
+
+
 def traced_patterns(
     spec: ModelSpec,
     *,
@@ -346,6 +365,7 @@ def traced_patterns(
     attn: str,
     mode: str,
     micro_batch: int,
+    seq_len: int,
     device: str = "cpu",
     pick: tuple[int, ...] | None = None,
     tp: int = 1,
@@ -356,9 +376,12 @@ def traced_patterns(
     cached): CPU's, and for CUDA those traced as CUDA runs them where CPU's differ (``cuda_differs``). ``pick``: a
     copy of those layers of the full model (``layer_picks``); ``tp``: one rank of that many tensor-parallel ones;
     ``loss``: plain or chunked (``--loss``); ``first_only``: the first micro-step's segments suffice (a recipe of
-    one micro-step): both micro-steps' where they are cached, else the first one's alone."""
+    one micro-step): both micro-steps' where they are cached, else the first one's alone; ``seq_len``: the recipe's,
+    which a sliding window's traced shapes follow (``windowed``)."""
+    spec, offset = windowed(spec, seq_len)
+    shapes = family(micro_batch)
     key = FamilyKey.of(
-        spec, precision=precision, attn=attn, mode=mode, shapes=family(micro_batch), pick=pick, tp=tp, loss=loss
+        spec, precision=precision, attn=attn, mode=mode, shapes=shapes, seq_offset=offset, pick=pick, tp=tp, loss=loss
     )
     patterns = _traced_patterns(spec, key, first_only=first_only)
     if device == "cuda" and patterns.cuda_differs:
@@ -397,6 +420,7 @@ def _read_entry(data: dict, key: FamilyKey) -> Patterns:
         per_layer=data["per_layer"],
         cuda_differs=data["cuda_differs"],
         divisor=data["divisor"],
+        seq_offset=data["seq_offset"],
     )
 
 
@@ -422,16 +446,17 @@ def _trace_family(spec: ModelSpec, key: FamilyKey) -> Patterns:
             first_only=key.first_only,
         )
 
-    shapes = FAMILIES[key.shapes]
+    shapes = family_shapes(key.shapes, seq_offset=key.seq_offset)
+    offset = {"seq_offset": key.seq_offset}
     reference = {shape: trace(shape, TRACE_LAYERS) for shape in shapes}
     differs = any(raw.cuda_differs for raw in reference.values())
-    patterns = fit_patterns(reference, layers=TRACE_LAYERS, divisor=divisor)
+    patterns = fit_patterns(reference, layers=TRACE_LAYERS, divisor=divisor, **offset)
     # The deeper copy at one shape first: where its segments equal the reference's, no layer leaves anything to the
     # edges (the usual case), and the other shapes need not be traced again.
     probe = shapes[-1]
     deeper = {probe: trace(probe, SLOPE_LAYERS)}
     if split_segments(deeper[probe], layers=SLOPE_LAYERS) == split_segments(reference[probe], layers=TRACE_LAYERS):
-        return Patterns(segments=patterns, per_layer={}, cuda_differs=differs, divisor=divisor)
+        return Patterns(segments=patterns, per_layer={}, cuda_differs=differs, divisor=divisor, **offset)
     deeper |= {shape: trace(shape, SLOPE_LAYERS) for shape in shapes[:-1]}
-    slopes = fit_patterns(deeper, layers=SLOPE_LAYERS, divisor=divisor)
-    return with_per_layer(patterns, slopes, cuda_differs=differs, divisor=divisor)
+    slopes = fit_patterns(deeper, layers=SLOPE_LAYERS, divisor=divisor, **offset)
+    return with_per_layer(patterns, slopes, cuda_differs=differs, divisor=divisor, **offset)

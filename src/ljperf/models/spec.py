@@ -188,9 +188,15 @@ class ConfigFacts:
         return cls(
             architecture=type(config).__name__.removesuffix("Config"),
             attributes={k: getattr(config, k, None) for k in FACT_FIELDS},
-            config_dict=config.to_dict(),
+            # to_dict leaves out how the experts run (a load-time choice): eager's loop traces otherwise than grouped_mm
+            config_dict=config.to_dict() | _experts_implementation(config),
             sdpa=bool(getattr(model_class, "_supports_sdpa", True)),
         )
+
+
+def _experts_implementation(config: PretrainedConfig) -> dict[str, str]:
+    impl = getattr(config, "_experts_implementation", None)
+    return {"experts_implementation": impl} if isinstance(impl, str) else {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -363,8 +369,8 @@ class ParamCounts:
     """Parameters a token uses: total less the experts its routing skips (total for a dense model)."""
 
 
-FACTS_VERSION = 2
-"""Bump when ``ConfigFacts`` changes: older cached facts are then not read."""
+FACTS_VERSION = 3
+"""Bump when ``ConfigFacts`` changes: older cached facts are then not read (3: the experts' implementation)."""
 
 
 def resolve(*, name: str | None = None, path: str | Path | None = None) -> ModelSpec:
@@ -459,6 +465,13 @@ def with_layers(spec: ModelSpec, layers: int, *, pick: Sequence[int] | None = No
             leading = [i % depth < value for i in pick] + [False]
             setattr(config, name, leading.index(False))
     return ModelSpec.of(config, name=f"{spec.name}[{layers} layers]")
+
+
+def with_window(spec: ModelSpec, window: int) -> ModelSpec:
+    """The same model with a sliding window of ``window`` tokens (``forecast.trace.windowed``)."""
+    config = copy.deepcopy(spec.config)
+    config.sliding_window = window
+    return ModelSpec.of(config, name=spec.name)
 
 
 LARGEST_REAL = 2**24

@@ -143,6 +143,7 @@ def plan_record(
         "breakdown": result.breakdown,
         "phase": result.phase,
         "source": result.source,
+        "analytic_reason": result.analytic_reason,
         "gpu_memory_bytes": memory,
         "memory_budget_bytes": budget,
         "headroom_bytes": (budget or memory) - result.device_bytes,
@@ -206,6 +207,8 @@ def print_plan(report: dict) -> None:
     table.add_row("peak allocated per rank", f"{peak / scale:.2f}", "100.0%")
     console.print(table)
     lines = [f"peak at: {report['phase']} ({report['source']})"]
+    if reason := report.get("analytic_reason"):
+        lines.append(f"forecast by the analytic formula, not traced: {reason}")
     if pipeline := report.get("pipeline"):
         console.print(pipeline_table(pipeline))
         lines.append(
