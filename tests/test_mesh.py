@@ -205,9 +205,10 @@ def wide_tp2_runs(tmp_path_factory):
 @pytest.mark.parametrize("seq_len", SEQ_LENS)
 def test_tensor_parallel_forecast_within_half_a_percent_of_each_ranks_peak(wide_tp2_runs, seq_len):
     """Sequence parallel's sharded norms and residuals and the whole inputs the projections keep for the backward,
-    as traced on a fake process group, against each rank of the real gloo step (measured: rank 0 -0.00% at both
-    lengths; rank 1 -0.00% and -0.45%). A fake wait of a functional collective once made a copy of its output,
-    a real one returns it: +1.2% at 256 tokens."""
+    as traced on a fake process group, against each rank of the real gloo step (measured: -0.00% on both ranks at
+    both lengths in most runs; in 1 run of 5, one rank 262,144 bytes higher at 64 tokens, -0.83%, one gathered
+    input of 4 × 64 × 256 fp32, not yet explained; once rank 1 -0.45% at 256). A fake wait of a functional
+    collective once made a copy of its output, a real one returns it: +1.2% at 256 tokens."""
     results = wide_tp2_runs[seq_len]["results"]
     assert results["status"] == "ok", results["reason"]
     predicted = results["forecast"]["peak_allocated_bytes"]
