@@ -208,8 +208,9 @@ def test_tensor_parallel_forecast_within_half_a_percent_of_each_ranks_peak(wide_
     as traced on a fake process group, against each rank of the real gloo step (measured: -0.00% on both ranks at
     both lengths in most runs; in 1 run of 5, one rank 262,144 bytes higher at 64 tokens, -0.83%, one gathered
     input of 4 × 64 × 256 fp32: an all-gather's output in the backward freed two matmuls after its copy, not
-    at it, most likely as gloo's thread lets go of it, a CPU count's timing like #59 item 1's; once -0.45% at 256). A fake wait of a functional
-    collective once made a copy of its output, a real one returns it: +1.2% at 256 tokens."""
+    at it, most likely as gloo's thread lets go of it, a CPU count's timing like #59 item 1's; once -0.45% at
+    256). A fake wait of a functional collective once made a copy of its output, a real one returns it: +1.2% at
+    256 tokens."""
     results = wide_tp2_runs[seq_len]["results"]
     assert results["status"] == "ok", results["reason"]
     predicted = results["forecast"]["peak_allocated_bytes"]
