@@ -535,6 +535,26 @@ def test_optimizer_temporaries_match_a_traced_adamw_step(foreach):
     assert max(tracker.points) - before == pytest.approx(expected, rel=1e-3)
 
 
+def test_a_traced_all_gather_counts_its_output_once_as_a_real_wait_returns_it():
+    """Under ``--tp`` DTensor all-gathers through functional collectives: the real ``wait_tensor`` returns the
+    collective's output, whose meta kernel (what a fake tensor runs) would make a copy of it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ljperf.distributed.mesh import fake_tp_mesh
+
+    group = fake_tp_mesh(2)._dim_group_names[0]
+    fake_mode = FakeTensorMode()
+    tracker = LiveBytesTimeline()
+    with fake_mode:
+        shard = torch.empty(4, 64)
+        tracker.track(shard)
+        with tracker:
+            gathered = torch.ops._c10d_functional.all_gather_into_tensor(shard, 2, group)
+            waited = torch.ops._c10d_functional.wait_tensor(gathered)
+    assert waited.shape == (8, 64)
+    assert max(tracker.points) == tracker.current == 3 * 4 * 64 * 4
+
+
 def test_a_family_key_is_equal_for_equal_recipes_changes_with_each_field_is_hashable_and_round_trips():
     """The cache key of a traced family (``cache_key.FamilyKey``, frozen and keyword-only): the same options on the
     same architecture give equal keys, hashes and file names, at any depth unless layers are picked; a change to any

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from torch._ops import OpOverload
 
 _DEVICE = torch.ops.prim.device.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def fake_device(func: OpOverload, args: Sequence[Any]) -> torch.device | None:
@@ -72,6 +73,10 @@ class LiveBytesTimeline(TorchDispatchMode):
     ):
         if (device := fake_device(func, args)) is not None:
             return device
+        if func is _WAIT:
+            # A real wait returns the collective's output itself; its meta kernel (what a fake tensor runs) a new
+            # ``empty_like`` of it, one whole gathered input more at every all-gather under --tp.
+            return args[0]
         out = func(*args, **(kwargs or {}))
         if func is _DEVICE:  # another tensor's: no allocation
             return out
