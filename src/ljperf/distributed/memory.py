@@ -62,7 +62,9 @@ class LiveTensorBytes(TorchDispatchMode):
     count's storage object) makes gloo's thread take the GIL to free it after the collective, up to tens of
     milliseconds late on a busy CPU, whereas unwatched it frees it as the collective ends: such a storage freed
     on another thread is taken back from every moment after it was seen, so that the count does not depend on
-    when gloo's thread got the GIL (``_late``).
+    when gloo's thread got the GIL (``_late``). A functional collective's output (tensor parallel's gathers) is held
+    by gloo's work as well, and when that is its last reference it is freed there late the same way: freed on
+    another thread, it is taken back from every moment after the calling thread last used it (``_used``).
     """
 
     def __init__(self, alive: Iterable[torch.Tensor] = ()):
@@ -71,7 +73,10 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak = 0
         self._seen: dict[int, int] = {}
         self._late: dict[int, int] = {}
-        """Storages first seen as a view of a tensor made unseen (gloo's copies), by key: where in ``_trail``."""
+        """Storages first seen as a view of a tensor made unseen (gloo's copies), or made by a collective, by key:
+        where in ``_trail`` they were seen (a copy) or last used (a collective's output)."""
+        self._used: set[int] = set()
+        """The keys of ``_late`` that are collectives' outputs: each op that reads one moves its place."""
         self._trail: list[int] = []
         """``current`` after each change since the oldest of ``_late`` was seen (the first entry: as it was)."""
         self._settled = 0
@@ -89,10 +94,14 @@ class LiveTensorBytes(TorchDispatchMode):
             peak_allocated=self.peak, peak_reserved=None, num_alloc_retries=None, num_ooms=None, method=CPU_METHOD
         )
 
-    def _track(self, tensor: torch.Tensor, *, existed: bool = False, unseen_view: bool = False) -> None:
+    def _track(
+        self, tensor: torch.Tensor, *, existed: bool = False, unseen_view: bool = False, collective: bool = False
+    ) -> None:
         storage = _storage(tensor)
         if storage is not None:
-            self._add(storage, existed=existed, unseen_view=unseen_view)
+            self._add(storage, existed=existed, unseen_view=unseen_view or collective)
+            if collective and storage._cdata in self._late:
+                self._used.add(storage._cdata)
 
     def _add(self, storage: torch.UntypedStorage, *, existed: bool, unseen_view: bool = False) -> None:
         key = storage._cdata
@@ -122,6 +131,7 @@ class LiveTensorBytes(TorchDispatchMode):
     def _release(self, key: int) -> None:
         nbytes = self._seen.pop(key, 0)
         self.current -= nbytes
+        self._used.discard(key)
         seen_at = self._late.pop(key, None)
         if seen_at is not None and threading.get_ident() != self._thread:
             for i in range(seen_at + 1, len(self._trail)):
@@ -169,6 +179,11 @@ class LiveTensorBytes(TorchDispatchMode):
     ):
         out = func(*args, **(kwargs or {}))
         inputs = None
+        if self._used:
+            inputs = {s._cdata for s in map(_storage, tree_leaves((args, kwargs))) if s is not None}
+            for key in inputs & self._used:
+                self._late[key] = len(self._trail)
+        collective = func.namespace in COLLECTIVES
         for leaf in tree_leaves(out):
             storage = _storage(leaf)
             if storage is None or storage._cdata in self._seen:
@@ -179,8 +194,17 @@ class LiveTensorBytes(TorchDispatchMode):
             # was made unseen (gloo makes its copies where the dispatcher does not see them).
             written = storage._cdata in inputs
             mutable = func._schema.is_mutable
-            self._track(leaf, existed=written and mutable, unseen_view=written and not mutable)
+            self._track(
+                leaf,
+                existed=written and mutable,
+                unseen_view=written and not mutable,
+                collective=collective and not written,
+            )
         return out
+
+
+COLLECTIVES = frozenset({"_c10d_functional", "c10d_functional"})
+"""The op namespaces of functional collectives, whose outputs gloo's work holds (``LiveTensorBytes._used``)."""
 
 
 def _storage(tensor: object) -> torch.UntypedStorage | None:
