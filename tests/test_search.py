@@ -129,6 +129,7 @@ def test_auto_is_not_solved_where_even_no_recompute_cannot_beat_the_tables_last(
     assert cpu_search["counts"]["pruned_by"]["cannot_win"] == 0  # a table as large as the search: none pruned so
 
 
+@pytest.mark.slow  # the exhaustive search solves auto wherever it is a recipe: minutes on 2 shared cores
 def test_the_search_pruned_by_speed_ranks_the_same_table_as_forecasting_every_recipe(capsys):
     """Under a held global batch the search forecasts only what could still enter the top K (branch and bound on
     predicted speed): its table (ranks, recipes, peaks, speeds, ties left out) is the one a search as large as

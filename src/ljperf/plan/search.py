@@ -3,7 +3,9 @@
 Run: ``search(Setting(spec=spec, base=recipe, axes=axes, budget=budget, ...))`` → ``Outcome`` (every recipe
 forecast, the ranking, the counts pruned). Cheap bounds first: a layout whose parameters, gradients and AdamW
 states alone exceed the budget is not traced, and within one configuration a micro batch that does not fit ends
-the larger ones (its activations only grow). Every other recipe is forecast exactly (``forecast.api.forecast``,
+the larger ones (its activations only grow). Under a held global batch each recipe is priced first (``auto``
+without recompute) and one that cannot beat the table's last so far is not forecast (``walk_groups``). Every
+other recipe is forecast exactly (``forecast.api.forecast``,
 traced once per shape family and cached) and, if it fits the budget, priced by the step-time model
 (``speed.api.speed_for``). ``auto`` recompute is solved (``recompute.solver``) only where no recompute does not fit
 and full recompute does: elsewhere it is no recompute, or nothing; a plan of one mode for every layer is that mode's
@@ -39,7 +41,7 @@ PRUNED = {
     "states": "parameters, gradients and AdamW states alone over the budget",
     "micro_batch": "a smaller micro batch of the same recipe did not fit",
     "auto_is_fixed": "recompute auto is a choice of its own (no recompute that fits, or every layer one mode)",
-    "cannot_win": "recompute auto not solved: slower than the table's last recipe even without recompute",
+    "cannot_win": "slower than the table's last recipe (recompute auto: even without recompute)",
 }
 """Why a candidate was not forecast, by the key ``Outcome.pruned`` counts it under."""
 
