@@ -14,6 +14,7 @@ from ljperf.core.choices import EngineName
 from ljperf.forecast import Recipe, forecast
 from ljperf.models.spec import resolve
 from ljperf.plan.search import Setting, losses, solve_auto, states_bound
+from ljperf.plan.search_report import distinct
 from ljperf.plan.search_space import Axes, Candidate, Layout
 from ljperf.speed.api import speed_for
 from ljperf.speed.rates import Cluster
@@ -127,6 +128,23 @@ def test_auto_is_not_solved_where_even_no_recompute_cannot_beat_the_tables_last(
     assert cpu_search["counts"]["pruned_by"]["cannot_win"] == 0  # a table as large as the search: none pruned so
 
 
+@pytest.mark.slow  # the exhaustive search solves auto wherever it is a recipe: minutes on 2 shared cores
+def test_the_search_pruned_by_speed_ranks_the_same_table_as_forecasting_every_recipe(capsys):
+    """Under a held global batch the search forecasts only what could still enter the top K (branch and bound on
+    predicted speed): its table (ranks, recipes, peaks, speeds, ties left out) is the one a search as large as
+    every recipe (a top no search fills: nothing pruned by speed) ranks."""
+    argv = [*CPU, *ONE_LOSS, "--gpu-memory", "48MiB", "--global-batch", "16"]
+    pruned, every = searched(capsys, *argv, "--top", "3"), searched(capsys, *argv, "--top", "100000")
+    assert pruned["counts"]["pruned_by"]["cannot_win"] > 0 and every["counts"]["pruned_by"]["cannot_win"] == 0
+    assert pruned["counts"]["evaluated"] < every["counts"]["evaluated"]
+
+    def table(record: dict) -> tuple[list, int]:
+        shown, ties = distinct(record["ranked"], 3)
+        return [(r["rank"], r["recipe"], r["peak_bytes"], r["speed"]["tokens_per_s_per_device"]) for r in shown], ties
+
+    assert len(table(every)[0]) == 3 and table(pruned) == table(every)
+
+
 def test_pruned_micro_batches_would_not_have_fit(capsys):
     """Under a held global batch a micro batch that does not fit ends the larger ones: each pruned one, forecast
     after all, does not fit either."""
@@ -145,7 +163,8 @@ def test_pruned_micro_batches_would_not_have_fit(capsys):
 
 
 def test_a_held_global_batch_is_micro_batch_times_accumulation_times_data_parallel_ranks(capsys):
-    record = searched(capsys, *CPU, *ONE_LOSS, "--recompute", "none", "--gpu-memory", "200MiB", "--global-batch", "8")
+    argv = ["--recompute", "none", "--gpu-memory", "200MiB", "--global-batch", "8", "--top", "100000"]
+    record = searched(capsys, *CPU, *ONE_LOSS, *argv)  # a top no search fills: every split forecast, none cut by speed
     assert record["global_batch"] == 8
     for entry in record["evaluated"]:
         c = entry["candidate"]

@@ -8,6 +8,8 @@ Run: ``layers, ends = stage_costs(resolve(name="llama3-8b"), micro_batch=1, seq_
 
 from __future__ import annotations
 
+import functools
+
 from ljperf.forecast.blocks import block_params
 from ljperf.forecast.recipe import Recipe
 from ljperf.models.pipeline_split import balanced_split
@@ -46,4 +48,10 @@ def pipeline_split(spec: ModelSpec, recipe: Recipe) -> tuple[int, ...]:
     if recipe.pp_split:
         return recipe.pp_split
     layers, ends = stage_costs(spec, micro_batch=recipe.micro_batch, seq_len=recipe.seq_len)
-    return tuple(balanced_split(layers, stages=recipe.stages, ends=ends))
+    return _balanced(tuple(layers), stages=recipe.stages, ends=ends)
+
+
+@functools.lru_cache(maxsize=1024)
+def _balanced(layers: tuple[float, ...], *, stages: int, ends: tuple[float, float]) -> tuple[int, ...]:
+    """``balanced_split``, kept: a search forecasts and prices thousands of pipeline recipes of a few splits."""
+    return tuple(balanced_split(list(layers), stages=stages, ends=ends))

@@ -3,7 +3,9 @@
 Run: ``search(Setting(spec=spec, base=recipe, axes=axes, budget=budget, ...))`` → ``Outcome`` (every recipe
 forecast, the ranking, the counts pruned). Cheap bounds first: a layout whose parameters, gradients and AdamW
 states alone exceed the budget is not traced, and within one configuration a micro batch that does not fit ends
-the larger ones (its activations only grow). Every other recipe is forecast exactly (``forecast.api.forecast``,
+the larger ones (its activations only grow). Under a held global batch each recipe is priced first (``auto``
+without recompute) and one that cannot beat the table's last so far is not forecast (``walk_groups``). Every
+other recipe is forecast exactly (``forecast.api.forecast``,
 traced once per shape family and cached) and, if it fits the budget, priced by the step-time model
 (``speed.api.speed_for``). ``auto`` recompute is solved (``recompute.solver``) only where no recompute does not fit
 and full recompute does: elsewhere it is no recompute, or nothing; a plan of one mode for every layer is that mode's
@@ -12,9 +14,12 @@ recipe where the axes have it.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from ljperf.core.choices import Loss, OptimizerImpl
 from ljperf.core.errors import UsageError
@@ -36,7 +41,7 @@ PRUNED = {
     "states": "parameters, gradients and AdamW states alone over the budget",
     "micro_batch": "a smaller micro batch of the same recipe did not fit",
     "auto_is_fixed": "recompute auto is a choice of its own (no recompute that fits, or every layer one mode)",
-    "cannot_win": "recompute auto not solved: slower than the table's last recipe even without recompute",
+    "cannot_win": "slower than the table's last recipe (recompute auto: even without recompute)",
 }
 """Why a candidate was not forecast, by the key ``Outcome.pruned`` counts it under."""
 
@@ -86,14 +91,32 @@ class Outcome:
     when no candidate was forecast at all."""
 
     def floor(self, top: int) -> float | None:
-        """The ``top``-th best tokens/s per device of the recipes that fit so far (None: fewer fit)."""
-        rates = sorted((e.speed.tokens_per_s_per_device for e in self.evaluated if e.speed is not None), reverse=True)
-        return rates[top - 1] if len(rates) >= top else None
+        """The tokens/s per device of the table's ``top``-th recipe so far, ties of one above left out (None:
+        fewer fit): a recipe predicting less cannot enter the table, nor change the ranks it shows."""
+        shown = distinct(self.ranked(), top, speed=lambda e: e.speed.tokens_per_s_per_device if e.speed else 0.0,
+                         peak=lambda e: e.forecast.device_bytes)  # fmt: skip
+        return shown[-1].speed.tokens_per_s_per_device if len(shown) == top and shown[-1].speed else None
 
     def ranked(self) -> list[Evaluated]:
         """The candidates that fit, fastest first (ties: the smaller peak first)."""
         fitting = [(e.speed.tokens_per_s_per_device, e) for e in self.evaluated if e.fits and e.speed is not None]
         return [e for _, e in sorted(fitting, key=lambda f: (-f[0], f[1].forecast.device_bytes))]
+
+
+T = TypeVar("T")
+
+
+def distinct(ranked: list[T], top: int, *, speed: Callable[[T], float], peak: Callable[[T], int]) -> list[T]:
+    """The first ``top`` of ``ranked`` that are not ties of one before them: the same peak and predicted speed to
+    0.1% (AdamW kinds the model prices alike)."""
+    shown: list[T] = []
+    for r in ranked:
+        if len(shown) == top:
+            break
+        rate = speed(r)
+        if not any(peak(s) == peak(r) and abs(speed(s) - rate) <= 1e-3 * rate for s in shown):
+            shown.append(r)
+    return shown
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +210,7 @@ def states_bound(setting: Setting, recipe: Recipe) -> int:
 
 def search(setting: Setting, *, progress: Callable[[int, int], None] = lambda done, total: None) -> Outcome:
     """Every configuration's candidates, pruned by the bounds and forecast; ``progress(done, total)`` after each
-    configuration (the progress bar)."""
+    configuration priced, then after each candidate decided (the progress bar)."""
     outcome = Outcome()
     memo: dict[Recipe, Forecast] = {}
 
@@ -196,6 +219,7 @@ def search(setting: Setting, *, progress: Callable[[int, int], None] = lambda do
             memo[recipe] = forecast(setting.spec, recipe, device_name=setting.device_name)
         return memo[recipe]
 
+    groups: list[Group] = []
     configs = configurations(setting)
     for done, config in enumerate(configs, 1):
         first = replace(config.candidate(*config.splits[0]), recompute="none")  # the states do not depend on it
@@ -205,9 +229,11 @@ def search(setting: Setting, *, progress: Callable[[int, int], None] = lambda do
             if outcome.smallest_bound is None or bound < outcome.smallest_bound[0]:
                 outcome.smallest_bound = (bound, first)
         else:
-            for group in split_groups(config.splits, held=setting.axes.global_batch is not None):
-                evaluate_group(setting, config, group, outcome, forecast_of)
+            held = setting.axes.global_batch is not None
+            groups += [Group(config=config, splits=run, bounds=speed_bounds(setting, config, run, held=held))
+                       for run in split_groups(config.splits, held=held)]  # fmt: skip
         progress(done, len(configs))
+    walk_groups(setting, groups, outcome, forecast_of, progress=progress)
     return outcome
 
 
@@ -217,39 +243,106 @@ def split_groups(splits: tuple[tuple[int, int], ...], *, held: bool) -> Iterator
     if not held:
         yield list(splits)
         return
-    yield [s for s in splits if s[1] > 1]
-    yield [s for s in splits if s[1] == 1]
+    yield from (run for run in ([s for s in splits if s[1] > 1], [s for s in splits if s[1] == 1]) if run)
 
 
-def evaluate_group(
-    setting: Setting,
-    config: Configuration,
-    group: list[tuple[int, int]],
-    outcome: Outcome,
-    forecast_of: Callable[[Recipe], Forecast],
-) -> None:
-    """Forecast ``group``'s splits from the smallest micro batch; the first that does not fit ends the group."""
-    for i, (micro_batch, accum) in enumerate(group):
+@dataclass(kw_only=True)
+class Group:
+    """A configuration's batch splits in a run whose memory grows with the micro batch, smallest first, with an
+    upper bound of each one's tokens/s per device; ``next``: the first not yet decided."""
+
+    config: Configuration
+    splits: list[tuple[int, int]]
+    bounds: list[float]
+    next: int = 0
+
+    def best(self) -> float:
+        """The bound of the splits left: the most any of them can predict."""
+        return max(self.bounds[self.next :])
+
+
+def speed_bounds(setting: Setting, config: Configuration, splits: list[tuple[int, int]], *, held: bool) -> list[float]:
+    """Each split's predicted tokens/s per device, ``auto``'s without recompute (no plan is faster); without a
+    held global batch none (infinity: the micro batches go on until one does not fit, each forecast)."""
+    if not held:
+        return [math.inf] * len(splits)
+    out = []
+    for micro_batch, accum in splits:
         candidate = config.candidate(micro_batch, accum)
         if config.recompute == "auto":
-            solved = solve_auto(setting, candidate, forecast_of, floor=outcome.floor(setting.top))
-            if isinstance(solved, str):
-                outcome.pruned[solved] += 1
-                continue
-            candidate = solved
-        recipe = candidate.recipe(setting.base, setting.spec)
-        result = forecast_of(recipe)
-        fits = result.device_bytes <= setting.budget
-        speed = None
-        if fits:
-            speed = speed_for(
-                setting.spec, recipe, device_name=setting.device_name, cluster=setting.cluster, threads=setting.threads
-            )
-        outcome.evaluated.append(Evaluated(candidate=candidate, recipe=recipe, forecast=result, fits=fits, speed=speed))
-        if not fits:
+            candidate = replace(candidate, recompute="none")
+        speed = speed_of(setting, candidate.recipe(setting.base, setting.spec))
+        out.append(math.inf if speed is None else speed.tokens_per_s_per_device)
+    return out
+
+
+def speed_of(setting: Setting, recipe: Recipe) -> Speed | None:
+    return speed_for(
+        setting.spec, recipe, device_name=setting.device_name, cluster=setting.cluster, threads=setting.threads
+    )
+
+
+def walk_groups(
+    setting: Setting,
+    groups: list[Group],
+    outcome: Outcome,
+    forecast_of: Callable[[Recipe], Forecast],
+    *,
+    progress: Callable[[int, int], None],
+) -> None:
+    """Branch and bound on speed: the group whose splits left could predict the most goes on from its smallest
+    split left; a split whose bound is below the table's last recipe so far (``Outcome.floor``) is not forecast,
+    and once no group's can beat it the search ends. Memory only grows with the micro batch, so the first split
+    of a group that does not fit ends the group. What it ranks in the table is what forecasting every split would
+    rank: every recipe left out predicts less than the table's last."""
+    total, done = sum(len(g.splits) for g in groups), 0
+    heap = [(-g.best(), i) for i, g in enumerate(groups)]
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        group, floor = groups[i], outcome.floor(setting.top)
+        left = len(group.splits) - group.next
+        if floor is not None and group.best() < floor:
+            outcome.pruned["cannot_win"] += left
+            group.next = len(group.splits)
+        elif group.bounds[group.next] < (floor or -math.inf):
+            outcome.pruned["cannot_win"] += 1
+            group.next += 1
+        elif evaluate_one(setting, group, outcome, forecast_of, floor=floor):
+            group.next += 1
+        else:
             if setting.axes.global_batch is not None:  # without one the micro batches go on for ever
-                outcome.pruned["micro_batch"] += len(group) - i - 1
-            return
+                outcome.pruned["micro_batch"] += left - 1
+            group.next = len(group.splits)
+        done += left - (len(group.splits) - group.next)
+        if group.next < len(group.splits):
+            heapq.heappush(heap, (-group.best(), i))
+        progress(done, total)
+
+
+def evaluate_one(
+    setting: Setting,
+    group: Group,
+    outcome: Outcome,
+    forecast_of: Callable[[Recipe], Forecast],
+    *,
+    floor: float | None,
+) -> bool:
+    """Forecast ``group``'s next split (``auto``: solved first) and price it where it fits; False where it does
+    not fit (which ends the group)."""
+    candidate = group.config.candidate(*group.splits[group.next])
+    if group.config.recompute == "auto":
+        solved = solve_auto(setting, candidate, forecast_of, floor=floor)
+        if isinstance(solved, str):
+            outcome.pruned[solved] += 1
+            return True
+        candidate = solved
+    recipe = candidate.recipe(setting.base, setting.spec)
+    result = forecast_of(recipe)
+    fits = result.device_bytes <= setting.budget
+    speed = speed_of(setting, recipe) if fits else None
+    outcome.evaluated.append(Evaluated(candidate=candidate, recipe=recipe, forecast=result, fits=fits, speed=speed))
+    return fits
 
 
 def solve_auto(

@@ -14,6 +14,7 @@ from rich.markup import escape
 from ljperf.core.console import console, say, titled_table
 from ljperf.core.records import SCHEMA_VERSION
 from ljperf.core.units import format_bytes
+from ljperf.plan import search
 from ljperf.plan.search import PRUNED, Evaluated, Outcome, Setting, choices, describe
 
 STEP_PARTS = ("forward", "backward", "recompute", "optimizer", "exposed_comm", "bubble")
@@ -88,22 +89,14 @@ def _seconds(value: float) -> str:
 
 
 def distinct(ranked: list[dict[str, Any]], top: int) -> tuple[list[dict[str, Any]], int]:
-    """The first ``top`` ranked recipes that are not ties of one shown before (the same predicted speed, to 0.1%,
-    and peak: AdamW kinds the model prices alike), and the ties left out on the way."""
-    shown: list[dict[str, Any]] = []
-    ties = 0
-    for r in ranked:
-        if len(shown) == top:
-            break
-        rate = r["speed"]["tokens_per_s_per_device"]
-        same = any(
-            s["peak_bytes"] == r["peak_bytes"] and abs(s["speed"]["tokens_per_s_per_device"] - rate) <= 1e-3 * rate
-            for s in shown
-        )
-        ties += same
-        if not same:
-            shown.append(r)
-    return shown, ties
+    """The first ``top`` ranked recipes that are not ties of one shown before (``search.distinct``), and the ties
+    left out on the way."""
+    shown = search.distinct(ranked, top, speed=lambda r: r["speed"]["tokens_per_s_per_device"],
+                            peak=lambda r: r["peak_bytes"])  # fmt: skip
+    if len(shown) < top:  # every one ranked was looked at
+        return shown, len(ranked) - len(shown)
+    last = next(i for i, r in enumerate(ranked) if r is shown[-1])
+    return shown, last + 1 - len(shown)
 
 
 def print_search(record: dict[str, Any], *, top: int) -> None:
