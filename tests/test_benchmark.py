@@ -163,6 +163,16 @@ def test_cpu_memory_measurement_agrees_with_torch_memtracker():
     assert ours.peak == pytest.approx(theirs, rel=0.01)
 
 
+def _let_go(holder: list, *, freed_by: str) -> None:
+    """Drop the last reference ``holder`` keeps, on this thread or on another (as gloo's thread does)."""
+    if freed_by == "this thread":
+        holder.clear()
+        return
+    thread = threading.Thread(target=holder.clear)
+    thread.start()
+    thread.join()
+
+
 @pytest.mark.parametrize("freed_by", ["gloo's thread", "this thread"])
 def test_a_collectives_copy_freed_late_on_another_thread_counts_only_until_it_was_seen(freed_by):
     """gloo copies a collective's input where the dispatcher does not see it; the count sees the copy when the
@@ -176,12 +186,7 @@ def test_a_collectives_copy_freed_late_on_another_thread_counts_only_until_it_wa
         holder = [copy]
         del copy
         later = torch.empty(2000)  # after the collective
-        if freed_by == "this thread":
-            holder.clear()
-        else:
-            thread = threading.Thread(target=holder.clear)
-            thread.start()
-            thread.join()
+        _let_go(holder, freed_by=freed_by)
     assert tracker.current == later.nbytes
     assert tracker.peak == (later.nbytes if freed_by == "gloo's thread" else later.nbytes + 4000)
 
@@ -203,12 +208,7 @@ def test_a_collectives_output_freed_late_on_another_thread_counts_until_it_was_l
             holder = [gathered]
             del gathered
             later = torch.empty(2000)  # 8,000 bytes
-            if freed_by == "this thread":
-                holder.clear()
-            else:
-                thread = threading.Thread(target=holder.clear)
-                thread.start()
-                thread.join()
+            _let_go(holder, freed_by=freed_by)
     finally:
         torch.distributed.destroy_process_group()
     assert tracker.current == doubled.nbytes + later.nbytes
