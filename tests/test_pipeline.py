@@ -111,6 +111,17 @@ def test_gpipe_holds_every_micro_batch_so_its_first_stage_peaks_higher(capsys):
     assert four[0] + 4 * 2 * 32 * 128 * 4 == pytest.approx(one_f_one_b[0], abs=8 * 2 * 32 * 8)
 
 
+def test_1f1b_walks_its_steady_state_once_and_more_micro_batches_add_only_buffers_and_token_ids(capsys):
+    """From 4 to 33 micro-batches, 1F1B's steady state (walked twice and repeated, ``walk._walk_steady``) keeps
+    as many in flight: each stage's peak rises by 29 receive buffers (a micro-batch's hidden states each) and
+    the token ids alone, not by activations."""
+    common = ("--gpus", "4", "--pp", "2", "--micro-batch", "2", "--pp-microbatches")
+    four = _plan(capsys, *common, "4")["pipeline"]["peak_allocated_bytes_per_pp_rank"]
+    many = _plan(capsys, *common, "33")["pipeline"]["peak_allocated_bytes_per_pp_rank"]
+    buffers, token_ids = 29 * 2 * 32 * 128 * 4, 29 * 2 * 32 * 16
+    assert all(0 < m - f - buffers < token_ids for f, m in zip(four, many, strict=True)), (four, many)
+
+
 def test_the_plan_table_names_each_pipeline_rank(capsys):
     assert main([*TINY, "--gpus", "2", "--pp", "2", "--pp-split", "1,3"]) == 0
     out = capsys.readouterr().out

@@ -14,8 +14,9 @@ sharded gradients or communication buffers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from ljperf.forecast.blocks import BlockParams
 from ljperf.forecast.recipe import Recipe
@@ -285,18 +286,34 @@ def pipelined(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> N
     backwarded stay, so a stage holds as many micro-batches as it has in flight. FSDP2 runs as the schedule drives
     it (``PipelinedFsdp``), its gradients reduce-scattered after the last backward."""
     fsdp = step.shard.pipelined
-    if fsdp is None:
-        in_flight = 0
-        for kind, number in order:
-            micro = step.micro(number)
-            if kind == "F":  # FSDP2's root stays gathered while any micro-batch is in flight
-                forward(walk, step, micro, gather_root=in_flight == 0)
-                in_flight += 1
-            else:
-                in_flight -= 1
-                backward(walk, step, micro, release_root=in_flight == 0)
-        sent_gradient_released(walk, step)
-        return
+    calls = _plain_calls(walk, step, order) if fsdp is None else _fsdp_calls(walk, step, fsdp, order)
+    _walk_steady(walk, calls, order)
+    sent_gradient_released(walk, step)
+    if fsdp is not None:
+        reduce_accumulated(walk, step, fsdp)
+
+
+def _plain_calls(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> list[Callable[[], None]]:
+    """Each of ``order``'s forwards and backwards, to walk: FSDP2's root stays gathered while any micro-batch is
+    in flight."""
+    calls: list[Callable[[], None]] = []
+    in_flight = 0
+    for kind, number in order:
+        micro = step.micro(number)
+        if kind == "F":
+            calls.append(partial(forward, walk, step, micro, gather_root=in_flight == 0))
+            in_flight += 1
+        else:
+            in_flight -= 1
+            calls.append(partial(backward, walk, step, micro, release_root=in_flight == 0))
+    return calls
+
+
+def _fsdp_calls(
+    walk: Walk, step: TrainingStep, fsdp: PipelinedFsdp, order: list[tuple[str, int]]
+) -> list[Callable[[], None]]:
+    """Each of ``order``'s forwards and backwards under FSDP2 as the schedule drives it (``PipelinedFsdp``)."""
+    calls: list[Callable[[], None]] = []
     last, backwarded = "", False
     for index, (kind, number) in enumerate(order):
         if kind == "F" and not backwarded:
@@ -306,12 +323,30 @@ def pipelined(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> N
         else:
             current = replace(step, shard=replace(fsdp.no_sync, gathering=fsdp.stay if last == "B" else fsdp.keep))
         if kind == "F":
-            forward(walk, current, current.micro(number), gather_root=index == 0)
+            calls.append(partial(forward, walk, current, current.micro(number), gather_root=index == 0))
         else:
-            backward(walk, current, current.micro(number), release_root=False)
+            calls.append(partial(backward, walk, current, current.micro(number), release_root=False))
         last, backwarded = kind, backwarded or kind == "B"
-    sent_gradient_released(walk, step)
-    reduce_accumulated(walk, step, fsdp)
+    return calls
+
+
+def _walk_steady(walk: Walk, calls: list[Callable[[], None]], order: list[tuple[str, int]]) -> None:
+    """Walk ``calls`` in order. 1F1B's steady state, a backward then a forward, walks alike from its second pair
+    to the one before its last (neither the first micro-step's backward nor the last's forward), so only those
+    two pairs are walked and the ones between added as the second moved the level, as ``accumulate`` does."""
+    pairs = [i for i in range(len(order) - 1) if order[i][0] == "B" and order[i + 1][0] == "F"]
+    if len(pairs) <= 4:
+        for call in calls:
+            call()
+        return
+    for call in calls[: pairs[1]]:
+        call()
+    second = walk.mark()
+    for call in calls[pairs[1] : pairs[1] + 2]:
+        call()
+    walk.repeat(second, times=len(pairs) - 4)
+    for call in calls[pairs[-2] :]:
+        call()
 
 
 def sent_gradient_released(walk: Walk, step: TrainingStep) -> None:
