@@ -11,8 +11,11 @@ import json
 import pytest
 
 from ljperf.cli import main
+from ljperf.forecast import Recipe
+from ljperf.forecast.api import analytic_forecast
 from ljperf.forecast.pipeline import bubble_fraction, in_flight
 from ljperf.models.pipeline_split import balanced_split
+from ljperf.models.spec import resolve
 
 TINY = ["plan", "--model", "fsdp/llama-tiny", "--device", "cpu", "--seq-len", "32"]
 
@@ -146,3 +149,13 @@ def test_405b_on_512_gpus_with_pp_8_and_tp_8_is_planned(capsys):
     assert report["recipe"]["mesh"] == {"pp": 8, "dp_replicate": 1, "dp_shard": 8, "tp": 8}
     assert len(report["pipeline"]["peak_allocated_bytes_per_pp_rank"]) == 8 and sum(report["pipeline"]["split"]) == 126
     assert report["max_micro_batch"] >= 1 and report["speed"]["breakdown"]["bubble"] > 0
+
+
+def test_the_analytic_fallback_of_a_pipeline_stage_sizes_the_stages_own_layers():
+    """A stage whose trace fails falls back to the formula over its own blocks (it indexed the whole model's
+    layers in the stage's: an IndexError, a traceback from ``plan --search``)."""
+    spec = resolve(name="llama-tiny")
+    recipe = Recipe(
+        engine="fsdp", world=2, device="cpu", micro_batch=2, seq_len=32, pp=2, grad_accum=2, pp_split=(2, 2), stage=1
+    )
+    assert analytic_forecast(spec, recipe, reason="a test").peak_allocated_bytes > 0

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ljperf.core.mesh import DIMS, MeshShape
 
 if TYPE_CHECKING:
+    from torch._C._distributed_c10d import ProcessGroup
     from torch.distributed.distributed_c10d import GroupName
 
 
@@ -30,7 +31,6 @@ def data_parallel_mesh(mesh: DeviceMesh, shape: MeshShape) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if shape.dp_replicate > 1 else mesh["dp_shard"]
 
 
-@functools.cache
 def fake_tp_mesh(tp: int) -> DeviceMesh:
     """Rank 0 of a ``tp``-rank mesh on PyTorch's fake process group, which moves no data (the collectives of fake
     tensors only make outputs of the right sizes): the forecast parallelizes and traces a model on it. It is a
@@ -38,7 +38,21 @@ def fake_tp_mesh(tp: int) -> DeviceMesh:
     this process may have joined (a benchmark's rank forecasts too), not the default one as ``init_process_group``
     would make it. Its dimension's name is its own: DTensor caches sharding decisions by mesh, and meshes are
     equal by ranks, layout and names, so a fake ``tp`` over ranks 0-1 would stand for a run's real one there
-    (its collectives then went to the fake group on the rank that forecast: a collective mismatch)."""
+    (its collectives then went to the fake group on the rank that forecast: a collective mismatch). Registered
+    again if ``destroy_process_group`` has since dropped every name this process registered."""
+    from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
+
+    mesh, group = _fake_tp(tp)
+    try:
+        _resolve_process_group(group.group_name)
+    except RuntimeError:
+        _register_process_group(group.group_name, group)
+    return mesh
+
+
+@functools.cache
+def _fake_tp(tp: int) -> tuple[DeviceMesh, ProcessGroup]:
+    """The mesh of ``fake_tp_mesh`` and its group, made once a process."""
     from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup, _register_process_group
     from torch.distributed import HashStore
 
@@ -53,4 +67,4 @@ def fake_tp_mesh(tp: int) -> DeviceMesh:
     mesh = DeviceMesh("cpu", torch.arange(tp), mesh_dim_names=(name,), _init_backend=False, _rank=0)
     mesh._dim_group_names = [name]
     mesh._pg_registry[name] = group
-    return mesh
+    return mesh, group

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from ljperf.core.errors import UsageError
 from ljperf.core.options import LARGEST, LOSS_CHUNKS
 from ljperf.forecast import analytic, timeline
-from ljperf.forecast.blocks import block_params
+from ljperf.forecast.blocks import block_params, recipe_blocks
 from ljperf.forecast.calibrate import overheads_for
 from ljperf.forecast.patterns import Patterns
 from ljperf.forecast.pipeline import pipeline_split
@@ -143,8 +143,9 @@ def max_micro_batch(spec: ModelSpec, recipe: Recipe, memory: int, *, device_name
 
 
 def analytic_forecast(spec: ModelSpec, recipe: Recipe, *, reason: str) -> Forecast:
-    """The closed-form fallback: model states plus the end-of-forward activations, or the optimizer step."""
-    blocks = block_params(spec, tp=recipe.tp)
+    """The closed-form fallback: model states plus the end-of-forward activations, or the optimizer step (a
+    pipeline stage's states; its activations as the whole model's, an upper bound)."""
+    blocks = recipe_blocks(spec, recipe)
     shard = engine_sharding(spec, recipe)
     batch = recipe.grad_accum * recipe.micro_batch * recipe.seq_len * TOKEN_BYTES
     states = shard.params + shard.optimizer + shard.comm_buffers + blocks.buffer_bytes + batch
