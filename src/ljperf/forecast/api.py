@@ -92,7 +92,8 @@ def pipeline_forecast(spec: ModelSpec, recipe: Recipe, *, device_name: str | Non
     ``interleaved-1f1b`` holds several stages: their peaks are added (an upper bound: they do not all peak at once)."""
     split = pipeline_split(spec, recipe)
     each = [
-        forecast(spec, recipe.with_(pp_split=split, stage=i), device_name=device_name) for i in range(recipe.stages)
+        stage_forecast(spec, recipe.with_(pp_split=split, stage=i), device_name=device_name)
+        for i in range(recipe.stages)
     ]
     per_rank = [sum(f.peak_allocated_bytes for f in each[r :: recipe.pp]) for r in range(recipe.pp)]
     highest = max(range(recipe.pp), key=lambda r: per_rank[r])
@@ -108,6 +109,27 @@ def pipeline_forecast(spec: ModelSpec, recipe: Recipe, *, device_name: str | Non
         pp_split=split,
         notes=notes,
     )
+
+
+_STAGES: dict[tuple, tuple[ModelSpec, Forecast]] = {}
+STAGES_KEPT = 100_000
+
+
+def stage_forecast(spec: ModelSpec, stage: Recipe, *, device_name: str | None) -> Forecast:
+    """The forecast of pipeline stage ``stage.stage``, memoized: a traced stage reads only its own layers'
+    recompute modes (and which modes the plan traces), so the plans a solver tries that differ in other stages'
+    layers find it done."""
+    plan = stage.layer_modes(spec.layers)
+    mine = plan[stage.stage_layers.start : stage.stage_layers.stop]
+    key = (id(spec), replace(stage, recompute=()), mine, frozenset(plan), device_name)
+    if key not in _STAGES:
+        result = forecast(spec, stage, device_name=device_name)
+        if result.source != "traced":  # the analytic formula counts the whole model's plan
+            return result
+        if len(_STAGES) >= STAGES_KEPT:
+            _STAGES.clear()
+        _STAGES[key] = (spec, result)  # the spec kept alive: its id stays its own
+    return _STAGES[key][1]
 
 
 def uncalibrated_note(device_name: str | None) -> str:

@@ -6,6 +6,7 @@ Run: ``block_params(resolve(name="llama3-8b")).layer_sizes``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -64,12 +65,16 @@ class BlockParams:
 
 
 _BLOCKS: dict[str, BlockParams] = {}
+_KEYS: dict[tuple[int, int], tuple[ModelSpec, str]] = {}
+"""A spec's blocks key by (its id, tp), the spec kept alive so that its id stays its own."""
 
 
 def block_params(spec: ModelSpec, *, tp: int = 1) -> BlockParams:
     """Parameter numbers per block: from a full-depth meta build, cached per architecture and depth on disk;
     ``tp``: one tensor-parallel rank's of that many (its shards: ``models.tensor_parallel``)."""
-    key = architecture_key(spec, f"{spec.layers} layers", *([f"tp {tp}"] if tp > 1 else []))
+    if (id(spec), tp) not in _KEYS:  # the key hashes the config: a search asks thousands of times
+        _KEYS[id(spec), tp] = spec, architecture_key(spec, f"{spec.layers} layers", *([f"tp {tp}"] if tp > 1 else []))
+    key = _KEYS[id(spec), tp][1]
     if key not in _BLOCKS:
         path = cache_dir() / f"{spec.architecture}-blocks-{key}.json"
         _BLOCKS[key] = cached(path, load=_load_blocks, make=lambda: _block_counts(spec, tp=tp), dump=asdict)
@@ -85,6 +90,7 @@ def recipe_blocks(spec: ModelSpec, recipe: Recipe) -> BlockParams:
     return stage_blocks(blocks, layers=recipe.stage_layers, first=recipe.stage == 0, last=recipe.last_stage)
 
 
+@functools.cache  # a search cuts the same stages thousands of times
 def stage_blocks(blocks: BlockParams, *, layers: range, first: bool, last: bool) -> BlockParams:
     """``blocks`` cut down to a pipeline stage of decoder ``layers`` (numbered from the stage's first)."""
 

@@ -14,7 +14,7 @@ once per layer of the full model (``with_per_layer``). The integer coefficients 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -60,6 +60,16 @@ class Patterns:
     seq_offset: int = 0
     """The polynomials are in the sequence length minus ``seq_offset``, the shapes' shift (``family_shapes``): so
     fitted, shapes thousands of tokens long are as well conditioned as the usual ones."""
+    _memo: dict[tuple, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Points already evaluated, by (segment, b, s, per layer): a search forecasts thousands of recipes at a few
+    shapes."""
+    _evaluated: dict[tuple[int, int], dict[SegmentKey, tuple[int, int]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def entry(self) -> dict:
+        """The fields a cache entry holds."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     def segment_keys(self) -> list[SegmentKey]:
         return [SegmentKey.parse(name) for name in self.segments]
@@ -70,13 +80,18 @@ class Patterns:
 
     def points(self, key: SegmentKey, b: int, s: int, *, per_layer: bool = False) -> list[int]:
         """The points of segment ``key`` at micro batch ``b`` and sequence ``s`` (of its per-layer share)."""
-        rows = self.per_layer[key.cache_name] if per_layer else self.segments[key.cache_name]
-        m = monomials(b, s - self.seq_offset)
-        return [sum(c * x for c, x in zip(row, m, strict=True)) // self.divisor for row in rows]
+        memo_key = (key.cache_name, b, s, per_layer)
+        if memo_key not in self._memo:
+            rows = self.per_layer[key.cache_name] if per_layer else self.segments[key.cache_name]
+            m = monomials(b, s - self.seq_offset)
+            self._memo[memo_key] = [sum(c * x for c, x in zip(row, m, strict=True)) // self.divisor for row in rows]
+        return self._memo[memo_key]
 
     def evaluate(self, b: int, s: int) -> dict[SegmentKey, tuple[int, int]]:
         """``segment → (peak above its start, end minus start)`` at micro batch ``b`` and sequence ``s``."""
-        return {key: peak_and_net(self.points(key, b, s)) for key in self.segment_keys()}
+        if (b, s) not in self._evaluated:
+            self._evaluated[b, s] = {key: peak_and_net(self.points(key, b, s)) for key in self.segment_keys()}
+        return self._evaluated[b, s]
 
 
 def peak_and_net(values: list[int]) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -403,7 +403,7 @@ def _traced_patterns(spec: ModelSpec, key: FamilyKey, *, first_only: bool) -> Pa
                 cache_dir() / key.file_name(),
                 load=lambda data: _read_entry(data, key),
                 make=lambda: _trace_family(spec, key),
-                dump=lambda patterns: {"key": key.to_json(), **asdict(patterns)},
+                dump=lambda patterns: {"key": key.to_json(), **patterns.entry()},
             )
         except TraceError as exc:
             _FAILED[key] = exc

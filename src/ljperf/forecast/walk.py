@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property
 
 from ljperf.forecast.blocks import BlockParams
 from ljperf.forecast.recipe import Recipe
@@ -217,6 +217,30 @@ class TrainingStep:
         _, backward = layer_segments(i, len(self.layers))
         return self.layers[i][SegmentKey(backward, micro.traced)]
 
+    @cached_property
+    def runs(self) -> tuple[range, ...]:
+        """The decoder layers in runs of consecutive middle layers that walk alike (``alike``); the first and the
+        last layer each a run of its own."""
+        keys = [self.alike(i) for i in range(len(self.layers))]
+        starts = [i for i in range(len(keys)) if i == 0 or keys[i] is None or keys[i] != keys[i - 1]]
+        return tuple(range(a, b) for a, b in zip(starts, [*starts[1:], len(keys)], strict=True))
+
+    def alike(self, i: int) -> tuple | None:
+        """What layer ``i``'s forward and backward walk read by its number (None: the first or the last layer):
+        layers of equal keys move the level alike. Whatever ``forward`` or ``layer_backward`` reads of layer ``i``
+        must be in it."""
+        if i in (0, len(self.layers) - 1):
+            return None
+        shard, name = self.shard, f"layer {i}"
+        fsdp, partition = shard.fsdp, shard.zero.partition if shard.zero else None
+        return (
+            id(self.layers[i]),
+            shard.gathering.layer(i),
+            self.blocks.layer_sizes[i],
+            fsdp.prefetched[i] if fsdp and fsdp.prefetched else 0,
+            (partition.made_in == name, partition.reduce_copies.get(name, 0)) if partition else None,
+        )
+
 
 def walk_step(
     recipe: Recipe,
@@ -286,67 +310,74 @@ def pipelined(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> N
     backwarded stay, so a stage holds as many micro-batches as it has in flight. FSDP2 runs as the schedule drives
     it (``PipelinedFsdp``), its gradients reduce-scattered after the last backward."""
     fsdp = step.shard.pipelined
-    calls = _plain_calls(walk, step, order) if fsdp is None else _fsdp_calls(walk, step, fsdp, order)
-    _walk_steady(walk, calls, order)
+    move = _plain_move(walk, step, order) if fsdp is None else _fsdp_move(walk, step, fsdp, order)
+    _walk_steady(walk, move, order)
     sent_gradient_released(walk, step)
     if fsdp is not None:
         reduce_accumulated(walk, step, fsdp)
 
 
-def _plain_calls(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> list[Callable[[], None]]:
-    """Each of ``order``'s forwards and backwards, to walk: FSDP2's root stays gathered while any micro-batch is
-    in flight."""
-    calls: list[Callable[[], None]] = []
-    in_flight = 0
-    for kind, number in order:
-        micro = step.micro(number)
+def _plain_move(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> Callable[[int], None]:
+    """The walk of ``order``'s forward or backward at an index: FSDP2's root stays gathered while any micro-batch
+    is in flight."""
+    in_flight = [0]  # before each index, and after the last
+    for kind, _ in order:
+        in_flight.append(in_flight[-1] + (1 if kind == "F" else -1))
+
+    def move(index: int) -> None:
+        kind, number = order[index]
         if kind == "F":
-            calls.append(partial(forward, walk, step, micro, gather_root=in_flight == 0))
-            in_flight += 1
+            forward(walk, step, step.micro(number), gather_root=in_flight[index] == 0)
         else:
-            in_flight -= 1
-            calls.append(partial(backward, walk, step, micro, release_root=in_flight == 0))
-    return calls
+            backward(walk, step, step.micro(number), release_root=in_flight[index + 1] == 0)
+
+    return move
 
 
-def _fsdp_calls(
+def _fsdp_move(
     walk: Walk, step: TrainingStep, fsdp: PipelinedFsdp, order: list[tuple[str, int]]
-) -> list[Callable[[], None]]:
-    """Each of ``order``'s forwards and backwards under FSDP2 as the schedule drives it (``PipelinedFsdp``)."""
-    calls: list[Callable[[], None]] = []
-    last, backwarded = "", False
-    for index, (kind, number) in enumerate(order):
-        if kind == "F" and not backwarded:
-            current = step
-        elif kind == "F":  # after a backward the layers are gathered: each is resharded as it runs
-            current = replace(step, shard=replace(fsdp.no_sync, gathering=fsdp.reuse if last == "B" else fsdp.sync))
-        else:
-            current = replace(step, shard=replace(fsdp.no_sync, gathering=fsdp.stay if last == "B" else fsdp.keep))
+) -> Callable[[int], None]:
+    """The walk of ``order``'s forward or backward at an index under FSDP2 as the schedule drives it
+    (``PipelinedFsdp``): after the first backward the layers are gathered, and a forward reshards each as it
+    runs."""
+    gatherings = {("F", "B"): fsdp.reuse, ("F", "F"): fsdp.sync, ("B", "B"): fsdp.stay, ("B", "F"): fsdp.keep}
+    steps: dict[tuple[str, str], TrainingStep] = {}  # one a kind of move, by it and the one before
+    first_backward = next(i for i, (kind, _) in enumerate(order) if kind == "B")
+
+    def move(index: int) -> None:
+        kind, number = order[index]
+        current = step
+        if kind == "B" or index > first_backward:
+            last = order[index - 1][0]
+            if (kind, last) not in steps:
+                steps[kind, last] = replace(step, shard=replace(fsdp.no_sync, gathering=gatherings[kind, last]))
+            current = steps[kind, last]
         if kind == "F":
-            calls.append(partial(forward, walk, current, current.micro(number), gather_root=index == 0))
+            forward(walk, current, current.micro(number), gather_root=index == 0)
         else:
-            calls.append(partial(backward, walk, current, current.micro(number), release_root=False))
-        last, backwarded = kind, backwarded or kind == "B"
-    return calls
+            backward(walk, current, current.micro(number), release_root=False)
+
+    return move
 
 
-def _walk_steady(walk: Walk, calls: list[Callable[[], None]], order: list[tuple[str, int]]) -> None:
-    """Walk ``calls`` in order. 1F1B's steady state, a backward then a forward, walks alike from its second pair
-    to the one before its last (neither the first micro-step's backward nor the last's forward), so only those
-    two pairs are walked and the ones between added as the second moved the level, as ``accumulate`` does."""
+def _walk_steady(walk: Walk, move: Callable[[int], None], order: list[tuple[str, int]]) -> None:
+    """``move`` each index of ``order`` in turn. 1F1B's steady state, a backward then a forward, walks alike from
+    its second pair to the one before its last (neither the first micro-step's backward nor the last's forward),
+    so only those two pairs are walked and the ones between added as the second moved the level, as
+    ``accumulate`` does."""
     pairs = [i for i in range(len(order) - 1) if order[i][0] == "B" and order[i + 1][0] == "F"]
     if len(pairs) <= 4:
-        for call in calls:
-            call()
+        for index in range(len(order)):
+            move(index)
         return
-    for call in calls[: pairs[1]]:
-        call()
+    for index in range(pairs[1]):
+        move(index)
     second = walk.mark()
-    for call in calls[pairs[1] : pairs[1] + 2]:
-        call()
+    move(pairs[1])
+    move(pairs[1] + 1)
     walk.repeat(second, times=len(pairs) - 4)
-    for call in calls[pairs[-2] :]:
-        call()
+    for index in range(pairs[-2], len(order)):
+        move(index)
 
 
 def sent_gradient_released(walk: Walk, step: TrainingStep) -> None:
@@ -402,8 +433,7 @@ def backward(walk: Walk, step: TrainingStep, micro: MicroStep, *, release_root: 
     the end (a pipeline stage: when no other micro-batch is in flight)."""
     grads = _Grads(step.shard, first=micro.first, traced=step.traced_grad_bytes)
     head_backward(walk, step, micro, grads)
-    for i in reversed(range(len(step.layers))):
-        layer_backward(walk, step, micro, grads, i)
+    walk_layers(walk, step, lambda i: layer_backward(walk, step, micro, grads, i), backward=True)
     embedding_backward(walk, step, micro, grads, release_root=release_root)
     walk.add("logits_and_loss", -step.kept_output)
     backward_end(walk, step, micro)
@@ -421,11 +451,13 @@ def forward(walk: Walk, step: TrainingStep, micro: MicroStep, *, gather_root: bo
         walk.step(embedding, f"{phase}, embedding", gathered=gathering.embedding_forward, activations=embedding[1])
     else:  # the previous stage's hidden states, received into their buffer: the first layer's input
         walk.visit(0, f"{phase}, activations received")
-    for i in range(len(step.layers)):
-        seg = step.layer_forward(i, micro)
-        gather = gathering.layer(i)
+
+    def layer(i: int) -> None:
+        seg, gather = step.layer_forward(i, micro), gathering.layer(i)
         walk.step(seg, f"{phase}, layer {i}", gathered=gather.forward, activations=seg[1])
         walk.add("gathered_parameters", gather.held)
+
+    walk_layers(walk, step, layer)
     if step.last:
         head = step.edge(Segment.POST_F, micro)
         walk.step(head, f"{phase}, LM head and loss", gathered=gathering.head_forward, logits_and_loss=head[1])
@@ -433,6 +465,24 @@ def forward(walk: Walk, step: TrainingStep, micro: MicroStep, *, gather_root: bo
     else:  # the stage's output, sent on and kept for the backward the next stage's gradient starts
         walk.add("activations", step.boundary)
         walk.visit(0, f"{phase}, activations sent")
+
+
+def walk_layers(walk: Walk, step: TrainingStep, one: Callable[[int], None], *, backward: bool = False) -> None:
+    """``one(i)`` for each decoder layer in order (``backward``: in reverse). A run of alike layers
+    (``TrainingStep.alike``) moves the level by the same bytes each, so only its first two and its last are walked
+    and the ones between added as the second moved it: its highest point is in one of those three. A recorded
+    walk (``Walk.history``) walks every layer."""
+    for run in reversed(step.runs) if backward else step.runs:
+        order = run[::-1] if backward else run
+        if len(order) < 4 or walk.history is not None:
+            for i in order:
+                one(i)
+            continue
+        one(order[0])
+        second = walk.mark()
+        one(order[1])
+        walk.repeat(second, times=len(order) - 3)
+        one(order[-1])
 
 
 def head_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads) -> None:
@@ -526,7 +576,8 @@ def backward_end(walk: Walk, step: TrainingStep, micro: MicroStep) -> None:
     the gradient partition) and releases the bucket; then the gap to the next micro-step."""
     shard, zero = step.shard, step.shard.zero
     phase = f"backward, {micro.where}"
-    walk.add("comm_buffers", -sum(_held_reduce_output(step, micro, n) for n in step.blocks.layer_sizes))
+    if shard.fsdp is not None and shard.fsdp.holds_reduce_output:
+        walk.add("comm_buffers", -sum(_held_reduce_output(step, micro, n) for n in step.blocks.layer_sizes))
     if zero is not None:
         _all_reduce(walk, shard, "end", f"{phase}, last bucket")
     _make_partition(walk, shard, "end", micro, after=True)
