@@ -210,12 +210,24 @@ class TrainingStep:
         return self.edges[SegmentKey(segment, micro.traced)]
 
     def layer_forward(self, i: int, micro: MicroStep) -> tuple[int, int]:
-        forward, _ = layer_segments(i, len(self.layers))
-        return self.layers[i][SegmentKey(forward, micro.traced)]
+        return self._segments(micro.traced)[i][0]
 
     def layer_backward(self, i: int, micro: MicroStep) -> tuple[int, int]:
-        _, backward = layer_segments(i, len(self.layers))
-        return self.layers[i][SegmentKey(backward, micro.traced)]
+        return self._segments(micro.traced)[i][1]
+
+    @cached_property
+    def _tables(self) -> dict[int, tuple[tuple[tuple[int, int], tuple[int, int]], ...]]:
+        return {}
+
+    def _segments(self, traced: int) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+        """Each layer's (forward, backward) segments in traced micro-step ``traced``, looked up once a walk."""
+        if traced not in self._tables:
+            keys = [layer_segments(i, len(self.layers)) for i in range(len(self.layers))]
+            self._tables[traced] = tuple(
+                (segs[SegmentKey(f, traced)], segs[SegmentKey(b, traced)])
+                for segs, (f, b) in zip(self.layers, keys, strict=True)
+            )
+        return self._tables[traced]
 
     @cached_property
     def runs(self) -> tuple[range, ...]:
