@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from ljperf.forecast import walk as walk_module
 from ljperf.forecast.api import all_patterns
 from ljperf.forecast.pipeline import pipeline_split
 from ljperf.forecast.recipe import Recipe, ZeroSettings
@@ -57,3 +58,24 @@ def test_runs_of_alike_layers_walked_at_three_peak_where_every_layer_walked_does
         patterns = all_patterns(deep_spec, stage)
         short, whole = (highest_walk(deep_spec, stage, patterns, record=r) for r in (False, True))
         assert (short.peak, short.phase, short.peak_parts) == (whole.peak, whole.phase, whole.peak_parts), stage.stage
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_warm_up_forwards_walked_at_four_peak_where_every_forward_walked_does(deep_spec, shards, monkeypatch):
+    """1F1B's warm-up on six stages: up to six forwards before the first backward, alike after the first; walked
+    at the first three and the last, each stage's peak, phase and parts are those of walking every one."""
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64).with_(
+        engine="fsdp", world=6 * shards, pp=6, grad_accum=12, recompute=MIXED
+    )
+    split = pipeline_split(deep_spec, recipe)
+    stages = [recipe.with_(pp_split=split, stage=i) for i in range(recipe.stages)]
+    short = [highest_walk(deep_spec, s, all_patterns(deep_spec, s)) for s in stages]
+
+    def every_forward(walk, move, order, stop):
+        for index in range(stop):
+            move(index)
+
+    monkeypatch.setattr(walk_module, "_warm_up", every_forward)
+    whole = [highest_walk(deep_spec, s, all_patterns(deep_spec, s)) for s in stages]
+    for i, (a, b) in enumerate(zip(short, whole, strict=True)):
+        assert (a.peak, a.phase, a.peak_parts) == (b.peak, b.phase, b.peak_parts), i

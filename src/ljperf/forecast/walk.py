@@ -379,16 +379,32 @@ def _walk_steady(walk: Walk, move: Callable[[int], None], order: list[tuple[str,
     ``accumulate`` does."""
     pairs = [i for i in range(len(order) - 1) if order[i][0] == "B" and order[i + 1][0] == "F"]
     if len(pairs) <= 4:
-        for index in range(len(order)):
-            move(index)
+        _warm_up(walk, move, order, len(order))
         return
-    for index in range(pairs[1]):
-        move(index)
+    _warm_up(walk, move, order, pairs[1])
     second = walk.mark()
     move(pairs[1])
     move(pairs[1] + 1)
     walk.repeat(second, times=len(pairs) - 4)
     for index in range(pairs[-2], len(order)):
+        move(index)
+
+
+def _warm_up(walk: Walk, move: Callable[[int], None], order: list[tuple[str, int]], stop: int) -> None:
+    """``move`` each index of ``order`` up to ``stop``. The forwards before the first backward after the first
+    (which gathers the root) walk alike, each keeping one micro-batch's activations more: only the second, the
+    third and the last are walked, the ones between added as the third moved the level."""
+    forwards = next((i for i in range(stop) if order[i][0] != "F"), stop)
+    if forwards < 6:
+        for index in range(stop):
+            move(index)
+        return
+    move(0)
+    move(1)
+    third = walk.mark()
+    move(2)
+    walk.repeat(third, times=forwards - 4)
+    for index in range(forwards - 1, stop):
         move(index)
 
 
