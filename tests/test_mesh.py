@@ -145,11 +145,14 @@ def test_tokens_count_a_tensor_parallel_group_once(runs):
 
 
 @pytest.mark.slow
-def test_forecast_within_5_percent_of_each_ranks_peak(runs):
+def test_forecast_within_1_percent_of_each_ranks_peak(runs):
     """The forecast each mesh's record holds (``ljperf plan --tp/--dp-replicate/--pp`` on the same recipe) against
     the peak every rank measured; under ``--pp``, each pipeline rank's own forecast. Measured within 0.3% but
-    ``--pp 2 --tp 2``'s first stage (+0.67%) in 3 runs of 4; in the fourth, ``tp2-fsdp2``'s ranks 2 and 3 measured
-    370,692 bytes (3.8%) above the forecast and ranks 0 and 1, not yet explained: 1% would fail that run."""
+    ``--pp 2 --tp 2``'s first stage, +0.67% (+64,000 bytes, every run): the forecast counts the stage's output
+    twice while a micro-batch is in flight (in the last layer's traced net and again as sent, +32,768), and the CPU
+    count misses a gradient receive buffer the schedule made in step 1 until the backward first reads it
+    (-32,768 from the truth), so ``FORECAST_TOLERANCE`` (0.5%) is not yet held. ``tp2-fsdp2``'s 3.8% on some ranks
+    was FSDP2's all-gather buffer freed late on gloo's thread (``LiveTensorBytes`` takes it back now)."""
     for name, (pp, *_) in MESHES.items():
         results = runs[name][0]["results"]
         forecast = results["forecast"]
@@ -158,7 +161,7 @@ def test_forecast_within_5_percent_of_each_ranks_peak(runs):
         per_rank = results["peak_allocated_bytes_per_rank"]
         for rank, measured in enumerate(per_rank):
             expected = predicted[rank // (len(per_rank) // pp)]
-            assert abs(expected - measured) / measured < 0.05, (name, predicted, per_rank)
+            assert abs(expected - measured) / measured < 0.01, (name, predicted, per_rank)
 
 
 @pytest.mark.slow

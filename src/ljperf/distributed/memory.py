@@ -62,9 +62,10 @@ class LiveTensorBytes(TorchDispatchMode):
     count's storage object) makes gloo's thread take the GIL to free it after the collective, up to tens of
     milliseconds late on a busy CPU, whereas unwatched it frees it as the collective ends: such a storage freed
     on another thread is taken back from every moment after it was seen, so that the count does not depend on
-    when gloo's thread got the GIL (``_late``). A functional collective's output (tensor parallel's gathers) is held
-    by gloo's work as well, and when that is its last reference it is freed there late the same way: freed on
-    another thread, it is taken back from every moment after the calling thread last used it (``_used``).
+    when gloo's thread got the GIL (``_late``). A collective's output is held by gloo's work as well (tensor
+    parallel's functional gathers, FSDP2's all-gather buffer), and when that is its last reference it is freed there
+    late the same way. So any storage an op made and another thread frees is taken back from every moment after the
+    calling thread last used it (``_used``): on the calling thread it would have gone then.
     """
 
     def __init__(self, alive: Iterable[torch.Tensor] = ()):
@@ -73,10 +74,10 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak = 0
         self._seen: dict[int, int] = {}
         self._late: dict[int, int] = {}
-        """Storages first seen as a view of a tensor made unseen (gloo's copies), or made by a collective, by key:
-        where in ``_trail`` they were seen (a copy) or last used (a collective's output)."""
+        """Storages first seen as a view of a tensor made unseen (gloo's copies), or made by an op, by key: where in
+        ``_trail`` they were seen (a copy) or last used (an op's output)."""
         self._used: set[int] = set()
-        """The keys of ``_late`` that are collectives' outputs: each op that reads one moves its place."""
+        """The keys of ``_late`` that ops made: each op that reads one moves its place."""
         self._trail: list[int] = []
         """``current`` after each change since the oldest of ``_late`` was seen (the first entry: as it was)."""
         self._settled = 0
@@ -95,12 +96,12 @@ class LiveTensorBytes(TorchDispatchMode):
         )
 
     def _track(
-        self, tensor: torch.Tensor, *, existed: bool = False, unseen_view: bool = False, collective: bool = False
+        self, tensor: torch.Tensor, *, existed: bool = False, unseen_view: bool = False, made: bool = False
     ) -> None:
         storage = _storage(tensor)
         if storage is not None:
-            self._add(storage, existed=existed, unseen_view=unseen_view or collective)
-            if collective and storage._cdata in self._late:
+            self._add(storage, existed=existed, unseen_view=unseen_view or made)
+            if made and storage._cdata in self._late:
                 self._used.add(storage._cdata)
 
     def _add(self, storage: torch.UntypedStorage, *, existed: bool, unseen_view: bool = False) -> None:
@@ -183,7 +184,6 @@ class LiveTensorBytes(TorchDispatchMode):
             inputs = {s._cdata for s in map(_storage, tree_leaves((args, kwargs))) if s is not None}
             for key in inputs & self._used:
                 self._late[key] = len(self._trail)
-        collective = func.namespace in COLLECTIVES
         for leaf in tree_leaves(out):
             storage = _storage(leaf)
             if storage is None or storage._cdata in self._seen:
@@ -198,13 +198,9 @@ class LiveTensorBytes(TorchDispatchMode):
                 leaf,
                 existed=written and mutable,
                 unseen_view=written and not mutable,
-                collective=collective and not written,
+                made=not written,
             )
         return out
-
-
-COLLECTIVES = frozenset({"_c10d_functional", "c10d_functional"})
-"""The op namespaces of functional collectives, whose outputs gloo's work holds (``LiveTensorBytes._used``)."""
 
 
 def _storage(tensor: object) -> torch.UntypedStorage | None:
