@@ -64,7 +64,9 @@ class LiveTensorBytes(TorchDispatchMode):
     on another thread is taken back from every moment after it was seen, so that the count does not depend on
     when gloo's thread got the GIL (``_late``). A functional collective's output (tensor parallel's gathers) is held
     by gloo's work as well, and when that is its last reference it is freed there late the same way: freed on
-    another thread, it is taken back from every moment after the calling thread last used it (``_used``).
+    another thread, it is taken back from every moment after the calling thread last used it (``_used``). So is a
+    tracked tensor handed to a c10d collective (ZeRO-1/2's flattened buckets, ``allreduce_bucket``): gloo's work
+    holds it, and when the calling thread lets go first, gloo's thread frees it (``_watch``).
     """
 
     def __init__(self, alive: Iterable[torch.Tensor] = ()):
@@ -121,6 +123,14 @@ class LiveTensorBytes(TorchDispatchMode):
             self._late[key] = len(self._trail)
         self._moved()
         weakref.finalize(storage, self._release, key)
+
+    def _watch(self, key: int) -> None:
+        """A tracked storage handed to a c10d collective: gloo's work holds it too, so it is taken back like a
+        collective's output, from every moment after the calling thread last used it (``_used``)."""
+        if not self._late:
+            self._settled, self._trail = self.peak, [self.current]
+        self._late[key] = len(self._trail) - 1
+        self._used.add(key)
 
     def _moved(self) -> None:
         """``current`` changed: the peak, and the trail a late release is taken back from."""
@@ -183,6 +193,10 @@ class LiveTensorBytes(TorchDispatchMode):
             inputs = {s._cdata for s in map(_storage, tree_leaves((args, kwargs))) if s is not None}
             for key in inputs & self._used:
                 self._late[key] = len(self._trail)
+        if func.namespace == "c10d":
+            for storage in map(_storage, tree_leaves((args, kwargs))):
+                if storage is not None and storage._cdata in self._seen:
+                    self._watch(storage._cdata)
         collective = func.namespace in COLLECTIVES
         for leaf in tree_leaves(out):
             storage = _storage(leaf)
