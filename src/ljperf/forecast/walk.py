@@ -448,11 +448,11 @@ def head_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grad
         walk.visit(0, f"{phase}, root all-gather", gathered_parameters=gathering.root_backward)
     logits = step.edge(Segment.POST_F, micro)[1]
     walk.step(step.edge(Segment.POST_B, micro), phase, gathered=gathering.head_backward, logits_and_loss=-logits)
-    if zero and (micro.first or not zero.bucket_until_boundary):  # made at the first gradient's hook
-        walk.add("comm_buffers", zero.bucket)
+    if zero and zero.bucket and (micro.first or not zero.bucket_until_boundary):  # made at the first gradient's
+        walk.add("comm_buffers", zero.bucket)  # hook
+        walk.visit(0, f"{phase}, IPG bucket made")
     # ZeRO-2 copies that gradient into the bucket and frees it for the rest of the head's backward
     taken = zero.partition.first_grad * step.traced_grad_bytes if zero and zero.partition else 0
-    walk.visit(0, f"{phase}, IPG bucket made")
     walk.level -= taken
     walk.step(step.edge(Segment.POST_G, micro), phase, gathered=gathering.head_backward)
     walk.level += taken
