@@ -65,7 +65,8 @@ class LiveTensorBytes(TorchDispatchMode):
     when gloo's thread got the GIL (``_late``). A collective's output is held by gloo's work as well (tensor
     parallel's functional gathers, FSDP2's all-gather buffer), and when that is its last reference it is freed there
     late the same way. So any storage an op made and another thread frees is taken back from every moment after the
-    calling thread last used it (``_used``): on the calling thread it would have gone then.
+    calling thread last used it (``_used``): on the calling thread it would have gone then (ZeRO-1/2's flattened
+    buckets, handed to gloo's reduce, too).
     """
 
     def __init__(self, alive: Iterable[torch.Tensor] = ()):

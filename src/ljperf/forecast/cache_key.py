@@ -20,7 +20,7 @@ from ljperf.core.cache import cache_root, digest
 from ljperf.core.options import LOSS_CHUNKS
 from ljperf.models.spec import ModelSpec
 
-TRACE_VERSION = 8
+TRACE_VERSION = 9
 """Bump when what a trace keeps changes (8: a functional collective's wait returns its output, as a real one does;
 7: CUDA traces run autocast's fp32 ops in fp32, fp32 GQA on math)."""
 

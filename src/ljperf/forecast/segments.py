@@ -49,16 +49,27 @@ def block_marks(layers: int) -> list[str]:
     """The block marks of one micro-step of a ``layers``-deep copy ("loss", set when the model returns, is
     ignored)."""
     forward = [mark for i in range(layers) for mark in (f"f{i}", f"f{i}e")]
-    return ["fwd", *forward, "loss_grad", *(f"b{i}" for i in reversed(range(layers))), "b0e", "bwd_end"]
+    return ["fwd", *forward, "loss_grad", "post_g", *(f"b{i}" for i in reversed(range(layers))), "b0e", "bwd_end"]
 
 
 def install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: dict) -> None:
-    """Hooks on ``model`` that mark ``block_marks`` in ``timeline`` as each block starts and its backward ends;
-    ``state``: ``"backward"`` (set while backward runs: a recomputed forward marks nothing) and ``"forwards"``
-    (the forwards to mark: one more raises ``SecondMicroStep``)."""
+    """Hooks on ``model`` that mark ``block_marks`` in ``timeline`` as each block starts and its backward ends,
+    and "post_g" where the head's backward makes its first parameter gradient (where DeepSpeed's ZeRO-1/2 make
+    their IPG bucket; at the last layer's backward where none came first); ``state``: ``"backward"`` (set while
+    backward runs: a recomputed forward marks nothing) and ``"forwards"`` (the forwards to mark: one more raises
+    ``SecondMicroStep``)."""
+
+    def first_post_grad(*_: Any) -> None:
+        if state.pop("post_grad", False):
+            timeline.mark("post_g")
+
+    def on_layer_grad(mark: str) -> None:
+        first_post_grad()
+        timeline.mark(mark)
 
     def on_loss_grad(grad: torch.Tensor) -> None:
         state["backward"] = True
+        state["post_grad"] = True
         timeline.mark("loss_grad")
 
         def done() -> None:
@@ -82,6 +93,9 @@ def install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: di
 
     model.register_forward_pre_hook(model_pre, with_kwargs=True)
     model.register_forward_hook(model_post, with_kwargs=True)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(first_post_grad)
     for i, layer in enumerate(decoder_layers(model)):
 
         def pre(_module: torch.nn.Module, args: tuple[Any, ...], i: int = i) -> None:
@@ -96,7 +110,7 @@ def install_marks(model: torch.nn.Module, timeline: LiveBytesTimeline, state: di
                 return
             timeline.mark(f"f{i}e")
             hidden = output[0] if isinstance(output, tuple) else output  # Falcon's and BLOOM's layers return tuples
-            hidden.register_hook(lambda g: timeline.mark(f"b{i}"))
+            hidden.register_hook(lambda g: on_layer_grad(f"b{i}"))
 
         layer.register_forward_pre_hook(pre)
         layer.register_forward_hook(post)
@@ -112,7 +126,8 @@ def segments(layers: int) -> tuple[tuple[str, str, str], ...]:
         ("f1", "f1", "f2"),
         ("f2", f"f{last}", f"f{last}e"),
         ("post_f", f"f{last}e", "loss_grad"),
-        ("post_b", "loss_grad", f"b{last}"),
+        ("post_b", "loss_grad", "post_g"),
+        ("post_g", "post_g", f"b{last}"),
         ("b2", f"b{last}", f"b{last - 1}"),
         ("b1", "b1", "b0"),
         ("b0", "b0", "b0e"),
@@ -121,14 +136,15 @@ def segments(layers: int) -> tuple[tuple[str, str, str], ...]:
     )
 
 
-EDGES = ("pre_f", "post_f", "post_b", "pre_b", "gap")
+EDGES = ("pre_f", "post_f", "post_b", "post_g", "pre_b", "gap")
 """The segments outside the decoder layers, which a layer can leave bytes to (``patterns.Patterns.per_layer``)."""
 
 
 class Segment(Enum):
     """A segment of ``segments`` by its name there: the embedding's (``PRE_*``), the first, a middle and the last
     decoder layer's (``F0``-``F2`` forward, ``B0``-``B2`` backward), the head and loss's (``POST_*``), and the gap
-    to the next micro-step."""
+    to the next micro-step; the head's backward in two, before and from its first parameter gradient
+    (``POST_G``)."""
 
     PRE_F = "pre_f"
     F0 = "f0"
@@ -136,6 +152,7 @@ class Segment(Enum):
     F2 = "f2"
     POST_F = "post_f"
     POST_B = "post_b"
+    POST_G = "post_g"
     B2 = "b2"
     B1 = "b1"
     B0 = "b0"

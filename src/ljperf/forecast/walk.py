@@ -514,7 +514,8 @@ def walk_layers(walk: Walk, step: TrainingStep, one: Callable[[int], None], *, b
 
 
 def head_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads) -> None:
-    """The head and loss's backward frees the logits and loss; FSDP2 gathers its root again first."""
+    """The head and loss's backward frees the logits and loss; FSDP2 gathers its root again first, ZeRO-1/2 make
+    their IPG bucket at its first parameter gradient (``Segment.POST_G``), while its temporaries are alive."""
     shard, gathering, zero = step.shard, step.shard.gathering, step.shard.zero
     if not step.last:  # the next stage's gradient of this stage's output, received into its buffer; the output
         walk.visit(0, f"backward, {micro.where}, gradient received")  # is let go
@@ -525,12 +526,18 @@ def head_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grad
         walk.visit(0, f"{phase}, root all-gather", gathered_parameters=gathering.root_backward)
     logits = step.edge(Segment.POST_F, micro)[1]
     walk.step(step.edge(Segment.POST_B, micro), phase, gathered=gathering.head_backward, logits_and_loss=-logits)
+    if zero and zero.bucket and (micro.first or not zero.bucket_until_boundary):  # made at the first gradient's
+        walk.add("comm_buffers", zero.bucket)  # hook
+        walk.visit(0, f"{phase}, IPG bucket made")
+    # ZeRO-2 copies that gradient into the bucket and frees it for the rest of the head's backward
+    taken = zero.partition.first_grad * step.traced_grad_bytes if zero and zero.partition else 0
+    walk.level -= taken
+    walk.step(step.edge(Segment.POST_G, micro), phase, gathered=gathering.head_backward)
+    walk.level += taken
     if shard.fsdp is None:  # FSDP2 reduces the head's gradients with the embedding's
         grads.settle(walk, step.blocks.post)
     _all_reduce(walk, shard, "post", phase)
     _make_partition(walk, shard, "post", micro, after=True)
-    if zero and (micro.first or not zero.bucket_until_boundary):
-        walk.add("comm_buffers", zero.bucket)
 
 
 def layer_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads, i: int) -> None:

@@ -88,6 +88,9 @@ class Zero2Partition:
     """Bytes of a gradient larger than the bucket, alive while it is reduced as the partition is made."""
     reduce_copies: dict[str, int]
     """By backward block, bytes of the largest flat copy a bucket all-reduce makes in it."""
+    first_grad: int = 0
+    """Elements of the backward's first gradient (the head's), copied into the IPG bucket and freed as its hook
+    makes the bucket; 0 where it is larger than the bucket (reduced on its own, alive until then)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -106,7 +106,7 @@ def rank_shardings(spec: ModelSpec, recipe: Recipe) -> list[Sharding]:
     """ZeRO's sharding as each kind of rank holds it: ZeRO-2's gradient partitions differ by rank (their size,
     their largest piece, when backward makes them), so one per backward block that makes one, with the largest
     of each; the other stages, and ZeRO-2 without contiguous gradients, hold the same on every rank."""
-    if recipe.zero_stage != 2 or not recipe.zero.contiguous_gradients:
+    if not _partitions_in_backward(recipe):
         return [zero_sharding(spec, recipe)]
     size = Sizes.of(spec, recipe)
     bucket = recipe.zero.reduce_bucket_elements(spec.hidden)
@@ -121,6 +121,16 @@ def rank_shardings(spec: ModelSpec, recipe: Recipe) -> list[Sharding]:
     return [zero_sharding(spec, recipe, partition=p) for p in kinds.values()]
 
 
+def _partitions_in_backward(recipe: Recipe) -> bool:
+    """ZeRO-2 with contiguous gradients reduces each bucket into the gradient partition in backward; so does
+    ZeRO-1 with ``overlap_comm`` in the accumulation boundary's backward (``reduce_ready_partitions_and_remove_grads``
+    calls ``copy_grads_in_partition`` for it too): a step of one micro-step is then ZeRO-2's. With accumulation its
+    other micro-steps keep whole gradients, as ZeRO-1's do, and the step is walked as ZeRO-1's."""
+    if not recipe.zero.contiguous_gradients:
+        return False
+    return recipe.zero_stage == 2 or (recipe.zero_stage == 1 and recipe.zero.overlap_comm and recipe.grad_accum == 1)
+
+
 def zero_sharding(spec: ModelSpec, recipe: Recipe, *, partition: ZeroPartition | None = None) -> Sharding:
     """Model states per rank as ZeRO holds them (fp32 master weights, AdamW's two fp32 moments), by stage;
     ``partition``: ZeRO-2's, by rank, from ``zero_partitions`` (default: the largest)."""
@@ -130,7 +140,7 @@ def zero_sharding(spec: ModelSpec, recipe: Recipe, *, partition: ZeroPartition |
     if recipe.zero_stage == 3:
         return zero3_sharding(size, zero=recipe.zero, ipg=ipg)
     ipg *= recipe.zero.ipg_buffers()
-    if recipe.zero_stage == 2:
+    if recipe.zero_stage == 2 or _partitions_in_backward(recipe):
         return zero2_sharding(size, bucket=bucket, ipg=ipg, partition=partition)
     return zero1_sharding(size, ipg=ipg)
 
@@ -183,6 +193,7 @@ def zero2_sharding(size: Sizes, *, bucket: int, ipg: int, partition: ZeroPartiti
         made_in=mine.made_in,
         unbucketed=mine.unbucketed * compute,
         reduce_copies={at: n * compute for at, n in copies},
+        first_grad=first if (first := size.blocks.order[-1][1]) <= bucket else 0,
     )
     return Sharding(
         params=params,
