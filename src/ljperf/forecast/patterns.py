@@ -61,11 +61,12 @@ class Patterns:
     """The polynomials are in the sequence length minus ``seq_offset``, the shapes' shift (``family_shapes``): so
     fitted, shapes thousands of tokens long are as well conditioned as the usual ones."""
     _memo: dict[tuple, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
-    """Points already evaluated, by (segment, b, s, per layer): a search forecasts thousands of recipes at a few
-    shapes."""
+    """``points`` already evaluated, by (segment, b, s, per layer): a search forecasts thousands of recipes at a
+    few shapes."""
     _evaluated: dict[tuple[int, int], dict[SegmentKey, tuple[int, int]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    """``evaluate`` by (b, s)."""
 
     def entry(self) -> dict:
         """The fields a cache entry holds."""

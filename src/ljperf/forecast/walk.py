@@ -14,7 +14,7 @@ sharded gradients or communication buffers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -382,10 +382,12 @@ def _walk_steady(walk: Walk, move: Callable[[int], None], order: list[tuple[str,
         _warm_up(walk, move, order, len(order))
         return
     _warm_up(walk, move, order, pairs[1])
-    second = walk.mark()
-    move(pairs[1])
-    move(pairs[1] + 1)
-    walk.repeat(second, times=len(pairs) - 4)
+
+    def pair(index: int) -> None:
+        move(index)
+        move(index + 1)
+
+    walk_alike(walk, pairs[1:-2], pair, head=0, tail=0)
     for index in range(pairs[-2], len(order)):
         move(index)
 
@@ -395,17 +397,26 @@ def _warm_up(walk: Walk, move: Callable[[int], None], order: list[tuple[str, int
     (which gathers the root) walk alike, each keeping one micro-batch's activations more: only the second, the
     third and the last are walked, the ones between added as the third moved the level."""
     forwards = next((i for i in range(stop) if order[i][0] != "F"), stop)
-    if forwards < 6:
-        for index in range(stop):
-            move(index)
-        return
-    move(0)
-    move(1)
-    third = walk.mark()
-    move(2)
-    walk.repeat(third, times=forwards - 4)
-    for index in range(forwards - 1, stop):
+    walk_alike(walk, range(forwards), move, head=2, tail=1)
+    for index in range(forwards, stop):
         move(index)
+
+
+def walk_alike(walk: Walk, items: Sequence[int], one: Callable[[int], None], *, head: int, tail: int) -> None:
+    """``one(item)`` for each of ``items``, all of which but the first ``head`` and the last ``tail`` move the
+    level alike: the first of those is walked and the others added as it moved the level (``Walk.repeat``), since
+    their highest point is in the first or the last of them."""
+    if len(items) <= head + 1 + tail:
+        for item in items:
+            one(item)
+        return
+    for item in items[:head]:
+        one(item)
+    since = walk.mark()
+    one(items[head])
+    walk.repeat(since, times=len(items) - head - 1 - tail)
+    for item in items[len(items) - tail :]:
+        one(item)
 
 
 def sent_gradient_released(walk: Walk, step: TrainingStep) -> None:
@@ -436,17 +447,7 @@ def accumulate(walk: Walk, step: TrainingStep) -> None:
     """The ``grad_accum`` micro-steps. Micro-steps 2 .. last-1 walk the same way, each moving the level by the
     same few bytes (what a micro-step keeps), so only the first two and the last two are walked and the ones
     between are added as that amount each."""
-    last = step.grad_accum
-    if last <= 4:
-        for number in range(1, last + 1):
-            micro_step(walk, step, number)
-        return
-    micro_step(walk, step, 1)
-    second = walk.mark()
-    micro_step(walk, step, 2)
-    walk.repeat(second, times=last - 4)
-    micro_step(walk, step, last - 1)
-    micro_step(walk, step, last)
+    walk_alike(walk, range(1, step.grad_accum + 1), lambda number: micro_step(walk, step, number), head=1, tail=2)
 
 
 def micro_step(walk: Walk, step: TrainingStep, number: int) -> None:
@@ -502,15 +503,11 @@ def walk_layers(walk: Walk, step: TrainingStep, one: Callable[[int], None], *, b
     walk (``Walk.history``) walks every layer."""
     for run in reversed(step.runs) if backward else step.runs:
         order = run[::-1] if backward else run
-        if len(order) < 4 or walk.history is not None:
+        if walk.history is not None:
             for i in order:
                 one(i)
-            continue
-        one(order[0])
-        second = walk.mark()
-        one(order[1])
-        walk.repeat(second, times=len(order) - 3)
-        one(order[-1])
+        else:
+            walk_alike(walk, order, one, head=1, tail=1)
 
 
 def head_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grads) -> None:
