@@ -93,6 +93,8 @@ CASES = [
     (["plan", "--model-config", "{folder}"], {}, "is a folder, and its config.json: no such file"),
     (["benchmark"], {}, "exactly one of --model"),
     (["plan", "--model", "torch/nope"], {}, "unknown model"),
+    (["plan", "--model", "llama-tny"], {}, "unknown model 'llama-tny' (closest: llama-tiny"),
+    (["plan", "--model", "llama-tiny"], {}, "must be ENGINE/NAME, e.g. torch/llama-tiny"),
     (["plan", "--model", "torch/llama-tiny", "--deepspeed-config", "{bad}"], {}, "for the deepspeed engine"),
     (
         ["plan", "--model-config", "{xlnet}", "--device", "cpu"],

@@ -26,8 +26,11 @@ def catalog_names() -> list[str]:
 def split_model_arg(text: str) -> tuple[EngineName, str]:
     """``ENGINE/NAME`` → (engine, name), with exit-2 errors that name the closest valid choice."""
     engine, sep, name = text.partition("/")
+    if not sep and text not in catalog_names():  # a mistyped name is the likelier slip than a missing engine
+        raise UsageError(f"unknown model {text!r}{_did_you_mean(text)}; `ljperf models` lists the catalog")
     if not sep or not name:
-        raise UsageError(f"--model {text!r} must be ENGINE/NAME, e.g. torch/llama-tiny or deepspeed/llama3-8b")
+        example = f"torch/{text}" if not sep else "torch/llama-tiny"
+        raise UsageError(f"--model {text!r} must be ENGINE/NAME, e.g. {example} or deepspeed/llama3-8b")
     if engine not in ENGINES:
         raise UsageError(f"unknown engine {engine!r} in --model {text!r}; choose one of {', '.join(ENGINES)}")
     if name not in catalog_names():
