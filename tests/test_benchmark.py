@@ -216,17 +216,19 @@ def test_a_collectives_output_freed_late_on_another_thread_counts_until_it_was_l
 
 def test_an_all_gather_buffer_freed_late_on_another_thread_counts_until_it_was_last_used():
     """FSDP2 all-gathers into a buffer it makes (``torch.empty``, seen) with ``dist.all_gather_into_tensor``, copies
-    the parameters out and drops it; gloo's work may still hold it, and gloo's thread then frees it after the next
-    block's buffer is made (``--tp 2`` × FSDP2: the root's gathered buffer alive at the last layer's prefetch in the
-    backward, +370,692 bytes, 3.8%, on 1-3 ranks of 4 in 5 runs of 8). Freed on another thread, it is taken back
-    from what came after the calling thread last read it."""
+    the parameters out into storages it made before (``split_with_sizes_copy(out=)``) and drops it; gloo's work may
+    still hold it, and gloo's thread then frees it after the next block's buffer is made (``--tp 2`` × FSDP2: the
+    root's gathered buffer alive at the last layer's prefetch in the backward, +369,664 bytes, 3.9%, on one rank of
+    4 in 3 runs of 5). Freed on another thread, it is taken back from everything after the calling thread last read
+    it: the copy-out made nothing, so the next buffer's making comes after."""
     torch.distributed.init_process_group("gloo", rank=0, world_size=1, store=torch.distributed.HashStore())
     try:
         shard = torch.ones(250)
         with memory.LiveTensorBytes([shard]) as tracker:
+            params = torch.empty(250)  # the unsharded parameters: 1,000 bytes
             buffer = torch.empty(250)  # 1,000 bytes
             torch.distributed.all_gather_into_tensor(buffer, shard, async_op=True).wait()
-            params = buffer.clone()  # the copy-out: its last use
+            params.copy_(buffer)  # the copy-out: its last use
             holder = [buffer]
             del buffer
             prefetched = torch.empty(2000)  # the next block's buffer: 8,000 bytes

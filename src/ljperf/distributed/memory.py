@@ -181,16 +181,12 @@ class LiveTensorBytes(TorchDispatchMode):
     ):
         out = func(*args, **(kwargs or {}))
         inputs = None
-        if self._used:
-            inputs = {s._cdata for s in map(_storage, tree_leaves((args, kwargs))) if s is not None}
-            for key in inputs & self._used:
-                self._late[key] = len(self._trail)
         for leaf in tree_leaves(out):
             storage = _storage(leaf)
             if storage is None or storage._cdata in self._seen:
                 continue
             if inputs is None:
-                inputs = {s._cdata for s in map(_storage, tree_leaves((args, kwargs))) if s is not None}
+                inputs = _storage_keys((args, kwargs))
             # An untracked storage an op writes into (``out=``, in-place) existed before the step; one an op views
             # was made unseen (gloo makes its copies where the dispatcher does not see them).
             written = storage._cdata in inputs
@@ -201,7 +197,15 @@ class LiveTensorBytes(TorchDispatchMode):
                 unseen_view=written and not mutable,
                 made=not written,
             )
+        if self._used:
+            # The op's last moment is the last entry of the trail: its outputs were made while it read its inputs.
+            for key in (_storage_keys((args, kwargs)) if inputs is None else inputs) & self._used:
+                self._late[key] = len(self._trail) - 1
         return out
+
+
+def _storage_keys(tree: object) -> set[int]:
+    return {s._cdata for s in map(_storage, tree_leaves(tree)) if s is not None}
 
 
 def _storage(tensor: object) -> torch.UntypedStorage | None:
