@@ -79,3 +79,25 @@ def test_warm_up_forwards_walked_at_four_peak_where_every_forward_walked_does(de
     whole = [highest_walk(deep_spec, s, all_patterns(deep_spec, s)) for s in stages]
     for i, (a, b) in enumerate(zip(short, whole, strict=True)):
         assert (a.peak, a.phase, a.peak_parts) == (b.peak, b.phase, b.peak_parts), i
+
+
+def test_steady_state_repeated_ends_where_every_pair_walked_does(deep_spec, monkeypatch):
+    """1F1B on four stages, twelve micro-batches: the first stage's last warm-up send keeps micro-batch 3's output
+    until its steady state ends (``walk.outputs_let_go``), the second's micro-batch 2's, so one pair of each
+    steady state lets go of less than the others. Walked on its own between repeated runs, each stage's peak,
+    phase and parts, and its level and parts at the step's end, are those of walking every pair."""
+    recipe = Recipe(device="cpu", precision="fp32", micro_batch=2, seq_len=64).with_(
+        engine="fsdp", world=4, pp=4, grad_accum=12
+    )
+    split = pipeline_split(deep_spec, recipe)
+    stages = [recipe.with_(pp_split=split, stage=i) for i in range(recipe.stages)]
+    short = [highest_walk(deep_spec, s, all_patterns(deep_spec, s)) for s in stages]
+
+    def every_pair(walk, move, order, *, odd):
+        for index in range(len(order)):
+            move(index)
+
+    monkeypatch.setattr(walk_module, "_walk_steady", every_pair)
+    whole = [highest_walk(deep_spec, s, all_patterns(deep_spec, s)) for s in stages]
+    for i, (a, b) in enumerate(zip(short, whole, strict=True)):
+        assert (a.peak, a.phase, a.peak_parts, a.level, a.parts) == (b.peak, b.phase, b.peak_parts, b.level, b.parts), i

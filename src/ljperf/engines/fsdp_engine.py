@@ -60,6 +60,7 @@ class FSDPEngine:
         self.optimizer: torch.optim.Optimizer
         self.split: list[int] = []
         """``--pp``: decoder layers per stage."""
+        self.pipeline: Pipeline | None = None
 
     def setup(self, model: torch.nn.Module) -> None:
         run, shape = self.run, self.run.mesh
@@ -114,7 +115,7 @@ class FSDPEngine:
     def train_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         shape = self.run.mesh
         with self.loss_context(), self.run.autocast() if shape.pp > 1 else contextlib.nullcontext():
-            if shape.pp > 1:
+            if self.pipeline is not None:
                 loss = self.pipeline.step(micro_batches)
             else:
                 loss = accumulate(self.model, micro_batches, autocast=self.run.autocast)
@@ -127,8 +128,9 @@ class FSDPEngine:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Parameters, gradients and optimizer states are this rank's shards (``LiveTensorBytes`` counts a
-        DTensor's local one)."""
-        return memory.training_state_tensors(self.model, self.optimizer)
+        DTensor's local one); under ``--pp``, the stages' receive buffers too."""
+        buffers = self.pipeline.receive_buffers() if self.pipeline is not None else []
+        return memory.training_state_tensors(self.model, self.optimizer) + buffers
 
     def local_params(self) -> int:
         """Parameter elements of this rank's shards."""

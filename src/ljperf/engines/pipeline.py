@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import _PipelineSchedule
-from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.pipelining.stage import _PipelineStageBase, _RecvInfo
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
@@ -104,6 +104,7 @@ class Pipeline:
     ):
         self.schedule, self.first, self.last = schedule, first, last
         self.last_rank, self.group, self.chunked = last_rank, group, chunked
+        self.pipes: list[_PipelineStageBase] = []
 
     @classmethod
     def of(cls, stages: list[Stage], run: RunContext, *, group: dist.ProcessGroup) -> Pipeline:
@@ -118,7 +119,19 @@ class Pipeline:
         world = run.world // opts.pp  # the ranks of one pipeline stage
         last_rank = (opts.pp - 1) * world + run.rank % world  # this rank's peer on the last pipeline rank
         first, last = 0 in indices, total - 1 in indices
-        return cls(schedule, first=first, last=last, last_rank=last_rank, group=group, chunked=loss == "chunked")
+        pipeline = cls(schedule, first=first, last=last, last_rank=last_rank, group=group, chunked=loss == "chunked")
+        pipeline.pipes = pipes
+        return pipeline
+
+    def receive_buffers(self) -> list[torch.Tensor]:
+        """The buffers this rank's stages receive hidden states and gradients into, one a micro-batch each, made
+        when the schedule first runs and kept between steps (none before the first step)."""
+        infos = [
+            i for pipe in self.pipes for per_mb in (pipe.args_recv_info, pipe.grad_recv_info) for i in per_mb.values()
+        ]
+        return [
+            info.buffer for group in infos for info in group if isinstance(info, _RecvInfo) and info.buffer is not None
+        ]
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of the micro-batches through the pipeline; the mean loss, on every pipeline rank

@@ -288,7 +288,7 @@ def walk_step(
         accumulate(walk, step)
     else:
         walk.add("comm_buffers", receive_buffers(step))
-        pipelined(walk, step, schedule_order(recipe))
+        pipelined(walk, step, schedule_order(recipe), gpipe=recipe.pp_schedule == "gpipe")
     optimizer_step(walk, step, recipe)
     return walk
 
@@ -317,16 +317,49 @@ def receive_buffers(step: TrainingStep) -> int:
     return step.grad_accum * step.boundary * ((not step.first) + (not step.last))
 
 
-def pipelined(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> None:
+def pipelined(walk: Walk, step: TrainingStep, order: list[tuple[str, int]], *, gpipe: bool = False) -> None:
     """A pipeline stage's micro-steps in its schedule's ``order``: the activations of every forward not yet
     backwarded stay, so a stage holds as many micro-batches as it has in flight. FSDP2 runs as the schedule drives
     it (``PipelinedFsdp``), its gradients reduce-scattered after the last backward."""
     fsdp = step.shard.pipelined
     move = _plain_move(walk, step, order) if fsdp is None else _fsdp_move(walk, step, fsdp, order)
-    _walk_steady(walk, move, order)
+    let_go, kept = outputs_let_go(step, order, gpipe=gpipe)
+
+    def move_and_let_go(index: int) -> None:
+        move(index)
+        walk.add("activations", -let_go.get(index, 0))
+
+    backwards = [i for i, (kind, _) in enumerate(order) if kind == "B"]
+    odd = frozenset(i for i in backwards if let_go.get(i, 0) != step.boundary) if not step.last else frozenset()
+    _walk_steady(walk, move_and_let_go, order, odd=odd)
     sent_gradient_released(walk, step)
     if fsdp is not None:
         reduce_accumulated(walk, step, fsdp)
+    walk.add("activations", -kept)
+
+
+def outputs_let_go(step: TrainingStep, order: list[tuple[str, int]], *, gpipe: bool) -> tuple[dict[int, int], int]:
+    """When a stage that sends its output on (each micro-batch's, its last layer's output, in that layer's traced
+    net) lets go of it: the bytes let go after the backward at each index of ``order``, and those kept until the
+    schedule returns, after FSDP2's reduce-scatters. The stage keeps an output until its backward ends
+    (``backward_one_chunk``'s ``stage_output``), and the schedule's own references to a send (gloo's work holds the
+    sent tensor) keep some longer: 1F1B's last warm-up send it fired (``send_work``) until its steady state ends,
+    its last forward's (``output``, ``fwd_sends``) until it returns; GPipe's every forward's (``fwd_sends_to_wait``)."""
+    if step.last:
+        return {}, 0
+    backwards = {number: i for i, (kind, number) in enumerate(order) if kind == "B"}
+    m = len(backwards)
+    if gpipe:
+        return {}, m * step.boundary
+    after = dict(backwards)
+    warmup = next(i for i, (kind, _) in enumerate(order) if kind == "B")
+    if 2 <= warmup < m - warmup + 2:  # the steady state ends at micro-batch m - warmup + 1's backward
+        after[warmup - 1] = backwards[m - warmup + 1]
+    del after[m]
+    let_go: dict[int, int] = {}
+    for index in after.values():
+        let_go[index] = let_go.get(index, 0) + step.boundary
+    return let_go, step.boundary
 
 
 def _plain_move(walk: Walk, step: TrainingStep, order: list[tuple[str, int]]) -> Callable[[int], None]:
@@ -372,11 +405,14 @@ def _fsdp_move(
     return move
 
 
-def _walk_steady(walk: Walk, move: Callable[[int], None], order: list[tuple[str, int]]) -> None:
+def _walk_steady(
+    walk: Walk, move: Callable[[int], None], order: list[tuple[str, int]], *, odd: frozenset[int] = frozenset()
+) -> None:
     """``move`` each index of ``order`` in turn. 1F1B's steady state, a backward then a forward, walks alike from
     its second pair to the one before its last (neither the first micro-step's backward nor the last's forward),
     so only those two pairs are walked and the ones between added as the second moved the level, as
-    ``accumulate`` does."""
+    ``accumulate`` does. A pair whose backward is at an ``odd`` index (it lets go of less or more than the others,
+    ``outputs_let_go``) is walked on its own, and the run after it from its first."""
     pairs = [i for i in range(len(order) - 1) if order[i][0] == "B" and order[i + 1][0] == "F"]
     if len(pairs) <= 4:
         _warm_up(walk, move, order, len(order))
@@ -387,7 +423,15 @@ def _walk_steady(walk: Walk, move: Callable[[int], None], order: list[tuple[str,
         move(index)
         move(index + 1)
 
-    walk_alike(walk, pairs[1:-2], pair, head=0, tail=0)
+    run: list[int] = []
+    for index in pairs[1:-2]:
+        if index not in odd:
+            run.append(index)
+            continue
+        walk_alike(walk, run, pair, head=0, tail=0)
+        pair(index)
+        run = []
+    walk_alike(walk, run, pair, head=0, tail=0)
     for index in range(pairs[-2], len(order)):
         move(index)
 
@@ -491,8 +535,7 @@ def forward(walk: Walk, step: TrainingStep, micro: MicroStep, *, gather_root: bo
         head = step.edge(Segment.POST_F, micro)
         walk.step(head, f"{phase}, LM head and loss", gathered=gathering.head_forward, logits_and_loss=head[1])
         walk.add("logits_and_loss", step.kept_output)
-    else:  # the stage's output, sent on and kept for the backward the next stage's gradient starts
-        walk.add("activations", step.boundary)
+    else:  # the stage's output, the last layer's, sent on and kept (``outputs_let_go``)
         walk.visit(0, f"{phase}, activations sent")
 
 
@@ -514,9 +557,8 @@ def head_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Grad
     """The head and loss's backward frees the logits and loss; FSDP2 gathers its root again first, ZeRO-1/2 make
     their IPG bucket at its first parameter gradient (``Segment.POST_G``), while its temporaries are alive."""
     shard, gathering, zero = step.shard, step.shard.gathering, step.shard.zero
-    if not step.last:  # the next stage's gradient of this stage's output, received into its buffer; the output
-        walk.visit(0, f"backward, {micro.where}, gradient received")  # is let go
-        walk.add("activations", -step.boundary)
+    if not step.last:  # the next stage's gradient of this stage's output, received into its buffer
+        walk.visit(0, f"backward, {micro.where}, gradient received")
         return
     phase = f"backward, {micro.where}, LM head and loss"
     if shard.fsdp is not None:
@@ -548,6 +590,8 @@ def layer_backward(walk: Walk, step: TrainingStep, micro: MicroStep, grads: _Gra
     saved = step.layer_forward(i, micro)[1]
     walk.step(step.layer_backward(i, micro), phase, gathered=gather.backward, reducing=reducing, activations=-saved)
     walk.add("gathered_parameters", -gather.held)
+    if not step.last and i == len(step.layers) - 1:  # the stage's output, which the trace frees here, is kept
+        walk.add("activations", step.boundary)  # until the backward ends (``outputs_let_go``)
     if shard.fsdp and shard.fsdp.copies_input:
         _gloo_reduce_scatter(walk, step, shard.fsdp, grads, i, phase)
     grads.settle(walk, step.blocks.layer_sizes[i])
