@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from ljperf.core.errors import UsageError
 from ljperf.core.options import LARGEST, LOSS_CHUNKS
@@ -111,7 +111,8 @@ def pipeline_forecast(spec: ModelSpec, recipe: Recipe, *, device_name: str | Non
     )
 
 
-_STAGES: dict[tuple, tuple[ModelSpec, Forecast]] = {}
+_STAGES: dict[tuple, Forecast] = {}
+_STAGE_FIELDS = tuple(f.name for f in fields(Recipe) if f.name != "recompute")
 STAGES_KEPT = 100_000
 
 
@@ -121,15 +122,15 @@ def stage_forecast(spec: ModelSpec, stage: Recipe, *, device_name: str | None) -
     layers find it done."""
     plan = stage.layer_modes(spec.layers)
     mine = plan[stage.stage_layers.start : stage.stage_layers.stop]
-    key = (id(spec), replace(stage, recompute=()), mine, frozenset(plan), device_name)
+    key = (spec.digest, *(getattr(stage, name) for name in _STAGE_FIELDS), mine, frozenset(plan), device_name)
     if key not in _STAGES:
         result = forecast(spec, stage, device_name=device_name)
         if result.source != "traced":  # the analytic formula counts the whole model's plan
             return result
         if len(_STAGES) >= STAGES_KEPT:
             _STAGES.clear()
-        _STAGES[key] = (spec, result)  # the spec kept alive: its id stays its own
-    return _STAGES[key][1]
+        _STAGES[key] = result
+    return _STAGES[key]
 
 
 def uncalibrated_note(device_name: str | None) -> str:

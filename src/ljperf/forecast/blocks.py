@@ -65,16 +65,12 @@ class BlockParams:
 
 
 _BLOCKS: dict[str, BlockParams] = {}
-_KEYS: dict[tuple[int, int], tuple[ModelSpec, str]] = {}
-"""A spec's blocks key by (its id, tp), the spec kept alive so that its id stays its own."""
 
 
 def block_params(spec: ModelSpec, *, tp: int = 1) -> BlockParams:
     """Parameter numbers per block: from a full-depth meta build, cached per architecture and depth on disk;
     ``tp``: one tensor-parallel rank's of that many (its shards: ``models.tensor_parallel``)."""
-    if (id(spec), tp) not in _KEYS:  # the key hashes the config: a search asks thousands of times
-        _KEYS[id(spec), tp] = spec, architecture_key(spec, f"{spec.layers} layers", *([f"tp {tp}"] if tp > 1 else []))
-    key = _KEYS[id(spec), tp][1]
+    key = architecture_key(spec, f"{spec.layers} layers", *([f"tp {tp}"] if tp > 1 else []))
     if key not in _BLOCKS:
         path = cache_dir() / f"{spec.architecture}-blocks-{key}.json"
         _BLOCKS[key] = cached(path, load=_load_blocks, make=lambda: _block_counts(spec, tp=tp), dump=asdict)

@@ -119,11 +119,18 @@ class FamilyKey:
         return f"{self.architecture}-{self.mode}-{self.shapes}-{self.digest()}.json"
 
 
+_ARCHITECTURE_KEYS: dict[tuple[str, str], str] = {}
+
+
 def architecture_key(spec: ModelSpec, *extra: object) -> str:
     """The config without its depth, plus ``extra`` (as JSON, else as ``str``) and the package versions: what traced
-    numbers depend on."""
-    blob = json.dumps([_config_without_depth(spec), *extra, _versions(), TRACE_VERSION], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+    numbers depend on (once a config and ``extra``: the config's JSON is long)."""
+    memo = (spec.digest, repr(extra))
+    if memo not in _ARCHITECTURE_KEYS:
+        parts = [_config_without_depth(spec), *extra, _versions(), TRACE_VERSION]
+        blob = json.dumps(parts, sort_keys=True, default=str)
+        _ARCHITECTURE_KEYS[memo] = hashlib.sha256(blob.encode()).hexdigest()[:20]
+    return _ARCHITECTURE_KEYS[memo]
 
 
 def _config_without_depth(spec: ModelSpec) -> dict[str, Any]:

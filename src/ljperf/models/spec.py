@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ljperf.core.cache import cache_root, cached
+from ljperf.core.cache import cache_root, cached, digest
 from ljperf.core.choices import Attention
 from ljperf.core.errors import UsageError, describe
 from ljperf.models.catalog import read_config_dict
@@ -231,6 +231,12 @@ class ModelSpec:
     @property
     def architecture(self) -> str:
         return self.facts.architecture
+
+    @cached_property
+    def digest(self) -> str:
+        """A hash of what ljperf reads of the config: tells one model from another in a memo, without hashing the
+        config each time (a search asks thousands of times)."""
+        return digest(asdict(self.facts))[:20]
 
     @property
     def layers(self) -> int:
