@@ -18,7 +18,9 @@ from ljperf.engines.torch_engine import TorchEngine
 from ljperf.forecast import Recipe, analytic, forecast, layer_costs, patches, segments, sharding, trace, walk
 from ljperf.forecast.api import analytic_forecast
 from ljperf.forecast.blocks import block_params
+from ljperf.forecast.cache_key import FamilyKey
 from ljperf.forecast.live_bytes import LiveBytesTimeline
+from ljperf.forecast.patterns import family_shapes, fit_patterns
 from ljperf.forecast.trace import fake_model
 from ljperf.models.catalog import read_config_dict
 from ljperf.models.spec import ModelSpec, build_meta, resolve, with_layers
@@ -677,3 +679,28 @@ def test_a_cuda_trace_casts_in_a_recomputed_layer_as_in_its_forward(tmp_path):
     assert all(peaks[True][f"b{i}@1"] > peaks[False][f"b{i}@1"] for i in range(3)), peaks
     recipe = Recipe(device="cuda", precision="bf16-mixed", micro_batch=1, seq_len=256, recompute=("full",) * 4)
     assert forecast(spec, recipe).source == "traced"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("shapes", ["b1", "bn"])
+def test_a_family_fitted_at_its_first_shapes_is_the_family_fitted_at_all(attn, shapes, monkeypatch):
+    """SDPA's bytes have no square of the sequence: the family's first shapes (``patterns.LINEAR``) fit it, its
+    patterns those of the fit at every ``FAMILIES`` shape, with fewer shapes traced; eager attention's scores grow
+    with that square, so the first fit fails and the family is traced at its other shapes too."""
+    spec = resolve(name="llama-tiny")
+    key = FamilyKey.of(spec, precision="fp32", attn=attn, mode="full", shapes=shapes)
+    every = {
+        shape: trace.trace_shape(
+            spec, micro_batch=shape[0], seq_len=shape[1], precision="fp32", attn=attn, mode="full", layers=3
+        )
+        for shape in family_shapes(shapes)
+    }
+    whole = fit_patterns(every, layers=trace.TRACE_LAYERS)
+    traced = []
+    real = trace.trace_shape
+    monkeypatch.setattr(trace, "trace_shape", lambda *a, **kw: traced.append(kw["seq_len"]) or real(*a, **kw))
+    patterns = trace._trace_family(spec, key)
+    assert patterns.segments == whole and patterns.per_layer == {}
+    linear = family_shapes(shapes, linear=True)
+    traced_at = linear if attn == "sdpa" else {*linear, *family_shapes(shapes)}
+    assert len(traced) == len(traced_at) + 1, traced  # and the deeper copy at one shape

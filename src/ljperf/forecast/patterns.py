@@ -2,14 +2,14 @@
 
 Run: ``fit_patterns({(b, s): trace_shape(...), ...}, layers=3)`` (``trace.traced_patterns`` does, for ``forecast``).
 
-Every segment is traced at several (micro batch b, sequence s) shapes (``FAMILIES``) and each of its points is
-fitted exactly as bytes = c · (1, b, s, b·s, s², b·s²) (micro batch 1 separately, as c · (1, s, s²)): tensor sizes
-are such polynomials (s² from eager attention). A 4-layer copy is traced too (at one shape, and at the others only
-where it differs from the 3-layer one): where the edge segments (embedding, head, loss, the gap between
-micro-steps) differ between the two, the difference is what each layer leaves to them, such as the bf16 weight
-copies autocast keeps for a recomputed layer until the forward's autocast region ends, and ``timeline`` counts it
-once per layer of the full model (``with_per_layer``). The integer coefficients are cached, one entry per family
-(``cache_key.FamilyKey``), so later forecasts need no tracing.
+Every segment is traced at several (micro batch b, sequence s) shapes (``LINEAR``, and ``FAMILIES`` where those
+do not fit) and each of its points is fitted exactly as bytes = c · (1, b, s, b·s, s², b·s²) (micro batch 1
+separately, as c · (1, s, s²)): tensor sizes are such polynomials (s² from eager attention). A 4-layer copy is
+traced too (at one shape, and at the others only where it differs from the 3-layer one): where the edge segments
+(embedding, head, loss, the gap between micro-steps) differ between the two, the difference is what each layer
+leaves to them, such as the bf16 weight copies autocast keeps for a recomputed layer until the forward's autocast
+region ends, and ``timeline`` counts it once per layer of the full model (``with_per_layer``). The integer
+coefficients are cached, one entry per family (``cache_key.FamilyKey``), so later forecasts need no tracing.
 """
 
 from __future__ import annotations
@@ -26,15 +26,24 @@ FAMILIES = {
 }
 """Shapes traced per family. Micro batch 1 is its own family: some copies (``.contiguous()``) vanish at b=1.
 Each family has one shape more than coefficients, so every fit is also checked."""
+LINEAR = {
+    "b1": ((1, 32), (1, 64), (1, 96)),
+    "bn": ((2, 32), (3, 32), (2, 64), (3, 64), (4, 96)),
+}
+"""Shapes traced first per family: where no tensor grows with the square of the sequence (SDPA's attention; eager
+attention's scores do), bytes are c · (1, b, s, b·s) (micro batch 1: c · (1, s)), which these fit with one shape
+over, a third sequence length and a third micro batch that a square of either would miss. Only where they do not
+fit is the family traced at its ``FAMILIES`` shapes."""
 
 
 def family(micro_batch: int) -> str:
     return "b1" if micro_batch == 1 else "bn"
 
 
-def family_shapes(name: str, *, seq_offset: int = 0) -> tuple[tuple[int, int], ...]:
-    """The shapes of family ``name``, their sequence lengths ``seq_offset`` longer (``trace.windowed``)."""
-    return tuple((b, s + seq_offset) for b, s in FAMILIES[name])
+def family_shapes(name: str, *, seq_offset: int = 0, linear: bool = False) -> tuple[tuple[int, int], ...]:
+    """The shapes of family ``name`` (``linear``: those traced first, ``LINEAR``), their sequence lengths
+    ``seq_offset`` longer (``trace.windowed``)."""
+    return tuple((b, s + seq_offset) for b, s in (LINEAR if linear else FAMILIES)[name])
 
 
 def monomials(b: int, s: int) -> tuple[int, ...]:
@@ -101,20 +110,29 @@ def peak_and_net(values: list[int]) -> tuple[int, int]:
 
 
 def fit_patterns(
-    traces: dict[tuple[int, int], RawTrace], *, layers: int, divisor: int = 1, seq_offset: int = 0
+    traces: dict[tuple[int, int], RawTrace],
+    *,
+    layers: int,
+    divisor: int = 1,
+    seq_offset: int = 0,
+    linear: bool = False,
 ) -> dict[str, list[list[int]]]:
     """Fit every point of every segment, times ``divisor``, exactly over the traced shapes, as polynomials in the
-    sequence length minus ``seq_offset``; raises TraceError when not exact."""
+    sequence length minus ``seq_offset`` (``linear``: without its squares, ``LINEAR``; the rows still hold every
+    monomial, those zero); raises TraceError when not exact."""
     shapes = list(traces)
     split = {shape: split_segments(raw, layers=layers) for shape, raw in traces.items()}
-    x = torch.tensor([monomials(b, s - seq_offset) for b, s in shapes], dtype=torch.float64)
+    terms = [monomials(b, s - seq_offset) for b, s in shapes]
+    used = len(terms[0]) - (1 if shapes[0][0] == 1 else 2) if linear else len(terms[0])
+    x = torch.tensor([row[:used] for row in terms], dtype=torch.float64)
     fitted: dict[str, list[list[int]]] = {}
     for name in split[shapes[0]]:
         lengths = {len(split[shape][name]) for shape in shapes}
         if len(lengths) != 1:
             raise TraceError(f"segment {name} has a shape-dependent op sequence ({sorted(lengths)} points)")
         y = torch.tensor([split[shape][name] for shape in shapes], dtype=torch.float64)
-        fitted[name] = _exact_fit(x, y * divisor, name)
+        rows = _exact_fit(x, y * divisor, name)
+        fitted[name] = [row + [0] * (len(terms[0]) - used) for row in rows]
     return fitted
 
 

@@ -446,17 +446,27 @@ def _trace_family(spec: ModelSpec, key: FamilyKey) -> Patterns:
             first_only=key.first_only,
         )
 
-    shapes = family_shapes(key.shapes, seq_offset=key.seq_offset)
     offset = {"seq_offset": key.seq_offset}
-    reference = {shape: trace(shape, TRACE_LAYERS) for shape in shapes}
+
+    def fitted(layers: int, traces: dict[tuple[int, int], RawTrace]) -> dict[str, list[list[int]]]:
+        """``traces`` at the family's first shapes fitted without squares of the sequence; where that does not fit,
+        traced at its other shapes too and fitted whole (``patterns.LINEAR``)."""
+        traces |= {shape: trace(shape, layers) for shape in linear if shape not in traces}
+        try:
+            return fit_patterns(traces, layers=layers, divisor=divisor, linear=True, **offset)
+        except TraceError:
+            traces |= {shape: trace(shape, layers) for shape in shapes if shape not in traces}
+            return fit_patterns({shape: traces[shape] for shape in shapes}, layers=layers, divisor=divisor, **offset)
+
+    shapes, linear = (family_shapes(key.shapes, seq_offset=key.seq_offset, linear=f) for f in (False, True))
+    reference: dict[tuple[int, int], RawTrace] = {}
+    patterns = fitted(TRACE_LAYERS, reference)
     differs = any(raw.cuda_differs for raw in reference.values())
-    patterns = fit_patterns(reference, layers=TRACE_LAYERS, divisor=divisor, **offset)
     # The deeper copy at one shape first: where its segments equal the reference's, no layer leaves anything to the
     # edges (the usual case), and the other shapes need not be traced again.
-    probe = shapes[-1]
+    probe = linear[-1]
     deeper = {probe: trace(probe, SLOPE_LAYERS)}
     if split_segments(deeper[probe], layers=SLOPE_LAYERS) == split_segments(reference[probe], layers=TRACE_LAYERS):
         return Patterns(segments=patterns, per_layer={}, cuda_differs=differs, divisor=divisor, **offset)
-    deeper |= {shape: trace(shape, SLOPE_LAYERS) for shape in shapes[:-1]}
-    slopes = fit_patterns(deeper, layers=SLOPE_LAYERS, divisor=divisor, **offset)
+    slopes = fitted(SLOPE_LAYERS, deeper)
     return with_per_layer(patterns, slopes, cuda_differs=differs, divisor=divisor, **offset)
