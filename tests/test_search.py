@@ -10,8 +10,11 @@ from dataclasses import replace
 
 import pytest
 
+from ljperf.core.cache import SIGNATURE
 from ljperf.core.choices import EngineName
 from ljperf.forecast import Recipe, forecast
+from ljperf.forecast.api import all_patterns, trace_ahead
+from ljperf.models.catalog import read_config_dict
 from ljperf.models.spec import resolve
 from ljperf.plan.search import Setting, losses, solve_auto, states_bound
 from ljperf.plan.search_report import distinct
@@ -325,3 +328,31 @@ def test_a_pipeline_runs_either_loss_and_tensor_parallel_the_plain_one():
     spec, axes = resolve(name="llama-tiny"), Axes(engines=("fsdp",))
     assert losses(axes, spec, Layout(engine="fsdp", pp=2)) == ["plain", "chunked"]
     assert losses(axes, spec, Layout(engine="fsdp", tp=2)) == ["plain"]
+
+
+@pytest.mark.slow
+def test_families_traced_ahead_in_processes_are_those_traced_in_process(tmp_path, monkeypatch):
+    """A cold search first traces the shape families its recipes read, in several processes at once
+    (``forecast.api.trace_ahead``): the cache entries they write are those a forecast traces in its own process,
+    and a second call finds nothing left to trace."""
+    config = tmp_path / "config.json"  # a config of its own: no family of it is in this process's memo yet
+    config.write_text(json.dumps({**read_config_dict(name="llama-tiny"), "vocab_size": 1024}))
+    spec = resolve(path=config)
+    recipes = [
+        Recipe(device="cpu", precision="fp32", micro_batch=micro_batch, seq_len=64, recompute=(mode,) * spec.layers)
+        for micro_batch in (1, 2)
+        for mode in ("none", "full")
+    ]
+    ahead, inline = tmp_path / "ahead", tmp_path / "inline"
+    monkeypatch.setenv("LJPERF_CACHE_DIR", str(ahead))
+    assert trace_ahead(spec, recipes, jobs=2) == 4
+    assert trace_ahead(spec, recipes, jobs=2) == 0
+    monkeypatch.setenv("LJPERF_CACHE_DIR", str(inline))
+    for recipe in recipes:
+        all_patterns(spec, recipe)
+
+    def entries(cache):
+        files = sorted((cache / "forecast").glob("*-b?-*.json"))
+        return {f.name: {k: v for k, v in json.loads(f.read_text()).items() if k != SIGNATURE} for f in files}
+
+    assert len(entries(ahead)) == 4 and entries(ahead) == entries(inline)

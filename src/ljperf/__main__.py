@@ -2,4 +2,5 @@
 
 from ljperf.cli import entry
 
-entry()
+if __name__ == "__main__":  # not in a process spawned from it (``forecast.api.trace_ahead``)
+    entry()

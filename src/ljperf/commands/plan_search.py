@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -116,7 +117,7 @@ def search_command(args: argparse.Namespace, argv: list[str], *, given: set[str]
         budget=budget_bytes(torch.device(base.device), given=budget_flag, memory=memory),
         memory=memory, memory_budget=budget_flag, device_name=device_name, cluster=cluster_of(cluster_flags),
         threads=cfg.train.threads, per_node=cluster_flags.gpus_per_node or (8 if base.device == "cuda" else base.world),
-        top=options.from_args(SearchConfig, args).top,
+        top=options.from_args(SearchConfig, args).top, jobs=os.cpu_count() or 1,
     )  # fmt: skip
     with progress_bar() as advance:
         outcome = search(setting, progress=advance)

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, fields, replace
 
 from ljperf.core.errors import UsageError
 from ljperf.core.options import LARGEST, LOSS_CHUNKS
 from ljperf.forecast import analytic, timeline
 from ljperf.forecast.blocks import block_params, recipe_blocks
+from ljperf.forecast.cache_key import FamilyKey
 from ljperf.forecast.calibrate import overheads_for
-from ljperf.forecast.patterns import Patterns
+from ljperf.forecast.patterns import Patterns, family
 from ljperf.forecast.pipeline import pipeline_split
 from ljperf.forecast.recipe import Forecast, Recipe
 from ljperf.forecast.segments import Segment, SegmentKey, TraceError
 from ljperf.forecast.sharding import engine_sharding
-from ljperf.forecast.trace import layer_picks, reference_kind, traced_patterns
+from ljperf.forecast.trace import family_key, is_cached, layer_picks, reference_kind, traced_patterns
 from ljperf.forecast.walk import TOKEN_BYTES, optimizer_transient
 from ljperf.models.spec import ModelSpec
 
@@ -35,6 +40,54 @@ def _patterns(spec: ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[int, ..
         loss=recipe.loss,
         first_only=recipe.grad_accum == 1,
     )
+
+
+def _requests(spec: ModelSpec, recipe: Recipe) -> Iterator[tuple[str, tuple[int, ...] | None]]:
+    """The (recompute mode, layer pick) of each family ``all_patterns`` reads for ``recipe``."""
+    picks = layer_picks(block_params(spec).layer_kinds)
+    for mode in dict.fromkeys(recipe.layer_modes(spec.layers)):
+        yield from ((mode, pick) for pick in picks.values())
+
+
+def trace_ahead(
+    spec: ModelSpec,
+    recipes: Iterable[Recipe],
+    *,
+    jobs: int,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> int:
+    """Trace the shape families ``recipes`` read that the cache lacks, ``jobs`` processes at once (a cold search's
+    most time): how many; ``progress(done, total)`` as each is done. A family that fails is traced again by the
+    forecast that reads it, which says why."""
+    todo: dict[FamilyKey, tuple[Recipe, str, tuple[int, ...] | None]] = {}
+    seen: set[tuple] = set()
+    for recipe in recipes:
+        shape = (recipe.trace_precision, recipe.attn_implementation, family(recipe.micro_batch), recipe.seq_len)
+        for mode, pick in _requests(spec, recipe):
+            request = (*shape, recipe.device, recipe.tp, recipe.loss, recipe.grad_accum == 1, mode, pick)
+            if request in seen:
+                continue
+            seen.add(request)
+            _, key = family_key(
+                spec, precision=recipe.trace_precision, attn=recipe.attn_implementation, mode=mode,
+                micro_batch=recipe.micro_batch, seq_len=recipe.seq_len, pick=pick, tp=recipe.tp, loss=recipe.loss,
+            )  # fmt: skip
+            if key not in todo and not is_cached(key, first_only=recipe.grad_accum == 1):
+                todo[key] = (recipe, mode, pick)
+    if jobs < 2 or len(todo) < 2:
+        return 0
+    spawn = multiprocessing.get_context("spawn")  # torch's thread pools do not survive a fork
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=spawn) as pool:
+        futures = [pool.submit(_trace_one, (spec, *request)) for request in todo.values()]
+        for done, _ in enumerate(as_completed(futures), 1):
+            progress(done, len(futures))
+    return len(todo)
+
+
+def _trace_one(request: tuple[ModelSpec, Recipe, str, tuple[int, ...] | None]) -> None:
+    spec, recipe, mode, pick = request
+    with contextlib.suppress(TraceError):
+        _patterns(spec, recipe, mode=mode, pick=pick)
 
 
 def all_patterns(spec: ModelSpec, recipe: Recipe) -> dict[tuple[str, int], Patterns]:

@@ -378,15 +378,43 @@ def traced_patterns(
     ``loss``: plain or chunked (``--loss``); ``first_only``: the first micro-step's segments suffice (a recipe of
     one micro-step): both micro-steps' where they are cached, else the first one's alone; ``seq_len``: the recipe's,
     which a sliding window's traced shapes follow (``windowed``)."""
-    spec, offset = windowed(spec, seq_len)
-    shapes = family(micro_batch)
-    key = FamilyKey.of(
-        spec, precision=precision, attn=attn, mode=mode, shapes=shapes, seq_offset=offset, pick=pick, tp=tp, loss=loss
-    )
+    spec, key = family_key(
+        spec, precision=precision, attn=attn, mode=mode, micro_batch=micro_batch, seq_len=seq_len, pick=pick, tp=tp,
+        loss=loss,
+    )  # fmt: skip
     patterns = _traced_patterns(spec, key, first_only=first_only)
     if device == "cuda" and patterns.cuda_differs:
         return _traced_patterns(spec, replace(key, as_cuda=True), first_only=first_only)
     return patterns
+
+
+def family_key(
+    spec: ModelSpec,
+    *,
+    precision: str,
+    attn: str,
+    mode: str,
+    micro_batch: int,
+    seq_len: int,
+    pick: tuple[int, ...] | None = None,
+    tp: int = 1,
+    loss: str = "plain",
+) -> tuple[ModelSpec, FamilyKey]:
+    """The spec traced (a sliding window's follows ``seq_len``, ``windowed``) and the key of the family
+    ``traced_patterns`` reads with these options."""
+    spec, offset = windowed(spec, seq_len)
+    key = FamilyKey.of(
+        spec, precision=precision, attn=attn, mode=mode, shapes=family(micro_batch), seq_offset=offset, pick=pick,
+        tp=tp, loss=loss,
+    )  # fmt: skip
+    return spec, key
+
+
+def is_cached(key: FamilyKey, *, first_only: bool) -> bool:
+    """Whether ``key``'s family is in the cache, or, where one micro-step suffices, its first micro-step's."""
+    if key in _PATTERNS or (cache_dir() / key.file_name()).exists():
+        return True
+    return first_only and (cache_dir() / replace(key, first_only=True).file_name()).exists()
 
 
 def _traced_patterns(spec: ModelSpec, key: FamilyKey, *, first_only: bool) -> Patterns:

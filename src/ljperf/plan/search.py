@@ -19,12 +19,13 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 from ljperf.core.choices import Loss, OptimizerImpl
 from ljperf.core.errors import UsageError
+from ljperf.core.plans import RecomputeMode
 from ljperf.core.units import format_bytes
-from ljperf.forecast.api import forecast
+from ljperf.forecast.api import forecast, trace_ahead
 from ljperf.forecast.calibrate import overheads_for
 from ljperf.forecast.pipeline import pipeline_split
 from ljperf.forecast.recipe import Forecast, Recipe
@@ -67,6 +68,9 @@ class Setting:
     """Ranks per node: tensor parallel stays within one."""
     top: int = 5
     """Recipes the table shows: ``auto`` is solved only where it could be one of them."""
+    jobs: int = 1
+    """Processes that trace the shape families the cache lacks at once, before the search forecasts
+    (``forecast.api.trace_ahead``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,8 +237,19 @@ def search(setting: Setting, *, progress: Callable[[int, int], None] = lambda do
             groups += [Group(config=config, splits=run, bounds=speed_bounds(setting, config, run, held=held))
                        for run in split_groups(config.splits, held=held)]  # fmt: skip
         progress(done, len(configs))
+    trace_ahead(setting.spec, group_recipes(setting, groups), jobs=setting.jobs, progress=progress)
     walk_groups(setting, groups, outcome, forecast_of, progress=progress)
     return outcome
+
+
+def group_recipes(setting: Setting, groups: list[Group]) -> Iterator[Recipe]:
+    """Every recipe the groups' splits could forecast (``auto``: in each of the modes it solves among)."""
+    for group in groups:
+        for micro_batch, accum in group.splits:
+            candidate = group.config.candidate(micro_batch, accum)
+            modes = get_args(RecomputeMode) if candidate.recompute == "auto" else (candidate.recompute,)
+            for mode in modes:
+                yield replace(candidate, recompute=mode).recipe(setting.base, setting.spec)
 
 
 def split_groups(splits: tuple[tuple[int, int], ...], *, held: bool) -> Iterator[list[tuple[int, int]]]:
