@@ -27,18 +27,21 @@ from ljperf.models.spec import ModelSpec
 def _patterns(spec: ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[int, ...] | None) -> Patterns:
     """The traced patterns of ``recipe``'s code path in recompute ``mode`` (of a copy of layers ``pick``): of the
     first micro-step alone where ``recipe`` has one (the walk reads the second one's only for later micro-steps)."""
-    return traced_patterns(
+    traced, key = _family(spec, recipe, mode=mode, pick=pick)
+    return traced_patterns(traced, key, device=recipe.device, first_only=recipe.grad_accum == 1)
+
+
+def _family(spec: ModelSpec, recipe: Recipe, *, mode: str, pick: tuple[int, ...] | None) -> tuple[ModelSpec, FamilyKey]:
+    return family_key(
         spec,
         precision=recipe.trace_precision,
         attn=recipe.attn_implementation,
         mode=mode,
         micro_batch=recipe.micro_batch,
         seq_len=recipe.seq_len,
-        device=recipe.device,
         pick=pick,
         tp=recipe.tp,
         loss=recipe.loss,
-        first_only=recipe.grad_accum == 1,
     )
 
 
@@ -68,10 +71,7 @@ def trace_ahead(
             if request in seen:
                 continue
             seen.add(request)
-            _, key = family_key(
-                spec, precision=recipe.trace_precision, attn=recipe.attn_implementation, mode=mode,
-                micro_batch=recipe.micro_batch, seq_len=recipe.seq_len, pick=pick, tp=recipe.tp, loss=recipe.loss,
-            )  # fmt: skip
+            _, key = _family(spec, recipe, mode=mode, pick=pick)
             if key not in todo and not is_cached(key, first_only=recipe.grad_accum == 1):
                 todo[key] = (recipe, mode, pick)
     if jobs < 2 or len(todo) < 2:

@@ -1,9 +1,9 @@
 """Trace the real HF model code on fake tensors, its training micro-steps as the engines run them, and serve the
 fitted patterns of each architecture family from the cache or traced now.
 
-Run (normally through ``forecast``): ``traced_patterns(spec, precision="fp32", attn="sdpa", mode="full",
-micro_batch=2)``; one shape: ``trace_shape(spec, micro_batch=2, seq_len=64, precision="fp32", attn="sdpa",
-mode="full", layers=3)``.
+Run (normally through ``forecast``): ``traced_patterns(*family_key(spec, precision="fp32", attn="sdpa",
+mode="full", micro_batch=2, seq_len=64))``; one shape: ``trace_shape(spec, micro_batch=2, seq_len=64,
+precision="fp32", attn="sdpa", mode="full", layers=3)``.
 
 A 3-layer copy of the model (real hidden size, vocabulary and code) runs two micro-steps of
 ``models.step.accumulate`` under ``FakeTensorMode``: nothing is allocated. A recipe of one micro-step reads only the
@@ -358,30 +358,11 @@ def windowed(spec: ModelSpec, seq_len: int) -> tuple[ModelSpec, int]:
     return (with_window(spec, LONGEST + 1) if window <= LONGEST else spec), 0
 
 
-def traced_patterns(
-    spec: ModelSpec,
-    *,
-    precision: str,
-    attn: str,
-    mode: str,
-    micro_batch: int,
-    seq_len: int,
-    device: str = "cpu",
-    pick: tuple[int, ...] | None = None,
-    tp: int = 1,
-    loss: str = "plain",
-    first_only: bool = False,
-) -> Patterns:
-    """The fitted patterns of one architecture and shape family on ``device``, from the cache or traced now (and
-    cached): CPU's, and for CUDA those traced as CUDA runs them where CPU's differ (``cuda_differs``). ``pick``: a
-    copy of those layers of the full model (``layer_picks``); ``tp``: one rank of that many tensor-parallel ones;
-    ``loss``: plain or chunked (``--loss``); ``first_only``: the first micro-step's segments suffice (a recipe of
-    one micro-step): both micro-steps' where they are cached, else the first one's alone; ``seq_len``: the recipe's,
-    which a sliding window's traced shapes follow (``windowed``)."""
-    spec, key = family_key(
-        spec, precision=precision, attn=attn, mode=mode, micro_batch=micro_batch, seq_len=seq_len, pick=pick, tp=tp,
-        loss=loss,
-    )  # fmt: skip
+def traced_patterns(spec: ModelSpec, key: FamilyKey, *, device: str = "cpu", first_only: bool = False) -> Patterns:
+    """The fitted patterns of the architecture and shape family ``key`` of ``spec`` (both as ``family_key`` gives
+    them) on ``device``, from the cache or traced now (and cached): CPU's, and for CUDA those traced as CUDA runs
+    them where CPU's differ (``cuda_differs``). ``first_only``: the first micro-step's segments suffice (a recipe of
+    one micro-step): both micro-steps' where they are cached, else the first one's alone."""
     patterns = _traced_patterns(spec, key, first_only=first_only)
     if device == "cuda" and patterns.cuda_differs:
         return _traced_patterns(spec, replace(key, as_cuda=True), first_only=first_only)
@@ -400,8 +381,9 @@ def family_key(
     tp: int = 1,
     loss: str = "plain",
 ) -> tuple[ModelSpec, FamilyKey]:
-    """The spec traced (a sliding window's follows ``seq_len``, ``windowed``) and the key of the family
-    ``traced_patterns`` reads with these options."""
+    """The spec traced and the key of its family ``traced_patterns`` reads: ``pick``, a copy of those layers of the
+    full model (``layer_picks``); ``tp``, one rank of that many tensor-parallel ones; ``loss``, plain or chunked
+    (``--loss``); ``seq_len``, the recipe's, which a sliding window's traced shapes follow (``windowed``)."""
     spec, offset = windowed(spec, seq_len)
     key = FamilyKey.of(
         spec, precision=precision, attn=attn, mode=mode, shapes=family(micro_batch), seq_offset=offset, pick=pick,
